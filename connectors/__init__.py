@@ -1,0 +1,1 @@
+"""Adapters that let serving systems (vLLM, vllm-ascend) drive offload-engine."""

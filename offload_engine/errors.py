@@ -1,0 +1,109 @@
+"""Exceptions, named for their cause.
+
+Two families:
+
+* errors **raised at a call** (bad input, wrong state): they derive from
+  :class:`OffloadError` and, where it fits, from the matching builtin
+  (``ValueError``, ``TypeError``, ``LookupError``) so generic handlers work;
+* errors **carried in a failed** :class:`~offload_engine.TransferResult`
+  (``result.error``): they derive from :class:`JobFailedError`.
+
+"Closed by you" (:class:`EngineClosedError`) is a different error from "broken
+underneath you" (:class:`EngineBrokenError`).
+"""
+
+from __future__ import annotations
+
+
+class OffloadError(Exception):
+    """Base class of every error this package raises on purpose."""
+
+
+# --------------------------------------------------------------------------- state
+
+
+class EngineNotRunningError(OffloadError, RuntimeError):
+    """The engine cannot take this call in its current state."""
+
+
+class EngineNotStartedError(EngineNotRunningError):
+    """The manager was used before ``async with`` (or ``start``) entered it."""
+
+
+class EngineClosedError(EngineNotRunningError):
+    """The engine was closed by its owner; no further calls are accepted."""
+
+
+class EngineBrokenError(EngineNotRunningError):
+    """The engine stopped underneath the caller (its loop or thread died)."""
+
+
+class WrongThreadError(OffloadError, RuntimeError):
+    """A blocking call was made from the engine's own event-loop thread, where it
+    would deadlock, or a loop-only call was made from another thread."""
+
+
+class QueueFullError(OffloadError):
+    """``submit_nowait`` found the handler's queue at its cap of queued + in-flight jobs."""
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class InvalidTransferError(OffloadError, ValueError):
+    """A transfer request is malformed; raised at submit, before anything is queued."""
+
+
+class InvalidBlockIdsError(InvalidTransferError):
+    """Block ids are not a 1-D array of non-negative integers, or lie outside a pool."""
+
+
+class BlockCountMismatchError(InvalidTransferError):
+    """Source and destination block counts disagree once the block factor is applied."""
+
+
+class NoHandlerError(InvalidTransferError, LookupError):
+    """No handler is registered for the job's (source, destination) medium pair."""
+
+
+class DuplicateJobIdError(OffloadError, ValueError):
+    """The job id belongs to a job whose result has not been collected yet."""
+
+
+class UnknownJobError(OffloadError, LookupError):
+    """The job id is not live: never submitted, or its result was already collected."""
+
+
+class HandlerRegistrationError(OffloadError, ValueError):
+    """A handler is invalid, or a second one was registered for the same medium pair."""
+
+
+class ConfigError(OffloadError, ValueError):
+    """A configuration value is missing or invalid; the message names the key."""
+
+
+class LayoutError(OffloadError, ValueError):
+    """A KV-cache layout cannot be handled (shapes, strides, dtypes or devices disagree)."""
+
+
+class RuntimeUnavailableError(OffloadError, RuntimeError):
+    """A device runtime (CUDA, NPU) is not usable on this machine; the message says why."""
+
+
+# --------------------------------------------------------------------------- job outcomes
+
+
+class JobFailedError(OffloadError):
+    """Base class of the errors carried by failed results."""
+
+
+class TransferError(JobFailedError):
+    """The handler failed to move the bytes. ``__cause__`` holds the low-level error."""
+
+
+class JobTimeoutError(JobFailedError, TimeoutError):
+    """The job did not finish within its timeout."""
+
+
+class JobCancelledError(JobFailedError):
+    """The job was cancelled while queued, or abandoned at close."""

@@ -1,0 +1,1 @@
+"""Transfer handlers: one per (source, destination) medium pair."""

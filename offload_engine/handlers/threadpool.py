@@ -1,0 +1,93 @@
+"""A handler whose jobs run on its own worker threads (host memcpy, file I/O).
+
+``launch`` hands the job to a ``queue.SimpleQueue`` (thread-safe, never blocks)
+and returns. A worker thread runs :meth:`ThreadPoolHandler.execute` and reports
+through ``job.succeed``/``job.fail``, which are thread-safe. Closing enqueues
+one stop marker per worker and awaits, without blocking the loop, a signal the
+last exiting worker raises; the threads are then joined.
+"""
+
+from __future__ import annotations
+
+import abc
+import queue
+import threading
+from typing import TypeVar
+
+from offload_engine._loop import ThreadSignal
+from offload_engine.errors import ConfigError
+from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+
+P = TypeVar("P")
+
+_STOP = object()
+
+
+class ThreadPoolHandler(TransferHandler[P], abc.ABC):
+    """Runs :meth:`execute` for each job on one of ``workers`` threads.
+
+    With one worker, jobs run and finish in launch order. With more, they run
+    concurrently; ``ordered`` (default True) still makes the engine deliver
+    results in launch order.
+    """
+
+    def __init__(self, *, workers: int = 1, thread_name: str = "offload-engine-worker") -> None:
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ConfigError(f"workers must be a positive int, got {workers!r}")
+        self.workers = workers
+        self.max_inflight = 2 * workers  # one running and one waiting per worker
+        self._thread_name = thread_name
+        self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._alive = 0
+        self._alive_lock = threading.Lock()
+        self._all_exited: ThreadSignal | None = None
+
+    @abc.abstractmethod
+    def execute(self, job: LaunchedJob[P]) -> int:
+        """Move the job's bytes on a worker thread; return the byte count."""
+
+    def start(self, context: HandlerContext) -> None:
+        self._all_exited = ThreadSignal(context.call_soon)
+        self._alive = self.workers
+        for i in range(self.workers):
+            t = threading.Thread(target=self._work, name=f"{self._thread_name}-{i}", daemon=True)
+            self._threads.append(t)
+            t.start()
+
+    def launch(self, job: LaunchedJob[P]) -> None:
+        self._queue.put(job)
+
+    def _work(self) -> None:
+        get = self._queue.get
+        try:
+            while True:
+                item = get()
+                if item is _STOP:
+                    return
+                job: LaunchedJob[P] = item  # type: ignore[assignment]
+                if job.resolved:  # timed out or abandoned while waiting
+                    continue
+                try:
+                    nbytes = self.execute(job)
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    job.fail(exc)
+                else:
+                    job.succeed(nbytes)
+        finally:
+            with self._alive_lock:
+                self._alive -= 1
+                last = self._alive == 0
+            if last and self._all_exited is not None:
+                self._all_exited.set()
+
+    async def aclose(self) -> None:
+        if not self._threads:
+            return
+        for _ in self._threads:
+            self._queue.put(_STOP)
+        if self._all_exited is not None:
+            await self._all_exited.wait()
+        for t in self._threads:
+            t.join()
+        self._threads.clear()

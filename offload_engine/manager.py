@@ -1,0 +1,910 @@
+"""OffloadingQueueManager: routing, per-handler tasks, queues, timeouts, close.
+
+Threads and loops
+-----------------
+The manager lives in one event loop (the caller's, or the sync facade's
+private one). Its tasks, all on that loop: one per handler (launches queued
+jobs) and one timer (expires deadlines). Every public method except the
+``async`` ones may be called from **any** thread.
+
+One ``threading.Lock`` guards all mutable state: queues, in-flight tables,
+counters and the result store. Sections under it are short and never await or
+call a handler. Work that must happen on the loop (setting an anyio event to
+wake a sleeping task) is collected under the lock into ``_todo`` and run
+either directly (when already on the loop thread) or by a single bridged
+callback; a second producer thread never schedules a second callback while
+one is pending, so a burst of completions costs one loop wake-up.
+
+A sleeping task publishes the event it sleeps on (``route.wake``,
+``store._changed``, ...) under the lock after re-checking its condition, and a
+waker takes that event under the lock. So no wake-up is lost and no task polls.
+
+Job life: ``QUEUED`` -> ``INFLIGHT`` -> resolved (an outcome is set) -> result
+posted. Exactly one outcome wins: the handler's ``succeed``/``fail``, a
+timeout, a cancel, or abandonment at close. Later reports are ignored.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Final
+
+import anyio
+import anyio.lowlevel
+
+from offload_engine._loop import LoopBridge
+from offload_engine.completions import CompletionStore, check_job_id
+from offload_engine.errors import (
+    EngineClosedError,
+    EngineNotStartedError,
+    HandlerRegistrationError,
+    JobCancelledError,
+    JobTimeoutError,
+    NoHandlerError,
+    QueueFullError,
+    TransferError,
+    UnknownJobError,
+    WrongThreadError,
+)
+from offload_engine.handler import LoopCaller, TransferHandler
+from offload_engine.stats import EngineStats, HandlerStats
+from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
+
+_QUEUED: Final = 0
+_INFLIGHT: Final = 1
+_DONE: Final = 2
+
+_NEW: Final = "new"
+_RUNNING: Final = "running"
+_CLOSING: Final = "closing"
+_CLOSED: Final = "closed"
+
+_now = time.perf_counter
+
+# A route task launches this many jobs back to back before it lets other tasks run.
+_LAUNCHES_PER_YIELD = 1024
+
+
+class _Job:
+    """One job. Also the :class:`~offload_engine.handler.LaunchedJob` a handler sees."""
+
+    __slots__ = (
+        "_mgr",
+        "deadline",
+        "job_id",
+        "outcome",
+        "prepared",
+        "route",
+        "spec",
+        "state",
+        "t_launch",
+        "t_submit",
+    )
+
+    def __init__(
+        self,
+        mgr: OffloadingQueueManager,
+        route: _Route,
+        job_id: int,
+        spec: TransferSpec,
+        prepared: object,
+        t_submit: float,
+        deadline: float | None,
+    ) -> None:
+        self._mgr = mgr
+        self.route = route
+        self.job_id = job_id
+        self.spec = spec
+        self.prepared = prepared
+        self.t_submit = t_submit
+        self.t_launch = t_submit
+        self.deadline = deadline
+        self.state = _QUEUED
+        # (success, nbytes, seconds, error) once resolved
+        self.outcome: tuple[bool, int, float, BaseException | None] | None = None
+
+    @property
+    def resolved(self) -> bool:
+        return self.outcome is not None
+
+    def succeed(self, nbytes: int, seconds: float | None = None) -> None:
+        self._mgr._report(self, True, int(nbytes), seconds, None)
+
+    def fail(self, error: BaseException) -> None:
+        if isinstance(error, TransferError):
+            wrapped: BaseException = error
+        else:
+            wrapped = TransferError(
+                f"job {self.job_id} failed in {self.route.handler.name}: {error!r}"
+            )
+            wrapped.__cause__ = error
+        self._mgr._report(self, False, 0, None, wrapped)
+
+    def __repr__(self) -> str:
+        state = ("queued", "in flight", "done")[self.state]
+        return f"<job {self.job_id} {self.route.label} {state}>"
+
+
+class _Route:
+    """One handler's queue, in-flight table and counters."""
+
+    __slots__ = (
+        "abandoned",
+        "bytes_moved",
+        "cancelled",
+        "capacity",
+        "failed",
+        "handler",
+        "inflight",
+        "label",
+        "max_inflight",
+        "ordered",
+        "queue",
+        "space",
+        "submitted",
+        "succeeded",
+        "timed_out",
+        "wake",
+    )
+
+    def __init__(self, handler: TransferHandler[Any], capacity: int) -> None:
+        self.handler = handler
+        self.label = f"{handler.src.value}->{handler.dst.value}"
+        self.capacity = capacity
+        self.max_inflight = int(handler.max_inflight)
+        self.ordered = bool(handler.ordered)
+        self.queue: deque[_Job] = deque()
+        self.inflight: dict[int, _Job] = {}  # insertion order = launch order
+        self.wake: anyio.Event | None = None  # set while the route task sleeps
+        self.space: anyio.Event | None = None  # set while a task awaits room
+        self.submitted = self.succeeded = self.failed = 0
+        self.cancelled = self.timed_out = self.abandoned = self.bytes_moved = 0
+
+    @property
+    def count(self) -> int:
+        return len(self.queue) + len(self.inflight)
+
+    def snapshot(self) -> HandlerStats:
+        return HandlerStats(
+            src=self.handler.src,
+            dst=self.handler.dst,
+            handler=self.handler.name,
+            submitted=self.submitted,
+            succeeded=self.succeeded,
+            failed=self.failed,
+            cancelled=self.cancelled,
+            timed_out=self.timed_out,
+            abandoned=self.abandoned,
+            bytes_moved=self.bytes_moved,
+            queued=len(self.queue),
+            in_flight=len(self.inflight),
+            capacity=self.capacity,
+        )
+
+
+@dataclass(frozen=True)
+class _Context:
+    call_soon: LoopCaller
+    start_task: Callable[..., None]
+
+
+class OffloadingQueueManager:
+    """Routes transfer jobs to one handler per (source, destination) medium pair.
+
+    Use it inside a running asyncio or trio loop::
+
+        async with OffloadingQueueManager([handler], capacity=1024) as mgr:
+            job = mgr.submit_nowait(spec)
+            [result] = await mgr.wait([job])
+
+    ``capacity`` caps queued + in-flight jobs per handler (backpressure):
+    ``submit_nowait`` raises :class:`QueueFullError` at the cap and ``await
+    submit`` waits. ``default_timeout`` (seconds) applies to jobs submitted
+    without their own ``timeout``. Leaving the ``async with`` block drains
+    every job (or, if the block raised, cancels queued jobs and drains the
+    in-flight ones) and closes the handlers. Call :meth:`aclose` to choose.
+    """
+
+    def __init__(
+        self,
+        handlers: Iterable[TransferHandler[Any]] = (),
+        *,
+        capacity: int = 4096,
+        default_timeout: float | None = None,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        if default_timeout is not None and not default_timeout > 0:
+            raise ValueError(f"default_timeout must be positive, got {default_timeout!r}")
+        self._lock = threading.Lock()
+        self._space_cond = threading.Condition(self._lock)
+        self._store = CompletionStore(self._lock)
+        self._capacity = capacity
+        self._default_timeout = default_timeout
+        self._routes: dict[tuple[Medium, Medium], _Route] = {}
+        self._jobs: dict[int, _Job] = {}
+        self._state = _NEW
+        self._bridge: LoopBridge | None = None
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._scopes: list[anyio.CancelScope] = []
+        self._tasks_running = 0
+        self._tasks_done: anyio.Event | None = None
+        self._todo: list[anyio.Event] = []
+        self._todo_scheduled = False
+        self._sync_space_waiters = 0
+        self._heap: list[tuple[float, int, _Job]] = []  # (deadline, seq, job)
+        self._seq = itertools.count()
+        self._timer_wake: anyio.Event | None = None
+        self._timer_next = math.inf
+        self._idle: anyio.Event | None = None
+        self._closed_event: anyio.Event | None = None
+        #: results nobody collected when ``async with`` closed the engine
+        self.leftover_results: tuple[TransferResult, ...] = ()
+        for handler in handlers:
+            self.register(handler)
+
+    # ------------------------------------------------------------ registration
+
+    def register(self, handler: TransferHandler[Any]) -> None:
+        """Add ``handler`` for its medium pair, before start or on the loop thread."""
+        if not isinstance(handler, TransferHandler):
+            raise HandlerRegistrationError(
+                f"handlers implement TransferHandler, got {type(handler).__name__}"
+            )
+        try:
+            pair = (handler.src, handler.dst)
+        except AttributeError as exc:
+            raise HandlerRegistrationError(f"{type(handler).__name__} lacks src/dst media") from exc
+        if not all(isinstance(m, Medium) for m in pair):
+            raise HandlerRegistrationError(f"{handler!r}: src and dst must be Medium members")
+        if isinstance(handler.max_inflight, bool) or not (
+            isinstance(handler.max_inflight, int) and handler.max_inflight >= 1
+        ):
+            raise HandlerRegistrationError(f"{handler!r}: max_inflight must be an int >= 1")
+        with self._lock:
+            if self._state in (_CLOSING, _CLOSED):
+                raise EngineClosedError("cannot register a handler on a closed engine")
+            running = self._state == _RUNNING
+            if running and not self._on_loop():
+                raise WrongThreadError("register handlers on a running engine from its loop thread")
+            if pair in self._routes:
+                raise HandlerRegistrationError(
+                    f"a handler is already registered for {pair[0].value}->{pair[1].value}: "
+                    f"{self._routes[pair].handler!r}"
+                )
+            route = _Route(handler, self._capacity)
+            self._routes[pair] = route
+        if running:
+            assert_bridge = self._bridge
+            if assert_bridge is None:  # pragma: no cover - running implies a bridge
+                raise EngineNotStartedError("engine has no loop")
+            handler.start(_Context(assert_bridge.call_soon, self._spawn))
+            self._spawn(self._route_main, route)
+
+    @property
+    def handlers(self) -> tuple[TransferHandler[Any], ...]:
+        return tuple(r.handler for r in self._routes.values())
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> OffloadingQueueManager:
+        with self._lock:
+            if self._state != _NEW:
+                raise EngineClosedError(f"an engine starts once; this one is {self._state}")
+            bridge = self._bridge = LoopBridge()
+        tg = anyio.create_task_group()
+        await tg.__aenter__()
+        self._tg = tg
+        started: list[TransferHandler[Any]] = []
+        try:
+            context = _Context(bridge.call_soon, self._spawn)
+            for route in self._routes.values():
+                route.handler.start(context)
+                started.append(route.handler)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                for handler in started:
+                    await handler.aclose()
+                self._state = _CLOSED
+                await tg.__aexit__(None, None, None)
+            raise
+        with self._lock:
+            self._state = _RUNNING
+        self._spawn(self._timer_main)
+        for route in self._routes.values():
+            self._spawn(self._route_main, route)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            self.leftover_results = tuple(await self.aclose(cancel_queued=exc is not None))
+        finally:
+            # Our tasks have stopped in aclose, so the group exits at once. It is
+            # given no exception: the body's own exception propagates unwrapped.
+            tg, self._tg = self._tg, None
+            if tg is not None:
+                await tg.__aexit__(None, None, None)
+        return None
+
+    async def aclose(
+        self, *, cancel_queued: bool = False, timeout: float | None = None
+    ) -> list[TransferResult]:
+        """Stop accepting jobs, finish or cancel the rest, close the handlers.
+
+        With ``cancel_queued`` the jobs not yet launched fail with
+        :class:`JobCancelledError`; otherwise they run. In-flight jobs are
+        always awaited, for at most ``timeout`` seconds; past that they get a
+        failed result (abandoned). Returns every result nobody collected yet
+        (results claimed by a running ``wait`` go to that waiter). Idempotent:
+        a second call waits for the first and returns ``[]``.
+        """
+        with self._lock:
+            state = self._state
+            if state == _CLOSED:
+                return []
+            if state == _CLOSING:
+                if self._closed_event is None:
+                    self._closed_event = anyio.Event()
+                closed_event = self._closed_event
+            else:
+                closed_event = None
+                self._state = _CLOSING
+        if closed_event is not None:
+            with anyio.CancelScope(shield=True):
+                await closed_event.wait()
+            return []
+        if state == _NEW:
+            return await self._close_unstarted()
+        with anyio.CancelScope(shield=True):
+            try:
+                await self._drain(cancel_queued, timeout)
+            finally:
+                # Whatever happened above, no job is left without a result and no
+                # engine task outlives the close.
+                with self._lock:
+                    self._abandon_all_locked(timeout)
+                self._flush()
+                await self._stop_tasks()
+                errors = await self._close_handlers()
+                with self._lock:
+                    self._state = _CLOSED
+                    leftovers = self._store.drain_locked()
+                    self._add_todo(self._store.close_locked())
+                    self._add_todo(self._closed_event)
+                    self._closed_event = None
+                self._flush()
+        if errors:
+            raise errors[0]
+        return leftovers
+
+    async def _drain(self, cancel_queued: bool, timeout: float | None) -> None:
+        with self._lock:
+            if cancel_queued:
+                for route in self._routes.values():
+                    while route.queue:
+                        job = route.queue[0]
+                        self._resolve_locked(
+                            job, JobCancelledError(f"job {job.job_id} cancelled at close")
+                        )
+            for route in self._routes.values():
+                self._wake_route_locked(route)
+                # tasks waiting for room wake up and find the engine closing
+                self._add_todo(route.space)
+                route.space = None
+            self._space_cond.notify_all()
+            idle = None
+            if self._jobs:
+                idle = self._idle = anyio.Event()
+        self._flush()
+        if idle is not None:
+            with anyio.move_on_after(timeout):
+                await idle.wait()
+
+    def _abandon_all_locked(self, timeout: float | None) -> None:
+        for job in list(self._jobs.values()):
+            self._resolve_locked(
+                job,
+                JobCancelledError(
+                    f"job {job.job_id} abandoned at close: unfinished after {timeout}s"
+                ),
+            )
+
+    async def _close_unstarted(self) -> list[TransferResult]:
+        errors = await self._close_handlers()
+        with self._lock:
+            self._state = _CLOSED
+            self._store.close_locked()
+            self._add_todo(self._closed_event)
+            self._closed_event = None
+        if errors:
+            raise errors[0]
+        return []
+
+    async def _close_handlers(self) -> list[BaseException]:
+        errors: list[BaseException] = []
+        for route in self._routes.values():
+            try:
+                await route.handler.aclose()
+            except Exception as exc:  # noqa: BLE001 - collected and re-raised after all closed
+                errors.append(exc)
+        return errors
+
+    @property
+    def closed(self) -> bool:
+        return self._state == _CLOSED
+
+    @property
+    def state(self) -> str:
+        """``new``, ``running``, ``closing`` or ``closed``."""
+        return self._state
+
+    def __del__(self) -> None:
+        if getattr(self, "_state", _CLOSED) in (_RUNNING, _CLOSING):
+            warnings.warn(
+                f"{type(self).__name__} was never closed: use 'async with' or aclose()",
+                ResourceWarning,
+                stacklevel=2,
+                source=self,
+            )
+
+    # ------------------------------------------------------------ tasks
+
+    def _spawn(self, fn: Any, *args: Any) -> None:
+        tg = self._tg
+        if tg is None:  # pragma: no cover - only called while running
+            raise EngineNotStartedError("engine has no task group")
+        scope = anyio.CancelScope()
+        self._scopes.append(scope)
+        self._tasks_running += 1
+        tg.start_soon(self._task, scope, fn, *args)
+
+    async def _task(self, scope: anyio.CancelScope, fn: Any, *args: Any) -> None:
+        try:
+            with scope:
+                await fn(*args)
+        finally:
+            self._tasks_running -= 1
+            if self._tasks_running == 0 and self._tasks_done is not None:
+                self._tasks_done.set()
+
+    async def _stop_tasks(self) -> None:
+        if self._tasks_running:
+            self._tasks_done = anyio.Event()
+            for scope in self._scopes:
+                scope.cancel()
+            await self._tasks_done.wait()
+        self._scopes.clear()
+
+    async def _route_main(self, route: _Route) -> None:
+        handler = route.handler
+        lock = self._lock
+        since_yield = 0
+        while True:
+            with lock:
+                room = route.max_inflight - len(route.inflight)
+                batch: list[_Job] = []
+                queue = route.queue
+                inflight = route.inflight
+                while room > 0 and queue:
+                    job = queue.popleft()
+                    job.state = _INFLIGHT
+                    inflight[job.job_id] = job
+                    batch.append(job)
+                    room -= 1
+                if not batch:
+                    if route.wake is None:
+                        route.wake = anyio.Event()
+                    event = route.wake
+            if batch:
+                for job in batch:
+                    job.t_launch = _now()
+                    try:
+                        handler.launch(job)
+                    except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                        job.fail(exc)
+                since_yield += len(batch)
+                if since_yield >= _LAUNCHES_PER_YIELD:
+                    since_yield = 0
+                    await anyio.lowlevel.checkpoint()
+            else:
+                since_yield = 0
+                await event.wait()
+
+    async def _timer_main(self) -> None:
+        while True:
+            expired: list[_Job] = []
+            with self._lock:
+                now = time.monotonic()
+                heap = self._heap
+                while heap and heap[0][0] <= now:
+                    _, _, job = heapq.heappop(heap)
+                    if job.outcome is None:
+                        expired.append(job)
+                for job in expired:
+                    self._resolve_locked(
+                        job,
+                        JobTimeoutError(f"job {job.job_id} timed out ({job.route.label})"),
+                        timed_out=True,
+                    )
+                self._timer_next = heap[0][0] if heap else math.inf
+                delay = self._timer_next - now
+                if self._timer_wake is None:
+                    self._timer_wake = anyio.Event()
+                event = self._timer_wake
+            if expired:
+                self._flush()
+            with anyio.move_on_after(delay):
+                await event.wait()
+            with self._lock:
+                if self._timer_wake is event:
+                    self._timer_wake = None
+
+    # ------------------------------------------------------------ loop wake-ups
+
+    def _on_loop(self) -> bool:
+        bridge = self._bridge
+        return bridge is not None and bridge.in_loop_thread()
+
+    def _add_todo(self, event: anyio.Event | None) -> None:
+        if event is not None:
+            self._todo.append(event)
+
+    def _wake_route_locked(self, route: _Route) -> None:
+        event = route.wake
+        if event is not None:
+            route.wake = None
+            self._todo.append(event)
+
+    def _flush(self) -> None:
+        """Set the collected events: now if on the loop, else via one callback."""
+        if not self._todo:
+            return
+        bridge = self._bridge
+        if bridge is None:
+            return
+        if bridge.in_loop_thread():
+            self._run_todo()
+            return
+        with self._lock:
+            if self._todo_scheduled or not self._todo:
+                return
+            self._todo_scheduled = True
+        bridge.call_soon(self._run_todo)
+
+    def _run_todo(self) -> None:
+        with self._lock:
+            todo, self._todo = self._todo, []
+            self._todo_scheduled = False
+        for event in todo:
+            event.set()
+
+    # ------------------------------------------------------------ submit
+
+    def _check_running_locked(self) -> None:
+        state = self._state
+        if state != _RUNNING:
+            if state == _NEW:
+                raise EngineNotStartedError("enter the engine ('async with') before submitting")
+            raise EngineClosedError(f"the engine is {state}; it accepts no more jobs")
+
+    def _route_for(self, spec: TransferSpec) -> _Route:
+        if not isinstance(spec, TransferSpec):
+            raise TypeError(f"submit takes a TransferSpec, got {type(spec).__name__}")
+        route = self._routes.get(spec.pair)
+        if route is None:
+            known = ", ".join(r.label for r in self._routes.values()) or "none"
+            raise NoHandlerError(
+                f"no handler for {spec.src.medium.value}->{spec.dst.medium.value} "
+                f"(registered: {known})"
+            )
+        return route
+
+    def _prepare(
+        self, spec: TransferSpec, job_id: int | None, timeout: float | None
+    ) -> tuple[_Route, object, float | None]:
+        with self._lock:
+            self._check_running_locked()
+        if job_id is not None:
+            check_job_id(job_id)
+        if timeout is None:
+            timeout = self._default_timeout
+        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        route = self._route_for(spec)
+        prepared = route.handler.prepare(spec)
+        return route, prepared, timeout
+
+    def _enqueue_locked(
+        self,
+        route: _Route,
+        spec: TransferSpec,
+        prepared: object,
+        job_id: int | None,
+        timeout: float | None,
+    ) -> int:
+        self._check_running_locked()
+        if len(route.queue) + len(route.inflight) >= route.capacity:
+            raise QueueFullError(
+                f"{route.label} holds {route.capacity} queued + in-flight jobs (its capacity)"
+            )
+        jid = self._store.reserve_locked(job_id)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        job = _Job(self, route, jid, spec, prepared, _now(), deadline)
+        self._jobs[jid] = job
+        route.queue.append(job)
+        route.submitted += 1
+        event = route.wake
+        if event is not None:
+            route.wake = None
+            self._todo.append(event)
+        if deadline is not None:
+            heap = self._heap
+            if len(heap) > 1024 and len(heap) > 2 * len(self._jobs):
+                # drop entries of finished jobs so they do not pin memory
+                heap[:] = [e for e in heap if e[2].outcome is None]
+                heapq.heapify(heap)
+            heapq.heappush(heap, (deadline, next(self._seq), job))
+            if deadline < self._timer_next:
+                self._timer_next = deadline
+                event = self._timer_wake
+                if event is not None:
+                    self._timer_wake = None
+                    self._todo.append(event)
+        return jid
+
+    def submit_nowait(
+        self, spec: TransferSpec, *, job_id: int | None = None, timeout: float | None = None
+    ) -> int:
+        """Queue ``spec``; return its job id. Never blocks; any thread.
+
+        Raises :class:`QueueFullError` at capacity, and a typed error for bad
+        input (no handler, bad ids, duplicate live id). Nothing is queued then.
+        """
+        route, prepared, timeout = self._prepare(spec, job_id, timeout)
+        with self._lock:
+            jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+        if self._todo:
+            self._flush()
+        return jid
+
+    async def submit(
+        self, spec: TransferSpec, *, job_id: int | None = None, timeout: float | None = None
+    ) -> int:
+        """Queue ``spec``, waiting while the handler is at capacity. Loop thread only."""
+        if not self._on_loop():
+            raise WrongThreadError(
+                "await submit() on the engine's loop; use submit_nowait elsewhere"
+            )
+        route, prepared, timeout = self._prepare(spec, job_id, timeout)
+        while True:
+            event: anyio.Event | None = None
+            with self._lock:
+                try:
+                    jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+                except QueueFullError:
+                    if route.space is None:
+                        route.space = anyio.Event()
+                    event = route.space
+            if event is None:
+                self._flush()
+                return jid
+            await event.wait()
+
+    def submit_blocking(
+        self,
+        spec: TransferSpec,
+        *,
+        job_id: int | None = None,
+        timeout: float | None = None,
+        wait_timeout: float | None = None,
+    ) -> int:
+        """Queue ``spec`` from a thread other than the loop's, blocking while full.
+
+        ``wait_timeout`` bounds the wait for room (then :class:`QueueFullError`).
+        """
+        if self._on_loop():
+            raise WrongThreadError("submit_blocking would deadlock on the engine's loop thread")
+        route, prepared, timeout = self._prepare(spec, job_id, timeout)
+        deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
+        with self._lock:
+            while True:
+                try:
+                    jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+                    break
+                except QueueFullError:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise
+                    self._sync_space_waiters += 1
+                    try:
+                        self._space_cond.wait(remaining)
+                    finally:
+                        self._sync_space_waiters -= 1
+        self._flush()
+        return jid
+
+    def cancel(self, job_id: int) -> bool:
+        """Cancel a queued job: True if it was queued and now has a cancelled
+        result; False if it is already in flight or finished. Any thread."""
+        check_job_id(job_id)
+        with self._lock:
+            job = self._jobs.get(job_id)
+            if job is None:
+                if self._store.is_live_locked(job_id):
+                    return False
+                raise UnknownJobError(f"job {job_id} is not live")
+            if job.state != _QUEUED:
+                return False
+            self._resolve_locked(job, JobCancelledError(f"job {job_id} cancelled while queued"))
+        self._flush()
+        return True
+
+    # ------------------------------------------------------------ completion
+
+    def _report(
+        self,
+        job: _Job,
+        success: bool,
+        nbytes: int,
+        seconds: float | None,
+        error: BaseException | None,
+    ) -> None:
+        """A handler's verdict on ``job``; any thread. Late or repeated reports are ignored."""
+        now = _now()
+        if seconds is None:
+            seconds = now - job.t_launch
+        with self._lock:
+            if job.outcome is not None or job.state != _INFLIGHT:
+                return
+            job.outcome = (success, nbytes, seconds, error)
+            route = job.route
+            if route.ordered:
+                self._settle_locked(route, now)
+            else:
+                del route.inflight[job.job_id]
+                self._post_locked(job, now)
+            if route.queue:
+                self._wake_route_locked(route)
+        if self._todo:
+            self._flush()
+
+    def _settle_locked(self, route: _Route, now: float) -> None:
+        """Post the ordered route's leading run of resolved jobs."""
+        inflight = route.inflight
+        settled: list[int] = []
+        for jid, head in inflight.items():
+            if head.outcome is None:
+                break
+            self._post_locked(head, now)
+            settled.append(jid)
+        for jid in settled:
+            del inflight[jid]
+
+    def _resolve_locked(self, job: _Job, error: BaseException, *, timed_out: bool = False) -> None:
+        """Fail ``job`` from the engine's side (cancel, timeout, close); delivered at once."""
+        if job.outcome is not None:
+            return
+        route = job.route
+        now = _now()
+        if job.state == _QUEUED:
+            route.queue.remove(job)
+            seconds = 0.0
+        else:
+            del route.inflight[job.job_id]
+            route.abandoned += 1
+            seconds = now - job.t_launch
+        if isinstance(error, JobCancelledError):
+            route.cancelled += 1
+        if timed_out:
+            route.timed_out += 1
+        job.outcome = (False, 0, seconds, error)
+        self._post_locked(job, now)
+        if route.ordered and route.inflight:
+            # the job may have held back finished successors
+            self._settle_locked(route, now)
+        if route.queue:
+            self._wake_route_locked(route)
+
+    def _post_locked(self, job: _Job, now: float) -> None:
+        success, nbytes, seconds, error = job.outcome  # type: ignore[misc]
+        route = job.route
+        job.state = _DONE
+        del self._jobs[job.job_id]
+        if success:
+            route.succeeded += 1
+            route.bytes_moved += nbytes
+        else:
+            route.failed += 1
+        self._store.post_locked(
+            TransferResult(job.job_id, success, nbytes, seconds, error, now - job.t_submit)
+        )
+        event = self._store.wake_locked()
+        if event is not None:
+            self._todo.append(event)
+        if route.space is not None:
+            self._todo.append(route.space)
+            route.space = None
+        if self._sync_space_waiters:
+            self._space_cond.notify_all()
+        if self._idle is not None and not self._jobs:
+            self._todo.append(self._idle)
+            self._idle = None
+
+    # ------------------------------------------------------------ results
+
+    def get_finished(self) -> list[TransferResult]:
+        """Every result not yet collected, in finish order. Never blocks; any thread."""
+        if self._state == _NEW:
+            raise EngineNotStartedError("enter the engine ('async with') first")
+        return self._store.drain()
+
+    async def wait(
+        self, job_ids: Iterable[int], *, timeout: float | None = None
+    ) -> list[TransferResult]:
+        """Await the results of ``job_ids`` (in that order) and collect them.
+
+        Raises :class:`UnknownJobError` for an id that is not live, and
+        ``TimeoutError`` if they are not all in within ``timeout`` seconds
+        (the jobs go on; their results stay collectable).
+        """
+        if self._state == _NEW:
+            raise EngineNotStartedError("enter the engine ('async with') first")
+        return await self._store.wait(job_ids, timeout)
+
+    def wait_blocking(
+        self, job_ids: Iterable[int], *, timeout: float | None = None
+    ) -> list[TransferResult]:
+        """Like :meth:`wait`, blocking a thread other than the loop's."""
+        if self._on_loop():
+            raise WrongThreadError("wait_blocking would deadlock on the engine's loop thread")
+        if self._state == _NEW:
+            raise EngineNotStartedError("start the engine first")
+        return self._store.wait_blocking(job_ids, timeout)
+
+    def __aiter__(self) -> AsyncIterator[TransferResult]:
+        return self.results()
+
+    async def results(self) -> AsyncIterator[TransferResult]:
+        """Yield results as they finish, until the engine is closed and empty."""
+        if self._state == _NEW:
+            raise EngineNotStartedError("enter the engine ('async with') first")
+        while True:
+            result = await self._store.next_result()
+            if result is None:
+                return
+            yield result
+
+    # ------------------------------------------------------------ introspection
+
+    def stats(self) -> EngineStats:
+        """A consistent snapshot of every handler's counters (also after close)."""
+        with self._lock:
+            return EngineStats(
+                state=self._state,
+                handlers=tuple(r.snapshot() for r in self._routes.values()),
+                results_ready=self._store.ready_count,
+            )
+
+    def __repr__(self) -> str:
+        with self._lock:
+            routes = ", ".join(
+                f"{r.label} queued={len(r.queue)} in_flight={len(r.inflight)}"
+                for r in self._routes.values()
+            )
+            ready = self._store.ready_count
+        backend = f" {self._bridge.backend}" if self._bridge is not None else ""
+        return f"<{type(self).__name__} {self._state}{backend} [{routes}] results_ready={ready}>"

@@ -1,0 +1,67 @@
+"""Statistics snapshots, as frozen dataclasses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload_engine.vocabulary import Medium
+
+
+@dataclass(frozen=True)
+class HandlerStats:
+    """Counters of one handler since the engine started.
+
+    ``submitted`` = ``succeeded + failed + queued + in_flight``, where
+    ``failed`` includes ``cancelled`` and ``timed_out``. ``abandoned`` counts
+    in-flight jobs that got a failed result (timeout, close) while the handler
+    was still working on them.
+    """
+
+    src: Medium
+    dst: Medium
+    handler: str
+    submitted: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    timed_out: int
+    abandoned: int
+    bytes_moved: int
+    queued: int
+    in_flight: int
+    capacity: int
+
+    @property
+    def pair(self) -> tuple[Medium, Medium]:
+        return (self.src, self.dst)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the whole engine."""
+
+    state: str
+    handlers: tuple[HandlerStats, ...]
+    results_ready: int
+
+    def for_pair(self, src: Medium, dst: Medium) -> HandlerStats:
+        for h in self.handlers:
+            if h.src is src and h.dst is dst:
+                return h
+        raise KeyError((src, dst))
+
+    @property
+    def submitted(self) -> int:
+        return sum(h.submitted for h in self.handlers)
+
+    @property
+    def succeeded(self) -> int:
+        return sum(h.succeeded for h in self.handlers)
+
+    @property
+    def failed(self) -> int:
+        return sum(h.failed for h in self.handlers)
+
+    @property
+    def bytes_moved(self) -> int:
+        return sum(h.bytes_moved for h in self.handlers)

@@ -1,0 +1,100 @@
+"""The host-memory tier: a pool of tier blocks, each ``factor`` slots of a cache block.
+
+The memory is one ``(num_blocks * factor, slot_bytes)`` uint8 tensor, so slot
+``s`` of the pool is row ``s`` and tier block ``b`` is rows
+``[b * factor, (b + 1) * factor)``. By default it is plain pageable memory; a
+device runtime passes an allocation it has pinned (registered with the driver)
+and releases it at close.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from offload_engine.errors import ConfigError, LayoutError
+from offload_engine.layout import KVLayout
+
+
+class HostTier:
+    """``num_blocks`` tier blocks of ``factor`` slots of ``slot_bytes`` each."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        slot_bytes: int,
+        *,
+        factor: int = 1,
+        memory: torch.Tensor | None = None,
+        release: Callable[[], None] | None = None,
+        pinned: bool = False,
+    ) -> None:
+        for key, value in (
+            ("num_blocks", num_blocks),
+            ("slot_bytes", slot_bytes),
+            ("factor", factor),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"HostTier {key} must be a positive int, got {value!r}")
+        rows = num_blocks * factor
+        if memory is None:
+            memory = torch.empty((rows, slot_bytes), dtype=torch.uint8)
+        elif (
+            memory.dtype != torch.uint8
+            or tuple(memory.shape) != (rows, slot_bytes)
+            or memory.device.type != "cpu"
+            or not memory.is_contiguous()
+        ):
+            raise LayoutError(
+                f"tier memory must be a contiguous CPU uint8 tensor of shape {(rows, slot_bytes)}, "
+                f"got {memory.dtype} {tuple(memory.shape)} on {memory.device}"
+            )
+        self.num_blocks = num_blocks
+        self.factor = factor
+        self.slot_bytes = slot_bytes
+        self.pinned = pinned
+        self._memory: torch.Tensor | None = memory
+        self._release = release
+
+    @classmethod
+    def for_layout(cls, layout: KVLayout, num_blocks: int, *, factor: int = 1) -> HostTier:
+        """A pageable tier sized for ``layout``'s blocks."""
+        return cls(num_blocks, layout.slot_bytes, factor=factor)
+
+    @property
+    def memory(self) -> torch.Tensor:
+        """The ``(num_blocks * factor, slot_bytes)`` uint8 tensor."""
+        if self._memory is None:
+            raise LayoutError("this host tier has been released")
+        return self._memory
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.factor * self.slot_bytes
+
+    def block(self, block_id: int) -> torch.Tensor:
+        """Tier block ``block_id`` as a ``(factor, slot_bytes)`` view."""
+        f = self.factor
+        return self.memory[block_id * f : (block_id + 1) * f]
+
+    def check_layout(self, layout: KVLayout) -> None:
+        if layout.slot_bytes > self.slot_bytes:
+            raise LayoutError(
+                f"a cache block of layout {layout.name} needs {layout.slot_bytes} bytes, "
+                f"the tier's slots hold {self.slot_bytes}"
+            )
+
+    def release(self) -> None:
+        """Drop the memory (and unpin it, if a runtime pinned it). Idempotent."""
+        self._memory = None
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __repr__(self) -> str:
+        state = "released" if self._memory is None else ("pinned" if self.pinned else "pageable")
+        return (
+            f"<HostTier blocks={self.num_blocks} factor={self.factor} "
+            f"slot_bytes={self.slot_bytes} {state}>"
+        )

@@ -1,0 +1,255 @@
+"""Value objects every layer shares: media, block specs, transfer specs, results.
+
+A **medium** names the memory a block lives in. A transfer moves blocks between
+two kinds of block store:
+
+* the serving engine's own **KV cache** (:class:`CacheBlocks`), the cache the
+  model computes on. It lives on a GPU, an NPU, or in host memory (vLLM's CPU
+  backend). Its spec carries the KV-group structure and the logical index of
+  each group's first block, which decides how a partial tier block is skipped.
+* an **offload tier** (:class:`TierBlocks`): host memory now, disk or a remote
+  store later. One tier block holds ``factor`` cache blocks (the block-size
+  factor, vLLM's ``blocks_per_chunk``).
+
+The engine routes a job by ``(src.medium, dst.medium)``; the handler for that
+pair decides from the spec classes whether it is a store (cache -> tier) or a
+load (tier -> cache).
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+from offload_engine.errors import InvalidBlockIdsError, InvalidTransferError
+
+BlockIds: TypeAlias = npt.NDArray[np.int64]
+BlockIdsLike: TypeAlias = "Sequence[int] | npt.NDArray[np.integer]"
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+class Medium(enum.Enum):
+    """Where a block lives."""
+
+    GPU = "GPU"
+    NPU = "NPU"
+    CPU = "CPU"
+    DISK = "DISK"
+    REMOTE = "REMOTE"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Direction(enum.Enum):
+    """Which way a job moves bytes relative to the serving engine's KV cache."""
+
+    STORE = "store"  # KV cache -> tier
+    LOAD = "load"  # tier -> KV cache
+    COPY = "copy"  # tier -> tier
+
+
+def as_block_ids(values: object, *, what: str = "block_ids") -> BlockIds:
+    """Validate ``values`` and return them as a read-only 1-D int64 array.
+
+    Accepts a sequence of Python ints or an integer numpy array. Refuses floats
+    (even integral ones), bools, other dimensions and negative ids with
+    :class:`InvalidBlockIdsError`. The result never aliases a writable input.
+    """
+    if isinstance(values, np.ndarray):
+        arr = values
+    else:
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
+            raise InvalidBlockIdsError(
+                f"{what} must be a sequence of ints or an integer numpy array, "
+                f"got {type(values).__name__}"
+            )
+        try:
+            arr = np.asarray(values)
+        except (ValueError, TypeError) as exc:
+            raise InvalidBlockIdsError(f"{what} is not an array of integers: {exc}") from exc
+        if arr.size == 0:
+            arr = np.empty(0, dtype=np.int64)
+    if arr.ndim != 1:
+        raise InvalidBlockIdsError(f"{what} must be 1-D, got shape {arr.shape}")
+    kind = arr.dtype.kind
+    if kind not in "iu":
+        raise InvalidBlockIdsError(
+            f"{what} must hold integers, got dtype {arr.dtype} "
+            f"(bools and floats are refused, even integral floats)"
+        )
+    if arr.size:
+        if kind == "i" and int(arr.min()) < 0:
+            raise InvalidBlockIdsError(f"{what} must be non-negative, got min {int(arr.min())}")
+        if kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
+            raise InvalidBlockIdsError(f"{what} holds ids beyond int64")
+    out = (
+        np.array(arr, dtype=np.int64, copy=True)
+        if (arr is values or arr.dtype != np.int64)
+        else arr
+    )
+    out.flags.writeable = False
+    return out
+
+
+def _as_count_tuple(values: Sequence[int], what: str) -> tuple[int, ...]:
+    try:
+        items = tuple(operator.index(v) for v in values)
+    except TypeError as exc:
+        raise InvalidTransferError(f"{what} must be a sequence of ints: {exc}") from exc
+    if any(v < 0 for v in items):
+        raise InvalidTransferError(f"{what} must be non-negative, got {items}")
+    return items
+
+
+@dataclass(frozen=True, eq=False)
+class BlockSpec:
+    """Block ids on one medium. ``block_ids`` is a read-only int64 array."""
+
+    medium: Medium
+    block_ids: BlockIds
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.medium, Medium):
+            raise InvalidTransferError(f"medium must be a Medium, got {self.medium!r}")
+        object.__setattr__(self, "block_ids", as_block_ids(self.block_ids))
+
+    def __len__(self) -> int:
+        return int(self.block_ids.shape[0])
+
+    def __repr__(self) -> str:
+        ids = self.block_ids
+        shown = ids.tolist() if ids.size <= 8 else f"{ids[:4].tolist()}...({ids.size} ids)"
+        return f"{type(self).__name__}({self.medium.value}, {shown})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class CacheBlocks(BlockSpec):
+    """Blocks of the serving engine's KV cache.
+
+    With several KV groups (hybrid models) the ids are ordered by group and
+    ``group_sizes[g]`` counts group ``g``'s ids. ``block_indices[g]`` is the
+    logical index, within its request, of group ``g``'s first block; with a
+    block factor ``k`` it makes the transfer start ``block_indices[g] % k``
+    sub-blocks into the first tier block (vLLM's ``blocks_per_chunk`` rule).
+    Defaults: one group holding every id, starting at index 0.
+    """
+
+    group_sizes: tuple[int, ...] = field(default=())
+    block_indices: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n = len(self)
+        sizes = _as_count_tuple(self.group_sizes, "group_sizes") if self.group_sizes else (n,)
+        indices = (
+            _as_count_tuple(self.block_indices, "block_indices")
+            if self.block_indices
+            else (0,) * len(sizes)
+        )
+        if sum(sizes) != n:
+            raise InvalidTransferError(
+                f"group_sizes {sizes} sum to {sum(sizes)}, but there are {n} block ids"
+            )
+        if len(indices) != len(sizes):
+            raise InvalidTransferError(
+                f"block_indices has {len(indices)} entries for {len(sizes)} groups"
+            )
+        object.__setattr__(self, "group_sizes", sizes)
+        object.__setattr__(self, "block_indices", indices)
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class TierBlocks(BlockSpec):
+    """Blocks of an offload tier; each holds ``factor`` KV-cache blocks."""
+
+
+def gpu_blocks(
+    block_ids: BlockIdsLike,
+    *,
+    group_sizes: Sequence[int] = (),
+    block_indices: Sequence[int] = (),
+) -> CacheBlocks:
+    """KV-cache blocks on a GPU."""
+    return CacheBlocks(Medium.GPU, block_ids, tuple(group_sizes), tuple(block_indices))  # type: ignore[arg-type]
+
+
+def npu_blocks(
+    block_ids: BlockIdsLike,
+    *,
+    group_sizes: Sequence[int] = (),
+    block_indices: Sequence[int] = (),
+) -> CacheBlocks:
+    """KV-cache blocks on an Ascend NPU."""
+    return CacheBlocks(Medium.NPU, block_ids, tuple(group_sizes), tuple(block_indices))  # type: ignore[arg-type]
+
+
+def host_cache_blocks(
+    block_ids: BlockIdsLike,
+    *,
+    group_sizes: Sequence[int] = (),
+    block_indices: Sequence[int] = (),
+) -> CacheBlocks:
+    """KV-cache blocks that live in host memory (a serving engine on CPU)."""
+    return CacheBlocks(Medium.CPU, block_ids, tuple(group_sizes), tuple(block_indices))  # type: ignore[arg-type]
+
+
+def cpu_blocks(block_ids: BlockIdsLike) -> TierBlocks:
+    """Blocks of the host-memory offload tier."""
+    return TierBlocks(Medium.CPU, block_ids)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, eq=False)
+class TransferSpec:
+    """Move the blocks of ``src`` into the blocks of ``dst``."""
+
+    src: BlockSpec
+    dst: BlockSpec
+
+    def __post_init__(self) -> None:
+        for side in ("src", "dst"):
+            value = getattr(self, side)
+            if not isinstance(value, BlockSpec):
+                raise InvalidTransferError(
+                    f"TransferSpec.{side} must be a BlockSpec, got {type(value).__name__}"
+                )
+
+    @property
+    def pair(self) -> tuple[Medium, Medium]:
+        """The (source, destination) medium pair the engine routes on."""
+        return (self.src.medium, self.dst.medium)
+
+    @property
+    def direction(self) -> Direction:
+        if isinstance(self.src, CacheBlocks) and not isinstance(self.dst, CacheBlocks):
+            return Direction.STORE
+        if isinstance(self.dst, CacheBlocks) and not isinstance(self.src, CacheBlocks):
+            return Direction.LOAD
+        if isinstance(self.src, CacheBlocks):
+            raise InvalidTransferError("a transfer from KV cache to KV cache is not supported")
+        return Direction.COPY
+
+
+@dataclass(frozen=True, slots=True)
+class TransferResult:
+    """The one terminal result of a job.
+
+    ``seconds`` is the transfer's own duration (launch to completion, or the
+    handler's measurement); ``latency`` is submit to result. ``error`` is
+    ``None`` on success and a :class:`~offload_engine.errors.JobFailedError`
+    otherwise.
+    """
+
+    job_id: int
+    success: bool
+    bytes_moved: int
+    seconds: float
+    error: BaseException | None = None
+    latency: float = 0.0
