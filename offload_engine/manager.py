@@ -191,6 +191,25 @@ class _Route:
         )
 
 
+class _ResultIterator:
+    """A plain async iterator (not a generator, so abandoning it with ``break``
+    leaves nothing to finalize)."""
+
+    __slots__ = ("_store",)
+
+    def __init__(self, store: CompletionStore) -> None:
+        self._store = store
+
+    def __aiter__(self) -> _ResultIterator:
+        return self
+
+    async def __anext__(self) -> TransferResult:
+        result = await self._store.next_result()
+        if result is None:
+            raise StopAsyncIteration
+        return result
+
+
 @dataclass(frozen=True)
 class _Context:
     call_soon: LoopCaller
@@ -314,8 +333,9 @@ class OffloadingQueueManager:
             with anyio.CancelScope(shield=True):
                 for handler in started:
                     await handler.aclose()
-                self._state = _CLOSED
-                await tg.__aexit__(None, None, None)
+            self._state = _CLOSED
+            self._tg = None
+            await tg.__aexit__(None, None, None)
             raise
         with self._lock:
             self._state = _RUNNING
@@ -878,15 +898,15 @@ class OffloadingQueueManager:
     def __aiter__(self) -> AsyncIterator[TransferResult]:
         return self.results()
 
-    async def results(self) -> AsyncIterator[TransferResult]:
-        """Yield results as they finish, until the engine is closed and empty."""
+    def results(self) -> AsyncIterator[TransferResult]:
+        """Results as they finish, until the engine is closed and empty.
+
+        ``async for result in manager`` is the same. Iterators compete: each
+        result goes to one of them (or to ``get_finished``/``wait``).
+        """
         if self._state == _NEW:
             raise EngineNotStartedError("enter the engine ('async with') first")
-        while True:
-            result = await self._store.next_result()
-            if result is None:
-                return
-            yield result
+        return _ResultIterator(self._store)
 
     # ------------------------------------------------------------ introspection
 

@@ -75,6 +75,7 @@ class FakeHandler(TransferHandler[int]):
         self._raises = _as_predicate(raise_on_launch)
         self._bytes_per_block = bytes_per_block
         self._lock = threading.Lock()
+        self._launch_cond = threading.Condition(self._lock)
         self.launched: list[int] = []  # job ids, launch order
         self.completed: list[int] = []  # job ids reported (succeeded or failed)
         self.held: dict[int, LaunchedJob[int]] = {}  # manual mode: launched, not reported
@@ -104,6 +105,7 @@ class FakeHandler(TransferHandler[int]):
         jid = job.job_id
         with self._lock:
             self.launched.append(jid)
+            self._launch_cond.notify_all()
             n = len(self.launched)
             ready = [e for k, e in self._launch_waiters if k <= n]
             self._launch_waiters = [(k, e) for k, e in self._launch_waiters if k > n]
@@ -176,6 +178,12 @@ class FakeHandler(TransferHandler[int]):
             event = anyio.Event()
             self._launch_waiters.append((count, event))
         await event.wait()
+
+    def wait_launched_blocking(self, count: int, timeout: float = 10.0) -> None:
+        """Block a thread (not the engine's loop) until ``count`` jobs were launched."""
+        with self._launch_cond:
+            if not self._launch_cond.wait_for(lambda: len(self.launched) >= count, timeout):
+                raise TimeoutError(f"{len(self.launched)} of {count} jobs launched in {timeout}s")
 
 
 # ---------------------------------------------------------------- helpers
