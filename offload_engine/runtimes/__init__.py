@@ -1,0 +1,95 @@
+"""Device runtimes: the seam between a device handler and an accelerator.
+
+A runtime gives streams, events, the current stream, pinned host memory, and
+batched async copies. ``cuda`` (torch.cuda + the driver's batched copy),
+``npu`` (torch_npu + CANN's batched copy) and ``fake`` (CPU-backed, for tests)
+implement it; the device handler is written once against it.
+
+:func:`probe_runtimes` reports which runtimes this machine can use, and why
+not where it cannot. It never raises and never initialises a device it does
+not have.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    """What one runtime can do on this machine."""
+
+    name: str  # "cuda", "npu" or "cpu"
+    available: bool
+    reason: str  # why it is unavailable, or what was found
+    devices: tuple[str, ...] = ()
+    strategies: tuple[str, ...] = ()  # copy strategies usable here
+    notes: tuple[str, ...] = ()  # e.g. why a strategy is missing
+
+
+def probe_cuda() -> RuntimeInfo:
+    try:
+        import torch
+    except ImportError as exc:  # pragma: no cover - torch is a dependency
+        return RuntimeInfo("cuda", False, f"torch is not importable: {exc}")
+    if not torch.cuda.is_available():
+        built = torch.version.cuda
+        why = "torch is a CPU-only build" if built is None else "no CUDA device is visible"
+        return RuntimeInfo("cuda", False, why)
+    devices = tuple(
+        f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in range(torch.cuda.device_count())
+    )
+    strategies = ["dma"]
+    notes: list[str] = []
+    if importlib.util.find_spec("cuda.bindings") is None:
+        notes.append("cuda-python is not installed: dma copies one descriptor at a time")
+    if importlib.util.find_spec("triton") is not None:
+        strategies += ["staged", "kernel"]
+    else:
+        strategies.append("staged")
+        notes.append("triton is not installed: staged gathers use torch ops; no kernel strategy")
+    return RuntimeInfo(
+        "cuda",
+        True,
+        f"torch {torch.__version__}, CUDA {torch.version.cuda}",
+        devices,
+        tuple(strategies),
+        tuple(notes),
+    )
+
+
+def probe_npu() -> RuntimeInfo:
+    if importlib.util.find_spec("torch_npu") is None:
+        return RuntimeInfo("npu", False, "torch_npu is not installed (pip install '.[npu]')")
+    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") != "0":
+        # importing torch_npu here could break a torch without CANN; say how to check safely
+        return RuntimeInfo(
+            "npu",
+            False,
+            "torch_npu is installed; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 and use the npu runtime "
+            "to check for CANN",
+        )
+    try:
+        import torch_npu  # noqa: F401
+    except (ImportError, RuntimeError) as exc:
+        return RuntimeInfo("npu", False, f"torch_npu is installed but unusable: {exc}")
+    import torch
+
+    npu = getattr(torch, "npu", None)
+    if npu is None or not npu.is_available():
+        return RuntimeInfo("npu", False, "torch_npu imported, but no NPU is visible")
+    devices = tuple(f"npu:{i}" for i in range(npu.device_count()))
+    return RuntimeInfo("npu", True, "torch_npu with CANN", devices, ("dma", "staged"))
+
+
+def probe_cpu() -> RuntimeInfo:
+    return RuntimeInfo(
+        "cpu", True, "host memory copies on worker threads", ("cpu",), ("host-copy",)
+    )
+
+
+def probe_runtimes() -> list[RuntimeInfo]:
+    """Every runtime, in order of preference (CUDA, NPU, CPU)."""
+    return [probe_cuda(), probe_npu(), probe_cpu()]
