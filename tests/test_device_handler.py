@@ -31,8 +31,9 @@ from offload_engine.handlers.device import (
     pinned_host_tier,
 )
 from offload_engine.layout import byte_view, merge_runs
+from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.runtimes.fake import FakeDeviceError, FakeRuntime
-from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
+from offload_engine.testing import LAYOUT_KINDS, Allocator, build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
 
 POISON = 0xA5
@@ -58,56 +59,70 @@ def poison(layout: KVLayout, blocks: list[int]) -> None:
                 base[r.offset + b * r.stride : r.offset + b * r.stride + r.size].fill_(POISON)
 
 
-@pytest.mark.parametrize(
-    "strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL, Strategy.AUTO]
-)
-@pytest.mark.parametrize("kind", LAYOUT_KINDS)
-@pytest.mark.parametrize("factor", [1, 4])
-def test_round_trip_every_layout_and_strategy(
-    fake: FakeRuntime, kind: str, strategy: Strategy, factor: int
+def round_trip(
+    runtime: DeviceRuntime,
+    empty: Allocator,
+    kind: str,
+    strategy: Strategy,
+    factor: int,
+    *,
+    staging_blocks: int = 2,
 ) -> None:
-    layout = build_layout(kind, fake.empty, num_blocks=24, seed=len(kind))
+    """Store random blocks (mid tier block, every group), load them elsewhere, compare
+    bit for bit; destination blocks and tier start poisoned, and skipped slots stay so."""
+    layout = build_layout(kind, empty, num_blocks=24, seed=len(kind) + factor)
     groups = len(layout.groups)
-    tier = pinned_host_tier(fake, layout, 12, factor=factor)
+    tier = pinned_host_tier(runtime, layout, 12, factor=factor)
     tier.memory.fill_(POISON)
     rng = np.random.default_rng(factor)
-    # a job starting mid tier block (logical index 2), per group
     n = 5
     sizes = (n,) * groups
-    indices = (2,) * groups
+    indices = (2,) * groups  # the job starts at logical block 2 of its request
     src = [int(x) for x in rng.choice(12, size=n * groups, replace=False)]
     dst = [12 + int(x) for x in rng.choice(12, size=n * groups, replace=False)]
     per_group = -(-(n + 2 % factor) // factor)
     tier_ids = [int(x) for x in rng.choice(12, size=per_group * groups, replace=False)]
     want = {b: cache_block_bytes(layout, b, i // n) for i, b in enumerate(src)}
     poison(layout, dst)
-    store, load = make_device_handlers(fake, layout, tier, config(strategy, layout))
-    with SyncOffloadingEngine([store, load]) as engine:
-        s = engine.submit(
-            TransferSpec(
-                gpu_blocks(src, group_sizes=sizes, block_indices=indices), cpu_blocks(tier_ids)
+    cfg = DeviceHandlerConfig(
+        strategy=strategy, staging_bytes=2 * staging_blocks * layout.slot_bytes
+    )
+    store, load = make_device_handlers(runtime, layout, tier, cfg)
+    try:
+        with SyncOffloadingEngine([store, load]) as engine:
+            s = engine.submit(
+                TransferSpec(
+                    gpu_blocks(src, group_sizes=sizes, block_indices=indices), cpu_blocks(tier_ids)
+                )
             )
-        )
-        [rs] = engine.wait([s])
-        assert rs.success, rs.error
-        assert rs.bytes_moved == n * sum(layout.group_bytes)
-        ld = engine.submit(
-            TransferSpec(
-                cpu_blocks(tier_ids), gpu_blocks(dst, group_sizes=sizes, block_indices=indices)
+            [rs] = engine.wait([s])
+            assert rs.success, rs.error
+            assert rs.bytes_moved == n * sum(layout.group_bytes)
+            ld = engine.submit(
+                TransferSpec(
+                    cpu_blocks(tier_ids), gpu_blocks(dst, group_sizes=sizes, block_indices=indices)
+                )
             )
-        )
-        [rl] = engine.wait([ld])
-        assert rl.success, rl.error
-    got = {
-        s_: cache_block_bytes(layout, d_, i // n)
-        for i, (s_, d_) in enumerate(zip(src, dst, strict=True))
-    }
-    assert got == want
-    # slots the job skipped stay poisoned: nothing was written outside the job
-    if factor > 1:
-        first = tier.block(tier_ids[0])
-        assert bool((first[: 2 % factor] == POISON).all())
-    tier.release()
+            [rl] = engine.wait([ld])
+            assert rl.success, rl.error
+        got = {
+            s_: cache_block_bytes(layout, d_, i // n)
+            for i, (s_, d_) in enumerate(zip(src, dst, strict=True))
+        }
+        assert got == want
+        if factor > 1:  # the slots before the job's start were not written
+            assert bool((tier.block(tier_ids[0])[: 2 % factor] == POISON).all())
+    finally:
+        tier.release()
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("factor", [1, 4])
+def test_round_trip_every_layout_and_strategy(
+    fake: FakeRuntime, kind: str, strategy: Strategy, factor: int
+) -> None:
+    round_trip(fake, fake.empty, kind, strategy, factor)
 
 
 def test_a_store_waits_for_compute_writing_its_blocks(fake: FakeRuntime) -> None:

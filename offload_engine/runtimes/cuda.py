@@ -264,8 +264,8 @@ class CudaRuntime(DeviceRuntime):
                 if rc:
                     raise TransferError(f"cuMemcpyAsync failed: {driver.error_name(rc)}")
             return n
-        attrs = ctypes.byref(self._attrs[kind])
-        idx = ctypes.cast(self._attr_idx, ctypes.c_void_p)
+        attrs = ctypes.addressof(self._attrs[kind])
+        idx = ctypes.addressof(self._attr_idx)
         calls = 0
         for lo in range(0, n, self.max_batch):
             hi = min(lo + self.max_batch, n)
@@ -279,7 +279,7 @@ class CudaRuntime(DeviceRuntime):
                 1,
             )
             if driver.batch_has_fail_idx:
-                rc = driver.batch(*args, ctypes.byref(self._fail_idx), handle)
+                rc = driver.batch(*args, ctypes.addressof(self._fail_idx), handle)
             else:
                 rc = driver.batch(*args, handle)
             if rc:
