@@ -208,7 +208,8 @@ def test_a_hung_copy_times_out_and_close_does_not_hang(fake: FakeRuntime) -> Non
     with pytest.raises(EngineBrokenError, match="hung"):
         engine.close(timeout=1)
     fake.release_hangs()  # lets the watcher thread go, so the fixture finds no thread
-    store._watcher.join(timeout=10)
+    for thread in store._threads:
+        thread.join(timeout=10)
     tier.release()
 
 

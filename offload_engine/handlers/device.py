@@ -25,10 +25,18 @@ Correctness rules:
   waits on it, so a store never reads blocks the model is still writing and a
   load never races pending writes (such as zeroing) to its destination blocks.
 * Jobs use a pool of streams (a single stream's queue degrades past ~1000
-  entries). Each job waits for its predecessor's end, so jobs of one handler
-  take effect in submission order and finish in that order.
-* A watcher thread sleeps in ``synchronize`` on each job's end event, in order,
-  and reports through ``job.succeed``/``job.fail``. Nothing polls.
+  entries). A job's writes wait for the previous job's writes, so the jobs of
+  one handler take effect in submission order (and finish in that order); the
+  other half of a staged job (a store's gather, a load's DMA into staging)
+  runs ahead as far as the staging buffers allow.
+* Device-side copies go on a high-priority stream, so a concurrent GEMM does
+  not hold up the pipeline behind them.
+* ``launch`` only queues the job. A launcher thread enqueues its device work
+  (descriptor arithmetic and driver calls, which release the GIL, so a store
+  and a load handler enqueue in parallel and the event loop never waits on
+  the driver). A watcher thread sleeps in ``synchronize`` on each job's
+  events, in order, and reports through ``job.succeed``/``job.fail``. Nothing
+  polls.
 """
 
 from __future__ import annotations
@@ -233,10 +241,14 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def start(self, context: HandlerContext) -> None:
         rt = self.runtime
-        self._pool = [(rt.new_stream(), rt.new_stream()) for _ in range(self.config.streams)]
+        # (SM stream, DMA stream) pairs; device-side copies go on a high-priority
+        # stream so a concurrent GEMM does not hold them (and the DMA behind them) up
+        self._pool = [
+            (rt.new_stream(priority=-1), rt.new_stream()) for _ in range(self.config.streams)
+        ]
         self._seq = 0
-        self._last_end: Any = None  # end event of the previous job
-        self._last_sm: Any = None  # event after the previous job's device-side copies
+        # the event after which the previous job's writes (its effect) are done
+        self._last_effect: Any = None
         self._staging = (
             _Staging(rt, self._stage_rows, self.layout.slot_bytes) if self._stage_rows else None
         )
@@ -244,12 +256,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         setup = self._pool[0][0]
         self._tables: list[tuple[Any, Any, Any, Any, int]] = []
         for g in range(len(self.layout.groups)):
-            t = self.layout.region_tables(g)
-            base, stride, size, offset = (
-                rt.upload(setup, a.view(np.int64))
-                for a in (t.base, t.stride, t.size, t.slot_offset)
-            )
-            self._tables.append((base, stride, size, offset, int(t.size.max())))
+            tables = self.layout.region_tables(g)
+            arrays = (tables.base, tables.stride, tables.size, tables.slot_offset)
+            base, stride, size, offset = (rt.upload(setup, a.view(np.int64)) for a in arrays)
+            self._tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
         bases = [byte_view(t) for t in self.layout.tensors]
         self._views = [
@@ -264,29 +274,35 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
-        self._watch: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._watcher_done = ThreadSignal(context.call_soon)
-        self._watcher = threading.Thread(
-            target=self._watch_loop,
-            name=f"offload-engine-watch-{self.direction.value}",
-            daemon=True,
-        )
-        self._watcher.start()
+        # launcher: enqueues each job's device work (driver calls release the GIL, so
+        # the store and load handlers' launchers run in parallel, off the event loop);
+        # watcher: sleeps on each job's events in order and reports the outcome.
+        self._launch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._watch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._threads_done = ThreadSignal(context.call_soon)
+        name = f"offload-engine-{self.runtime.name}-{self.direction.value}"
+        self._threads = [
+            threading.Thread(target=self._launch_loop, name=f"{name}-launch", daemon=True),
+            threading.Thread(target=self._watch_loop, name=f"{name}-watch", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
         self._started = True
 
     async def aclose(self) -> None:
         if not self._started:
             return
         self._started = False
-        self._watch.put(_STOP)
+        self._launch_q.put(_STOP)  # the launcher passes it on to the watcher
         with anyio.move_on_after(self.config.close_timeout):
-            await self._watcher_done.wait()
-        if not self._watcher_done.is_set():
+            await self._threads_done.wait()
+        if not self._threads_done.is_set():
             raise EngineBrokenError(
                 f"{self.name}: device work did not finish within {self.config.close_timeout}s of "
                 "close; the device may be hung"
             )
-        self._watcher.join()
+        for t in self._threads:
+            t.join()
         self._staging = None
         self._views = []
         self._tables.clear()
@@ -301,6 +317,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         return self.runtime.new_event()
 
     def _recycle(self, events: list[Any]) -> None:
+        # Safe to reuse once the job is done: a later wait on a recycled event
+        # captured its record when it was enqueued, and a re-record only adds a
+        # wait on already-enqueued work, never a cycle.
         with self._events_lock:
             self._events.extend(events)
 
@@ -336,54 +355,77 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ launch
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
-        plan = job.prepared
+        self._launch_q.put(job)
+
+    def _launch_loop(self) -> None:
+        while True:
+            item = self._launch_q.get()
+            if item is _STOP:
+                self._watch_q.put(_STOP)
+                return
+            job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
+            try:
+                self._enqueue(job.prepared)
+            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                job.fail(exc)
+                self._recycle(job.prepared.events)
+            else:
+                self._watch_q.put(job)
+
+    def _enqueue(self, plan: DevicePlan) -> None:
+        """Put one job's work on the streams. Jobs take effect in submission order:
+        each job's writes wait for the previous job's writes."""
         rt = self.runtime
         sm, dma = self._pool[self._seq % len(self._pool)]
         self._seq += 1
         if plan.strategy is Strategy.STAGED:
-            end = self._launch_staged(plan, sm, dma)
-        else:
-            stream = dma if plan.strategy is Strategy.DMA else sm
-            rt.wait_event(stream, plan.ready)
-            if self._last_end is not None:
-                rt.wait_event(stream, self._last_end)
-            for m in plan.groups:
-                if plan.strategy is Strategy.DMA:
-                    self._dma_chunks(stream, m)
-                else:
-                    self._kernel(stream, m)
-            end = self._event()
-            rt.record(end, stream)
-            plan.events.append(end)
-            plan.checks.append(end)
-        self._last_end = end
-        self._watch.put((job, plan))
+            self._enqueue_staged(plan, sm, dma)
+            return
+        stream = dma if plan.strategy is Strategy.DMA else sm
+        rt.wait_event(stream, plan.ready)
+        if self._last_effect is not None:
+            rt.wait_event(stream, self._last_effect)
+        for m in plan.groups:
+            if plan.strategy is Strategy.DMA:
+                dst, src, sizes = chunk_descriptors(
+                    self.layout.region_tables(m.group),
+                    m.cache_ids,
+                    m.slots,
+                    tier_base=self.tier.memory.data_ptr(),
+                    slot_bytes=self.tier.slot_bytes,
+                    store=self.store,
+                )
+                rt.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
+            else:
+                ids = rt.upload(stream, m.cache_ids)
+                slots = rt.upload(stream, m.slots)
+                self._block_copy(stream, m, ids, slots, 0, int(m.cache_ids.size), self.tier.memory)
+        end = self._mark(plan, stream)
+        self._last_effect = end
 
-    def _dma_chunks(self, stream: Any, m: GroupMapping) -> None:
-        dst, src, sizes = chunk_descriptors(
-            self.layout.region_tables(m.group),
-            m.cache_ids,
-            m.slots,
-            tier_base=self.tier.memory.data_ptr(),
-            slot_bytes=self.tier.slot_bytes,
-            store=self.store,
-        )
-        self.runtime.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
+    def _mark(self, plan: DevicePlan, stream: Any) -> Any:
+        """Record a pooled event on ``stream`` that the watcher will check."""
+        event = self._event()
+        self.runtime.record(event, stream)
+        plan.events.append(event)
+        plan.checks.append(event)
+        return event
 
     def _block_copy(
         self,
         stream: Any,
         m: GroupMapping,
+        ids: torch.Tensor,
+        slot_ids: torch.Tensor | None,
         lo: int,
         hi: int,
-        *,
         slots: torch.Tensor,
-        staged: bool,
     ) -> None:
-        rt = self.runtime
+        """Copy blocks ``lo:hi`` of the group between the cache and ``slots``: a staging
+        buffer filled in order (``slot_ids`` None) or the tier itself."""
         base, stride, size, offset, max_size = self._tables[m.group]
-        row_bytes = self.layout.slot_bytes if staged else self.tier.slot_bytes
-        rt.copy_blocks(
+        row_bytes = self.layout.slot_bytes if slot_ids is None else self.tier.slot_bytes
+        self.runtime.copy_blocks(
             stream,
             BlockCopy(
                 region_base=base,
@@ -391,8 +433,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 region_size=size,
                 slot_offset=offset,
                 max_region_size=max_size,
-                cache_ids=rt.upload(stream, m.cache_ids[lo:hi]),
-                slot_ids=None if staged else rt.upload(stream, m.slots[lo:hi]),
+                cache_ids=ids[lo:hi],
+                slot_ids=None if slot_ids is None else slot_ids[lo:hi],
                 count=hi - lo,
                 slot_base=slots.data_ptr(),
                 slot_bytes=row_bytes,
@@ -403,30 +445,28 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             ),
         )
 
-    def _kernel(self, stream: Any, m: GroupMapping) -> None:
-        self._block_copy(stream, m, 0, int(m.cache_ids.size), slots=self.tier.memory, staged=False)
+    def _enqueue_staged(self, plan: DevicePlan, sm: Any, dma: Any) -> None:
+        """A store gathers each piece on the SM stream, then DMAs it to the host; a load
+        DMAs each piece into staging, then scatters it on the SM stream. Two buffers
+        let piece i+1's first half run while piece i's second half does.
 
-    def _launch_staged(self, plan: DevicePlan, sm: Any, dma: Any) -> Any:
-        """Enqueue a staged job; return its end event (on the stream that writes last).
-
-        Each piece records fresh events, all of which the watcher checks: a device
-        error surfaces at the next event recorded on its own stream.
+        The job's writes (store: the DMAs, load: the scatters) wait for the previous
+        job's writes; the other half of each piece is only held by buffer reuse.
+        Every piece records events the watcher checks, since a device error
+        surfaces at the next event recorded on its own stream.
         """
         rt = self.runtime
         staging = self._staging
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
-        rt.wait_event(sm, plan.ready)
-        if self._last_sm is not None:
-            rt.wait_event(sm, self._last_sm)
-        if self._last_end is not None:
-            rt.wait_event(dma, self._last_end)
-        # a store gathers on the SM stream, then DMAs to the host;
-        # a load DMAs into staging, then scatters on the SM stream
         first, second = (sm, dma) if self.store else (dma, sm)
-        end = sm_last = None
+        rt.wait_event(sm, plan.ready)
+        if self._last_effect is not None:
+            rt.wait_event(second, self._last_effect)
+        end = None
         for m in plan.groups:
             n = int(m.cache_ids.size)
+            ids = rt.upload(sm, m.cache_ids)  # once per job and group, before any piece
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
@@ -444,39 +484,30 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
                 if self.store:
-                    self._block_copy(sm, m, lo, hi, slots=buffer, staged=True)
+                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 else:
                     rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
-                full = rt.new_event()
-                rt.record(full, first)
+                full = self._mark(plan, first)
                 rt.wait_event(second, full)
                 if self.store:
                     rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
                 else:
-                    self._block_copy(sm, m, lo, hi, slots=buffer, staged=True)
-                free = rt.new_event()
-                rt.record(free, second)
-                staging.free[b] = end = free
-                sm_last = full if self.store else free
-                plan.checks += [full, free]
-        if end is None:  # an empty job: mark its place in both streams' order
-            end = rt.new_event()
-            rt.record(end, second)
-            sm_last = end
-        self._last_sm = sm_last
-        return end
+                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                staging.free[b] = end = self._mark(plan, second)
+        if end is None:  # an empty job still takes its place in the order
+            end = self._mark(plan, second)
+        self._last_effect = end
 
     # ------------------------------------------------------------ completion
 
     def _watch_loop(self) -> None:
         try:
             while True:
-                item = self._watch.get()
+                item = self._watch_q.get()
                 if item is _STOP:
                     return
-                job: LaunchedJob[DevicePlan]
-                plan: DevicePlan
-                job, plan = item  # type: ignore[misc]
+                job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
+                plan = job.prepared
                 try:
                     for event in plan.checks:
                         self.runtime.synchronize(event)
@@ -486,7 +517,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     job.succeed(plan.nbytes)
                 self._recycle(plan.events)
         finally:
-            self._watcher_done.set()
+            self._threads_done.set()
 
 
 def pinned_host_tier(

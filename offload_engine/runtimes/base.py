@@ -109,8 +109,9 @@ class DeviceRuntime(abc.ABC):
     # -- streams and events ----------------------------------------------------
 
     @abc.abstractmethod
-    def new_stream(self) -> Any:
-        """A new non-default stream (never the legacy default stream)."""
+    def new_stream(self, priority: int = 0) -> Any:
+        """A new non-default stream (never the legacy default stream). A negative
+        ``priority`` asks for a higher one where :attr:`supports_priority`."""
 
     @abc.abstractmethod
     def current_stream(self) -> Any:

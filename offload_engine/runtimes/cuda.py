@@ -90,7 +90,7 @@ class _Driver:
         err, version = drv.cuDriverGetVersion()
         if int(err) != 0:
             raise RuntimeUnavailableError(f"cuDriverGetVersion failed: {name(int(err))}")
-        flags = drv.CUflags.CU_GET_PROC_ADDRESS_DEFAULT
+        flags = 0  # CU_GET_PROC_ADDRESS_DEFAULT
 
         def resolve(symbol: bytes, ver: int) -> int | None:
             rc, ptr, status = drv.cuGetProcAddress(symbol, ver, flags)
@@ -182,8 +182,8 @@ class CudaRuntime(DeviceRuntime):
         torch.cuda.set_device(self.device)
         self._local.bound = True
 
-    def new_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device)  # type: ignore[no-untyped-call]
+    def new_stream(self, priority: int = 0) -> torch.cuda.Stream:
+        return torch.cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)

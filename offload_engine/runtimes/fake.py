@@ -157,7 +157,7 @@ class FakeRuntime(DeviceRuntime):
 
     # ------------------------------------------------------------ streams and events
 
-    def new_stream(self) -> FakeStream:
+    def new_stream(self, priority: int = 0) -> FakeStream:
         with self._lock:
             if self.closed:
                 raise FakeDeviceError("the fake runtime is closed")
