@@ -92,7 +92,9 @@ class DeviceHandlerConfig:
     """Tuning of a device handler; every field is validated at construction.
 
     ``staging_bytes`` is the device memory for the staged strategy, split in
-    two buffers (0 disables it). ``dma_min_chunk_bytes``: ``AUTO`` picks
+    ``staging_buffers`` buffers (0 bytes disables it): with more buffers, more
+    pieces can be gathered ahead of the copy engine, which hides gathers that
+    wait for SMs a concurrent GEMM holds. ``dma_min_chunk_bytes``: ``AUTO`` picks
     ``dma`` when every region of a block is at least this large, else
     ``staged`` when there is staging memory. ``streams``: size of the stream
     pool. ``max_inflight``: jobs launched and not yet finished.
@@ -102,6 +104,7 @@ class DeviceHandlerConfig:
 
     strategy: Strategy = Strategy.AUTO
     staging_bytes: int = 256 << 20
+    staging_buffers: int = 3
     dma_min_chunk_bytes: int = 512 << 10
     streams: int = 4
     max_inflight: int = 16
@@ -114,10 +117,12 @@ class DeviceHandlerConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
-        for key in ("streams", "max_inflight"):
+        for key in ("streams", "max_inflight", "staging_buffers"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key} must be an int >= 1, got {value!r}")
+        if self.staging_buffers < 2:
+            raise ConfigError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
         if not self.close_timeout > 0:
             raise ConfigError(f"close_timeout must be positive, got {self.close_timeout!r}")
 
@@ -137,21 +142,21 @@ class DevicePlan:
 
 
 class _Staging:
-    """Two device buffers of ``rows`` tier-slot-shaped rows.
+    """``count`` device buffers of ``rows`` tier-slot-shaped rows, used in turn.
 
     ``free[b]`` is the event after which buffer ``b`` may be refilled (the end
     of the last piece that used it), or ``None`` before its first use.
     """
 
-    def __init__(self, runtime: DeviceRuntime, rows: int, slot_bytes: int) -> None:
+    def __init__(self, runtime: DeviceRuntime, count: int, rows: int, slot_bytes: int) -> None:
         self.rows = rows
-        self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(2)]
-        self.free: list[Any] = [None, None]
+        self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
+        self.free: list[Any] = [None] * count
         self.next = 0
 
     def take(self) -> int:
         b = self.next
-        self.next ^= 1
+        self.next = (b + 1) % len(self.buffers)
         return b
 
 
@@ -209,15 +214,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         )
         block_copies = runtime.supports_block_copy and aligned
         rows = (
-            config.staging_bytes // 2 // layout.slot_bytes
+            config.staging_bytes // config.staging_buffers // layout.slot_bytes
             if config.staging_bytes and block_copies
             else 0
         )
         if config.strategy is Strategy.STAGED and rows < 1:
             raise ConfigError(
                 f"the staged strategy needs block copies on the {runtime.name} runtime with "
-                f"{align}-byte aligned regions, and staging_bytes >= 2 x {layout.slot_bytes} "
-                f"(one block per buffer); got staging_bytes={config.staging_bytes}"
+                f"{align}-byte aligned regions, and staging_bytes >= {config.staging_buffers} x "
+                f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
             )
         if config.strategy is Strategy.KERNEL and not (
             runtime.supports_kernel_strategy and aligned
@@ -241,16 +246,21 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def start(self, context: HandlerContext) -> None:
         rt = self.runtime
-        # (SM stream, DMA stream) pairs; device-side copies go on a high-priority
-        # stream so a concurrent GEMM does not hold them (and the DMA behind them) up
+        # (SM stream, two DMA streams): device-side copies go on a high-priority
+        # stream so a concurrent GEMM does not hold them (and the DMA behind them)
+        # up; staged pieces alternate between the DMA streams, which keeps the copy
+        # engines busy across the per-copy setup of scattered slots
         self._pool = [
-            (rt.new_stream(priority=-1), rt.new_stream()) for _ in range(self.config.streams)
+            (rt.new_stream(priority=-1), (rt.new_stream(), rt.new_stream()))
+            for _ in range(self.config.streams)
         ]
         self._seq = 0
         # the event after which the previous job's writes (its effect) are done
         self._last_effect: Any = None
         self._staging = (
-            _Staging(rt, self._stage_rows, self.layout.slot_bytes) if self._stage_rows else None
+            _Staging(rt, self.config.staging_buffers, self._stage_rows, self.layout.slot_bytes)
+            if self._stage_rows
+            else None
         )
         # region tables on the device, uploaded once
         setup = self._pool[0][0]
@@ -376,12 +386,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         """Put one job's work on the streams. Jobs take effect in submission order:
         each job's writes wait for the previous job's writes."""
         rt = self.runtime
-        sm, dma = self._pool[self._seq % len(self._pool)]
+        sm, dmas = self._pool[self._seq % len(self._pool)]
         self._seq += 1
         if plan.strategy is Strategy.STAGED:
-            self._enqueue_staged(plan, sm, dma)
+            self._enqueue_staged(plan, sm, dmas)
             return
-        stream = dma if plan.strategy is Strategy.DMA else sm
+        stream = dmas[0] if plan.strategy is Strategy.DMA else sm
         rt.wait_event(stream, plan.ready)
         if self._last_effect is not None:
             rt.wait_event(stream, self._last_effect)
@@ -445,10 +455,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             ),
         )
 
-    def _enqueue_staged(self, plan: DevicePlan, sm: Any, dma: Any) -> None:
+    def _enqueue_staged(self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
         """A store gathers each piece on the SM stream, then DMAs it to the host; a load
-        DMAs each piece into staging, then scatters it on the SM stream. Two buffers
-        let piece i+1's first half run while piece i's second half does.
+        DMAs each piece into staging, then scatters it on the SM stream. With several
+        buffers, later pieces' first halves run while earlier pieces' second halves do;
+        consecutive pieces' DMAs go on alternate DMA streams.
 
         The job's writes (store: the DMAs, load: the scatters) wait for the previous
         job's writes; the other half of each piece is only held by buffer reuse.
@@ -459,10 +470,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         staging = self._staging
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
-        first, second = (sm, dma) if self.store else (dma, sm)
         rt.wait_event(sm, plan.ready)
         if self._last_effect is not None:
-            rt.wait_event(second, self._last_effect)
+            for stream in dmas if self.store else (sm,):
+                rt.wait_event(stream, self._last_effect)
+        last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
         for m in plan.groups:
             n = int(m.cache_ids.size)
@@ -470,6 +482,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
+                dma = dmas[b % 2]
+                first, second = (sm, dma) if self.store else (dma, sm)
                 buffer = staging.buffers[b]
                 dst, src, sizes = slot_descriptors(
                     hi - lo,
@@ -494,8 +508,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 else:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 staging.free[b] = end = self._mark(plan, second)
-        if end is None:  # an empty job still takes its place in the order
-            end = self._mark(plan, second)
+                last[b % 2] = end
+        if self.store and len(last) == 2:  # join both DMA streams into one end event
+            rt.wait_event(dmas[0], last[1])
+            end = self._mark(plan, dmas[0])
+        elif end is None:  # an empty job still takes its place in the order
+            end = self._mark(plan, dmas[0] if self.store else sm)
         self._last_effect = end
 
     # ------------------------------------------------------------ completion
