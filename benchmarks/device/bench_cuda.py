@@ -115,9 +115,11 @@ class Bench:
         self.block_bytes = self.layout.slot_bytes
 
     def engine(
-        self, strategy: Strategy
+        self, strategy: Strategy, buffers: int = 3
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
-        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=256 << 20, max_inflight=8)
+        cfg = DeviceHandlerConfig(
+            strategy=strategy, staging_bytes=256 << 20, staging_buffers=buffers, max_inflight=8
+        )
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
 

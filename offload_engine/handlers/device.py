@@ -255,6 +255,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             for _ in range(self.config.streams)
         ]
         self._seq = 0
+        self._pieces = 0  # staged pieces so far; their DMAs alternate between two streams
         # the event after which the previous job's writes (its effect) are done
         self._last_effect: Any = None
         self._staging = (
@@ -482,7 +483,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
-                dma = dmas[b % 2]
+                self._pieces += 1
+                dma = dmas[self._pieces % 2]
                 first, second = (sm, dma) if self.store else (dma, sm)
                 buffer = staging.buffers[b]
                 dst, src, sizes = slot_descriptors(
@@ -508,7 +510,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 else:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 staging.free[b] = end = self._mark(plan, second)
-                last[b % 2] = end
+                last[self._pieces % 2] = end
         if self.store and len(last) == 2:  # join both DMA streams into one end event
             rt.wait_event(dmas[0], last[1])
             end = self._mark(plan, dmas[0])
