@@ -102,6 +102,8 @@ def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict
 
 
 class Bench:
+    streams = 1
+
     def __init__(self, runtime: CudaRuntime, tokens: int, num_blocks: int) -> None:
         self.runtime = runtime
         self.tokens = tokens
@@ -118,7 +120,11 @@ class Bench:
         self, strategy: Strategy, buffers: int = 3
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
         cfg = DeviceHandlerConfig(
-            strategy=strategy, staging_bytes=256 << 20, staging_buffers=buffers, max_inflight=8
+            strategy=strategy,
+            staging_bytes=256 << 20,
+            staging_buffers=buffers,
+            max_inflight=8,
+            streams=self.streams,
         )
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
@@ -156,6 +162,8 @@ def jobs_for(per_job: int, block_bytes: int, target_bytes: int) -> int:
 def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     runtime = CudaRuntime()
     for tokens, num_blocks in ((16, 1536), (64, 1152)):
+        if tokens not in args.tokens:
+            continue
         bench = Bench(runtime, tokens, num_blocks)
         target = (1 << 30) if args.quick else (4 << 30)
         ceiling = contiguous_ceiling(runtime, 1 << 30)
@@ -322,7 +330,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer bytes per measurement")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--passes", default="bandwidth,gemm,cpu")
+    parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
+    parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     args = parser.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    if args.streams is not None:
+        Bench.streams = args.streams
     rows: list[dict[str, Any]] = []
     passes = args.passes.split(",")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {date.today()}", flush=True)
