@@ -17,11 +17,12 @@ is passed in (vLLM's ``current_platform`` in production, any object with a
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.vllm.config import EngineOffloadingConfig
+from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 from offload_engine.errors import RuntimeUnavailableError
 from offload_engine.handler import TransferHandler
 from offload_engine.handlers.host import HostCopyHandler
@@ -40,6 +41,8 @@ CUDA_HANDLER_MODULE = "offload_engine.handlers.cuda"
 NPU_HANDLER_MODULE = "offload_engine.handlers.npu"
 DEVICE_ENTRY_POINT = "build_vllm_handlers"
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -55,6 +58,11 @@ def build_host_handlers(
     layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
 ) -> tuple[list[TransferHandler[Any]], HostTier]:
     """CPU platform: one HostCopyHandler serves stores and loads (CPU <-> CPU)."""
+    if config.strategy != "auto" or config.staging_bytes != DEFAULT_STAGING_BYTES:
+        logger.info(
+            "offload-engine: 'strategy' and 'staging_bytes' apply to device handlers; "
+            "ignored on vLLM's CPU platform"
+        )
     tier = HostTier.for_layout(layout, num_tier_blocks, factor=config.blocks_per_chunk)
     try:
         handler = HostCopyHandler(layout, tier, workers=config.host_workers)

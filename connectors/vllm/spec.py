@@ -11,6 +11,7 @@ This module imports vLLM.
 
 from __future__ import annotations
 
+import vllm
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingWorker
@@ -18,6 +19,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
+from connectors.vllm import SUPPORTED_VLLM
 from connectors.vllm.bridge import build_bridge
 from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
 from connectors.vllm.worker import EngineOffloadingWorker
@@ -47,6 +49,13 @@ class EngineOffloadingSpec(CPUOffloadingSpec):
                 f"(cache_policy_module_path={cfg.cache_policy_module_path!r}) does not "
                 f"resolve to a vLLM cache policy: {exc}"
             ) from exc
+        version = str(getattr(vllm, "__version__", "unknown"))
+        if version.split("+", maxsplit=1)[0] not in SUPPORTED_VLLM:
+            logger.warning(
+                "offload-engine's vLLM adapter is tested with vLLM %s; this is vLLM %s",
+                ", ".join(SUPPORTED_VLLM),
+                version,
+            )
         world = config.parallel.world_size
         if cfg.stats_path is not None and world > 1 and "{rank}" not in cfg.stats_path:
             raise ConfigError(
