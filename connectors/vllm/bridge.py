@@ -163,21 +163,27 @@ class EngineBridge:
         stash, self._stash = self._stash, []
         live = self._live
         out: list[TransferResult] = []
-        for result, direction in stash:
-            self._deliver(result, direction, out)
+        for result, stashed_direction in stash:
+            self._deliver(result, stashed_direction, out)
         for result in fresh:
-            self._deliver(result, live.pop(result.job_id), out)
+            direction = live.pop(result.job_id) if result.job_id in live else None
+            if direction is None:  # pragma: no cover - only this bridge submits
+                self._log.error(
+                    "offload-engine returned a result for job %d, which this worker did not submit",
+                    result.job_id,
+                )
+            self._deliver(result, direction, out)
         return out
 
     def _deliver(
-        self, result: TransferResult, direction: Direction, out: list[TransferResult]
+        self, result: TransferResult, direction: Direction | None, out: list[TransferResult]
     ) -> None:
         self._counts["results_delivered"] += 1
         if not result.success:
             self._counts["failures_delivered"] += 1
             self._log.error(
                 "offload-engine %s job %d failed after %.6fs: %s: %s",
-                direction.value,
+                direction.value if direction is not None else "unknown",
                 result.job_id,
                 result.latency,
                 type(result.error).__name__,
