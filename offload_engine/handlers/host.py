@@ -64,12 +64,17 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         self.tier = tier
         bases = [byte_view(t) for t in layout.tensors]
         # (num_blocks, size) strided byte views of every region, and the matching
-        # (num_slots, size) column slices of the tier, built once.
+        # (num_slots, size) column slices of the tier, built once. as_strided takes
+        # an absolute storage offset: a KV tensor may be a view that starts inside
+        # a larger allocation (vLLM carves every layer out of one buffer).
         self._views: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], ...] = tuple(
             tuple(
                 (
                     torch.as_strided(
-                        bases[r.tensor], (layout.num_blocks, r.size), (r.stride, 1), r.offset
+                        bases[r.tensor],
+                        (layout.num_blocks, r.size),
+                        (r.stride, 1),
+                        bases[r.tensor].storage_offset() + r.offset,
                     ),
                     tier.memory[:, off : off + r.size],
                 )
