@@ -19,12 +19,13 @@ from typing import Any, Literal, TypeAlias
 
 from offload_engine.errors import ConfigError
 
-Strategy: TypeAlias = Literal["auto", "direct", "staged"]
+Strategy: TypeAlias = Literal["auto", "dma", "staged", "kernel"]
 
-#: Values of ``strategy`` (how a device handler moves bytes; see docs/vllm.md).
-STRATEGIES: tuple[Strategy, ...] = ("auto", "direct", "staged")
+#: Values of ``strategy``: the device handler's copy strategies (see docs/vllm.md).
+STRATEGIES: tuple[Strategy, ...] = ("auto", "dma", "staged", "kernel")
 
-DEFAULT_STAGING_BYTES = 64 * 1024 * 1024
+#: The device handler's default (two buffers of 128 MiB).
+DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 DEFAULT_QUEUE_CAPACITY = 4096
 # vLLM's CPUOffloadingSpec defaults, restated so the parsed config is complete.
 DEFAULT_STORE_THRESHOLD = 0

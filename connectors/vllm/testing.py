@@ -9,7 +9,7 @@ un-padded page size.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -41,12 +41,15 @@ def fake_canonical_kv_caches(
     padded_pages: Sequence[int] = (256, 256, 192),
     groups: Sequence[Sequence[tuple[int, int]]] = (((0, 240), (1, 240)), ((2, 160),)),
     seed: int = 0,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> FakeCanonicalKVCaches:
     """Random KV caches: tensor ``t`` is ``(num_blocks, padded_pages[t])``; group ``g``
-    holds ``(tensor_idx, unpadded_page_bytes)`` refs ``groups[g]``."""
+    holds ``(tensor_idx, unpadded_page_bytes)`` refs ``groups[g]``. ``empty``
+    allocates the shared buffer (a fake device runtime's memory, say)."""
     total = num_blocks * sum(padded_pages)
     gen = torch.Generator().manual_seed(seed)
-    buffer = torch.randint(-128, 128, (total,), generator=gen, dtype=torch.int16).to(torch.int8)
+    values = torch.randint(-128, 128, (total,), generator=gen, dtype=torch.int16).to(torch.int8)
+    buffer = values if empty is None else empty((total,), torch.int8).copy_(values)
     tensors = []
     offset = 0
     for page in padded_pages:

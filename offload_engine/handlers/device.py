@@ -68,7 +68,6 @@ from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import (
     GroupMapping,
     KVLayout,
-    byte_view,
     chunk_descriptors,
     map_blocks,
     slot_descriptors,
@@ -283,16 +282,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             base, stride, size, offset = (rt.upload(setup, a.view(np.int64)) for a in arrays)
             self._tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
-        bases = [byte_view(t) for t in self.layout.tensors]
-        self._views = [
-            tuple(
-                torch.as_strided(
-                    bases[r.tensor], (self.layout.num_blocks, r.size), (r.stride, 1), r.offset
-                )
-                for r in regions
-            )
-            for regions in self.layout.groups
-        ]
+        self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)

@@ -19,7 +19,7 @@ import torch
 from offload_engine.errors import InvalidTransferError, LayoutError
 from offload_engine.handler import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.layout import KVLayout, byte_view, map_blocks
+from offload_engine.layout import KVLayout, map_blocks
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     CacheBlocks,
@@ -62,25 +62,14 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         tier.check_layout(layout)
         self.layout = layout
         self.tier = tier
-        bases = [byte_view(t) for t in layout.tensors]
         # (num_blocks, size) strided byte views of every region, and the matching
-        # (num_slots, size) column slices of the tier, built once. as_strided takes
-        # an absolute storage offset: a KV tensor may be a view that starts inside
-        # a larger allocation (vLLM carves every layer out of one buffer).
+        # (num_slots, size) column slices of the tier, built once
         self._views: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], ...] = tuple(
             tuple(
-                (
-                    torch.as_strided(
-                        bases[r.tensor],
-                        (layout.num_blocks, r.size),
-                        (r.stride, 1),
-                        bases[r.tensor].storage_offset() + r.offset,
-                    ),
-                    tier.memory[:, off : off + r.size],
-                )
-                for r, off in zip(regions, offsets, strict=True)
+                (view, tier.memory[:, off : off + view.shape[1]])
+                for view, off in zip(layout.region_views(g), layout.slot_offsets[g], strict=True)
             )
-            for regions, offsets in zip(layout.groups, layout.slot_offsets, strict=True)
+            for g in range(len(layout.groups))
         )
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
