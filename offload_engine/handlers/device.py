@@ -61,7 +61,6 @@ from offload_engine._loop import ThreadSignal
 from offload_engine.errors import (
     ConfigError,
     EngineBrokenError,
-    InvalidTransferError,
     LayoutError,
 )
 from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
@@ -69,16 +68,13 @@ from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
-    map_blocks,
     slot_descriptors,
 )
 from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime
-from offload_engine.tier import HostTier
+from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
-    CacheBlocks,
     Direction,
     Medium,
-    TierBlocks,
     TransferSpec,
 )
 
@@ -343,27 +339,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ submit
 
     def prepare(self, spec: TransferSpec) -> DevicePlan:
-        if self.store:
-            cache, tier = spec.src, spec.dst
-        else:
-            cache, tier = spec.dst, spec.src
-        if not isinstance(cache, CacheBlocks) or not isinstance(tier, TierBlocks):
-            want = "CacheBlocks -> TierBlocks" if self.store else "TierBlocks -> CacheBlocks"
-            raise InvalidTransferError(
-                f"{self.name} needs {want}, got {type(spec.src).__name__} -> "
-                f"{type(spec.dst).__name__}"
-            )
-        if self.tier.released:
-            raise LayoutError(f"{self.name}: the host tier has been released")
-        groups = map_blocks(
-            cache,
-            tier,
-            factor=self.tier.factor,
-            num_cache_blocks=self.layout.num_blocks,
-            num_tier_blocks=self.tier.num_blocks,
-            num_groups=len(self.layout.groups),
-        )
-        nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in groups)
+        job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
+        groups, nbytes = job.groups, job.nbytes
         strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto
         ready = self._event()
         self.runtime.record(ready, self.runtime.current_stream())

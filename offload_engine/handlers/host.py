@@ -16,16 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_engine.errors import InvalidTransferError, LayoutError
+from offload_engine.errors import LayoutError
 from offload_engine.handler import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.layout import KVLayout, map_blocks
-from offload_engine.tier import HostTier
+from offload_engine.layout import KVLayout
+from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
-    CacheBlocks,
     Direction,
     Medium,
-    TierBlocks,
     TransferSpec,
 )
 
@@ -73,31 +71,11 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         )
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
-        direction = spec.direction
-        if direction is Direction.STORE:
-            cache, tier = spec.src, spec.dst
-        elif direction is Direction.LOAD:
-            cache, tier = spec.dst, spec.src
-        else:
-            raise InvalidTransferError(
-                f"{self.name} moves blocks between a KV cache and a tier, got "
-                f"{type(spec.src).__name__} -> {type(spec.dst).__name__}"
-            )
-        if not isinstance(cache, CacheBlocks) or not isinstance(tier, TierBlocks):
-            raise InvalidTransferError(
-                f"{self.name} needs CacheBlocks and TierBlocks, got {spec.src!r} -> {spec.dst!r}"
-            )
-        mapping = map_blocks(
-            cache,
-            tier,
-            factor=self.tier.factor,
-            num_cache_blocks=self.layout.num_blocks,
-            num_tier_blocks=self.tier.num_blocks,
-            num_groups=len(self.layout.groups),
+        job = map_transfer(spec, self.layout, self.tier, who=self.name)
+        groups = tuple(
+            (m.group, torch.tensor(m.cache_ids), torch.tensor(m.slots)) for m in job.groups
         )
-        groups = tuple((m.group, torch.tensor(m.cache_ids), torch.tensor(m.slots)) for m in mapping)
-        nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in mapping)
-        return HostPlan(direction is Direction.STORE, groups, nbytes)
+        return HostPlan(job.direction is Direction.STORE, groups, job.nbytes)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
