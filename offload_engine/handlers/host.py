@@ -19,7 +19,7 @@ import torch
 from offload_engine.errors import LayoutError
 from offload_engine.handler import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.layout import KVLayout
+from offload_engine.layout import GroupMapping, KVLayout
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
@@ -33,7 +33,7 @@ class HostPlan:
     """A planned host copy: per group, cache-block and slot index tensors."""
 
     store: bool
-    groups: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]  # (group, cache idx, slot idx)
+    groups: list[GroupMapping]
     nbytes: int
 
 
@@ -72,15 +72,14 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name)
-        groups = tuple(
-            (m.group, torch.tensor(m.cache_ids), torch.tensor(m.slots)) for m in job.groups
-        )
-        return HostPlan(job.direction is Direction.STORE, groups, job.nbytes)
+        return HostPlan(job.direction is Direction.STORE, job.groups, job.nbytes)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
-        for group, cache_idx, slot_idx in plan.groups:
-            for cache_view, tier_view in self._views[group]:
+        for m in plan.groups:  # index tensors are built here, off the submitting thread
+            cache_idx = torch.from_numpy(m.cache_ids.copy())
+            slot_idx = torch.from_numpy(m.slots.copy())
+            for cache_view, tier_view in self._views[m.group]:
                 if plan.store:
                     tier_view.index_copy_(0, slot_idx, cache_view.index_select(0, cache_idx))
                 else:
