@@ -92,11 +92,17 @@ class HostTier:
             )
 
     def release(self) -> None:
-        """Drop the memory (and unpin it, if a runtime pinned it). Idempotent."""
-        self._memory = None
+        """Unpin the memory (if a runtime pinned it), then drop it. Idempotent.
+
+        Unpinning comes first: the registration must end while the memory it
+        covers is still allocated.
+        """
         release, self._release = self._release, None
-        if release is not None:
-            release()
+        try:
+            if release is not None:
+                release()
+        finally:
+            self._memory = None
 
     def __repr__(self) -> str:
         state = "released" if self._memory is None else ("pinned" if self.pinned else "pageable")

@@ -429,3 +429,17 @@ def test_one_stream_set_with_batched_copies_a_pool_without(batched: bool, sets: 
         tier.release()
     finally:
         fake.close()
+
+
+def test_a_tier_is_unpinned_before_its_memory_is_dropped() -> None:
+    from offload_engine import HostTier
+
+    seen: list[bool] = []
+    memory = torch.zeros(4, 64, dtype=torch.uint8)
+    tier = HostTier(
+        4, 64, memory=memory, pinned=True, release=lambda: seen.append(not tier.released)
+    )
+    del memory
+    tier.release()
+    assert seen == [True]  # the unpin ran while the tier still held its memory
+    assert tier.released
