@@ -38,6 +38,7 @@ caller, which the device would not do).
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import itertools
 import queue
 import threading
@@ -271,6 +272,7 @@ def fake_torch_npu_module(ascend: FakeAscend) -> types.ModuleType:
     module = types.ModuleType("torch_npu")
     module.npu = ascend.npu  # type: ignore[attr-defined]
     module.__version__ = "2.13.0.fake"  # type: ignore[attr-defined]
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     return module
 
 
@@ -323,7 +325,7 @@ class FakeAscendCL:
         self.register_calls: list[tuple[int, int, int]] = []  # (address, size, flag)
         self.unregister_calls: list[int] = []
         self._recent = b""
-        self._fail_batch: list[tuple[int, int]] = []  # (rc, failIndex) for the next calls
+        self._fail_batch: list[tuple[int, int] | None] = []  # (rc, failIndex) per next call
         self._fail_register: list[int] = []  # rc for the next registrations
         self._fail_unregister: list[int] = []
         self._fail_copy: BaseException | None = None
@@ -345,15 +347,17 @@ class FakeAscendCL:
     # ------------------------------------------------------------ faults
 
     def fail_next_batch(
-        self, rc: int = ACL_ERROR_INVALID_PARAM, fail_index: int = SIZE_MAX
+        self, rc: int = ACL_ERROR_INVALID_PARAM, fail_index: int = SIZE_MAX, *, after: int = 0
     ) -> None:
-        """The next aclrtMemcpyBatchAsync call returns ``rc`` and writes ``fail_index``."""
+        """aclrtMemcpyBatchAsync call ``after + 1`` from now returns ``rc`` and writes
+        ``fail_index``."""
         with self._lock:
-            self._fail_batch.append((rc, fail_index))
+            self._fail_batch.extend([None] * after + [(rc, fail_index)])
 
-    def fail_next_register(self, rc: int = ACL_ERROR_INVALID_PARAM) -> None:
+    def fail_next_register(self, rc: int = ACL_ERROR_INVALID_PARAM, *, after: int = 0) -> None:
+        """Registration call ``after + 1`` from now returns ``rc``."""
         with self._lock:
-            self._fail_register.append(rc)
+            self._fail_register.extend([ACL_SUCCESS] * after + [rc])
 
     def fail_next_unregister(self, rc: int = ACL_ERROR_INVALID_PARAM) -> None:
         with self._lock:
@@ -530,7 +534,7 @@ class FakeAscendCL:
         with self._lock:
             self.register_calls.append((address, size, flag))
             injected = self._fail_register.pop(0) if self._fail_register else None
-        if injected is not None:
+        if injected:
             return self._refuse(injected, "injected registration failure")
         if address % HOST_PAGE_BYTES or not size:
             return self._refuse(ACL_ERROR_INVALID_PARAM, f"{address:#x} is not 4K-aligned")

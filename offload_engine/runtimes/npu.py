@@ -234,6 +234,23 @@ def page_spans(
     return [(lo, hi - lo) for lo, hi in itertools.pairwise(bounds) if hi > lo]
 
 
+def _subtract(spans: list[tuple[int, int]], taken: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of ``spans`` (``(address, size)``) outside every ``taken`` range."""
+    out = []
+    for lo, size in spans:
+        pieces = [(lo, lo + size)]
+        for t_lo, t_size in taken:
+            t_hi = t_lo + t_size
+            pieces = [
+                part
+                for a, b in pieces
+                for part in ((a, min(b, t_lo)), (max(a, t_hi), b))
+                if part[1] > part[0]
+            ]
+        out += [(a, b - a) for a, b in pieces]
+    return out
+
+
 def _parse_index(device: int | str | torch.device | None, npu: Any) -> int:
     if device is None:
         return int(npu.current_device())
@@ -318,7 +335,7 @@ class NpuRuntime(DeviceRuntime):
             )
         self.batched = batched and self._acl.batch is not None
         self._local = threading.local()
-        self._pinned: dict[int, int] = {}  # registration address -> size
+        self._pinned: dict[int, list[int]] = {}  # registration address -> [size, users]
         self._attrs: dict[CopyKind, AclMemcpyBatchAttr] = {}
         dev = AclMemLocation(index, ACL_MEM_LOCATION_TYPE_DEVICE)
         host = AclMemLocation(0, ACL_MEM_LOCATION_TYPE_HOST)
@@ -389,49 +406,63 @@ class NpuRuntime(DeviceRuntime):
         self._bind_thread()
         total = tensor.numel() * tensor.element_size()
         row = tensor.stride(0) * tensor.element_size() if tensor.dim() > 1 else 1
-        registered: list[int] = []
+        wanted = page_spans(tensor.data_ptr(), total, row, self.pin_chunk_bytes, HOST_PAGE_BYTES)
+        held: list[int] = []  # registrations this pin counts on (some shared with others)
         keep: list[torch.Tensor] = [tensor]  # the memory outlives its registrations
 
         def release() -> None:
             self._bind_thread()
             failures = []
-            while registered:
-                address = registered.pop()
-                rc = int(unregister(address))
-                with self._lock:
-                    self._pinned.pop(address, None)
-                if rc:
-                    failures.append(self._acl.describe(f"aclrtHostUnregister({address:#x})", rc))
+            with self._lock:
+                while held:
+                    address = held.pop()
+                    entry = self._pinned[address]
+                    entry[1] -= 1
+                    if entry[1]:
+                        continue  # another pinned tensor shares this page
+                    del self._pinned[address]
+                    rc = int(unregister(address))
+                    if rc:
+                        failures.append(
+                            self._acl.describe(f"aclrtHostUnregister({address:#x})", rc)
+                        )
             keep.clear()
             if failures:
                 raise RuntimeUnavailableError("; ".join(failures))
 
-        for address, size in page_spans(
-            tensor.data_ptr(), total, row, self.pin_chunk_bytes, HOST_PAGE_BYTES
-        ):
-            rc = int(register(address, size, ACL_HOST_REG_PINNED))
-            if rc:
-                error = RuntimeUnavailableError(
-                    self._acl.describe(
-                        f"aclrtHostRegisterV2 of {size} bytes at {address:#x} "
-                        f"(tensor at {tensor.data_ptr():#x}, {total} bytes)",
-                        rc,
+        with self._lock:  # pinning is rare: hold the table across the ACL calls
+            # pages a registration of another tensor already covers (the page that two
+            # small allocations share) are not registered twice: that registration is shared
+            for address, (size, _) in sorted(self._pinned.items()):
+                if any(address < lo + n and lo < address + size for lo, n in wanted):
+                    self._pinned[address][1] += 1
+                    held.append(address)
+            shared = [(a, self._pinned[a][0]) for a in held]
+            for address, size in _subtract(wanted, shared):
+                rc = int(register(address, size, ACL_HOST_REG_PINNED))
+                if rc:
+                    error = RuntimeUnavailableError(
+                        self._acl.describe(
+                            f"aclrtHostRegisterV2 of {size} bytes at {address:#x} "
+                            f"(tensor at {tensor.data_ptr():#x}, {total} bytes)",
+                            rc,
+                        )
                     )
-                )
-                try:
-                    release()
-                except RuntimeUnavailableError as undo:
-                    raise error from undo
-                raise error
-            registered.append(address)
-            with self._lock:
-                self._pinned[address] = size
-        return release
+                    break
+                self._pinned[address] = [size, 1]
+                held.append(address)
+            else:
+                return release
+        try:
+            release()
+        except RuntimeUnavailableError as undo:
+            raise error from undo
+        raise error
 
     def _is_registered(self, start: int, end: int) -> bool:
         # a range may span consecutive registrations of one tensor
         with self._lock:
-            spans = sorted(self._pinned.items())
+            spans = sorted((a, size) for a, (size, _) in self._pinned.items())
         pos = start
         for lo, size in spans:
             if lo <= pos < lo + size:
