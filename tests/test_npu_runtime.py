@@ -96,6 +96,12 @@ class Buffers:
             unpin()
 
 
+def unregistered() -> torch.Tensor:
+    """Host memory in pages of its own (a large allocation is a mapping of its own), so it
+    cannot share a page that a registration of a small buffer was widened to."""
+    return torch.zeros(1 << 20, dtype=torch.uint8)
+
+
 def sync(rt: NpuRuntime, stream: Any) -> None:
     event = rt.new_event()
     rt.record(event, stream)
@@ -218,7 +224,7 @@ def test_a_refused_batch_names_the_copy_failindex_points_at() -> None:
         with pytest.raises(TransferError, match="failIndex 99 is outside the 4 copies"):
             rt.memcpy_batch(stream, dst, src, sizes, CopyKind.HOST_TO_DEVICE)
         # a real check of the library: copy 5 reads host memory that is not registered
-        loose = torch.zeros(16, dtype=torch.uint8)
+        loose = unregistered()
         src = src.copy()
         src[5] = loose.data_ptr()
         with pytest.raises(TransferError, match=r"not registered host.*failIndex 1: copy 5 "):
@@ -235,7 +241,8 @@ def test_a_refused_single_copy_is_named() -> None:
         buf = Buffers(rt, 4, 16)
         dst, src, sizes = buf.d2h()
         dst = dst.copy()
-        dst[2] = torch.zeros(16, dtype=torch.uint8).data_ptr()
+        loose = unregistered()
+        dst[2] = loose.data_ptr()
         stream = rt.new_stream()
         with pytest.raises(TransferError, match=r"aclrtMemcpyAsync of copy 2 of 4.*100000"):
             rt.memcpy_batch(stream, dst, src, sizes, CopyKind.DEVICE_TO_HOST)
@@ -362,7 +369,7 @@ def test_pinning_registers_whole_pages_and_release_unregisters(rt: FakeNpuRuntim
     assert address % HOST_PAGE_BYTES == 0 and size % HOST_PAGE_BYTES == 0
     assert address <= tensor.data_ptr() and tensor.data_ptr() + tensor.numel() <= address + size
     assert rt.is_pinned(tensor) and rt.is_pinned(tensor[10:20])
-    assert not rt.is_pinned(torch.empty(16, dtype=torch.uint8))
+    assert not rt.is_pinned(unregistered())
     release()
     assert rt.ascend.acl.unregister_calls == [address]
     assert rt.ascend.registrations == {} and not rt.is_pinned(tensor)
