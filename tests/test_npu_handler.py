@@ -75,6 +75,34 @@ def test_round_trip_one_acl_memcpy_per_copy(strategy: Strategy, factor: int) -> 
         rt.ascend.close()
 
 
+def test_descriptors_are_merged_then_sent_in_calls_of_at_most_max_batch() -> None:
+    rt = FakeNpuRuntime(max_batch=5)
+    try:
+        layout = build_layout("cross-layer", rt.empty, num_blocks=32)
+        tier = pinned_host_tier(rt, layout, 32)
+        store, _ = make_device_handlers(
+            rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+        )
+        calls = rt.ascend.acl.batch_calls
+        with SyncOffloadingEngine([store]) as engine:
+            # consecutive cache blocks into consecutive tier blocks: one merged copy
+            spec = TransferSpec(npu_blocks(list(range(8))), cpu_blocks(list(range(8))))
+            engine.wait([engine.submit(spec)])
+            assert [c.count for c in calls] == [1]
+            assert calls[0].sizes == calls[0].dest_maxs == (8 * layout.slot_bytes,)
+            # every other block: 12 copies that continue nothing, in calls of at most 5
+            spec = TransferSpec(npu_blocks(list(range(0, 24, 2))), cpu_blocks(list(range(12, 24))))
+            engine.wait([engine.submit(spec)])
+            assert [c.count for c in calls[1:]] == [5, 5, 2]
+        assert all(
+            tier.block(12 + i).numpy().tobytes() == cache_block_bytes(layout, 2 * i)
+            for i in range(12)
+        )
+        tier.release()
+    finally:
+        rt.close()
+
+
 def test_the_ascend_layout_moves_padded_rows_without_touching_the_padding(
     rt: FakeNpuRuntime,
 ) -> None:
