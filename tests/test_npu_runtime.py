@@ -142,6 +142,9 @@ def test_max_batch_is_checked_and_sets_the_call_size() -> None:
     for bad in (0, 4097, True, 2.0):
         with pytest.raises(ConfigError, match="max_batch"):
             FakeNpuRuntime(max_batch=bad)  # type: ignore[arg-type]
+    for bad in (4096, False, 1.5):
+        with pytest.raises(ConfigError, match="pin_chunk_bytes"):
+            FakeNpuRuntime(pin_chunk_bytes=bad)  # type: ignore[arg-type]
     rt = FakeNpuRuntime(max_batch=5)
     try:
         buf = Buffers(rt, 12, 64)

@@ -308,6 +308,14 @@ class NpuRuntime(DeviceRuntime):
             raise ConfigError(
                 f"max_batch must be an int in [1, {ACL_MAX_BATCH}], got {max_batch!r}"
             )
+        if (
+            isinstance(pin_chunk_bytes, bool)
+            or not isinstance(pin_chunk_bytes, int)
+            or pin_chunk_bytes < 4 * HOST_PAGE_BYTES
+        ):
+            raise ConfigError(
+                f"pin_chunk_bytes must be an int >= {4 * HOST_PAGE_BYTES}, got {pin_chunk_bytes!r}"
+            )
         if npu is None:
             npu = load_torch_npu()
         if not npu.is_available():
@@ -326,12 +334,13 @@ class NpuRuntime(DeviceRuntime):
         self._notes: list[str] = []
         if self._acl.batch is None:
             self._notes.append(
-                "libascendcl has no aclrtMemcpyBatchAsync (CANN < 8.5): copies go one "
+                "libascendcl has no aclrtMemcpyBatchAsync (an older CANN): copies go one "
                 "aclrtMemcpyAsync each"
             )
         if self._acl.register is None:
             self._notes.append(
-                "libascendcl has no aclrtHostRegisterV2 (CANN < 8.5): host memory cannot be pinned"
+                "libascendcl has no aclrtHostRegisterV2 (CANN before 8.5): host memory cannot be "
+                "pinned"
             )
         self.batched = batched and self._acl.batch is not None
         self._local = threading.local()
