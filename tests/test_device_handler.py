@@ -22,6 +22,7 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
     gpu_blocks,
+    npu_blocks,
 )
 from offload_engine.handlers.device import (
     DeviceCopyHandler,
@@ -69,7 +70,9 @@ def round_trip(
     staging_blocks: int = 2,
 ) -> None:
     """Store random blocks (mid tier block, every group), load them elsewhere, compare
-    bit for bit; destination blocks and tier start poisoned, and skipped slots stay so."""
+    bit for bit; destination blocks and tier start poisoned, and skipped slots stay so.
+    The cache side is on the runtime's medium (GPU or NPU)."""
+    cache_blocks = npu_blocks if runtime.medium is Medium.NPU else gpu_blocks
     layout = build_layout(kind, empty, num_blocks=24, seed=len(kind) + factor)
     groups = len(layout.groups)
     tier = pinned_host_tier(runtime, layout, 12, factor=factor)
@@ -92,7 +95,8 @@ def round_trip(
         with SyncOffloadingEngine([store, load]) as engine:
             s = engine.submit(
                 TransferSpec(
-                    gpu_blocks(src, group_sizes=sizes, block_indices=indices), cpu_blocks(tier_ids)
+                    cache_blocks(src, group_sizes=sizes, block_indices=indices),
+                    cpu_blocks(tier_ids),
                 )
             )
             [rs] = engine.wait([s])
@@ -100,7 +104,8 @@ def round_trip(
             assert rs.bytes_moved == n * sum(layout.group_bytes)
             ld = engine.submit(
                 TransferSpec(
-                    cpu_blocks(tier_ids), gpu_blocks(dst, group_sizes=sizes, block_indices=indices)
+                    cpu_blocks(tier_ids),
+                    cache_blocks(dst, group_sizes=sizes, block_indices=indices),
                 )
             )
             [rl] = engine.wait([ld])

@@ -13,7 +13,6 @@ not have.
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 
@@ -61,27 +60,37 @@ def probe_cuda() -> RuntimeInfo:
 
 
 def probe_npu() -> RuntimeInfo:
+    """The NPU runtime's own guarded import (:func:`~offload_engine.runtimes.npu.load_torch_npu`)
+    and library loader, so ``info`` says what constructing the runtime would say."""
     if importlib.util.find_spec("torch_npu") is None:
         return RuntimeInfo("npu", False, "torch_npu is not installed (pip install '.[npu]')")
-    if os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD") != "0":
-        # importing torch_npu here could break a torch without CANN; say how to check safely
+    from offload_engine.errors import RuntimeUnavailableError
+    from offload_engine.runtimes import npu as npu_runtime
+
+    try:
+        npu = npu_runtime.load_torch_npu()
+    except RuntimeUnavailableError as exc:
+        return RuntimeInfo("npu", False, str(exc))
+    if not npu.is_available():
+        return RuntimeInfo("npu", False, "torch_npu imported, but no NPU is visible")
+    devices = tuple(f"npu:{i}" for i in range(npu.device_count()))
+    try:
+        acl = npu_runtime.load_ascendcl()
+    except RuntimeUnavailableError as exc:
+        return RuntimeInfo("npu", False, str(exc), devices)
+    if not hasattr(acl, "aclrtHostRegisterV2"):
         return RuntimeInfo(
             "npu",
             False,
-            "torch_npu is installed; set TORCH_DEVICE_BACKEND_AUTOLOAD=0 and use the npu runtime "
-            "to check for CANN",
+            "libascendcl has no aclrtHostRegisterV2 (CANN 8.5 or later is needed to pin the "
+            "host tier)",
+            devices,
         )
-    try:
-        import torch_npu  # noqa: F401
-    except (ImportError, RuntimeError) as exc:
-        return RuntimeInfo("npu", False, f"torch_npu is installed but unusable: {exc}")
-    import torch
-
-    npu = getattr(torch, "npu", None)
-    if npu is None or not npu.is_available():
-        return RuntimeInfo("npu", False, "torch_npu imported, but no NPU is visible")
-    devices = tuple(f"npu:{i}" for i in range(npu.device_count()))
-    return RuntimeInfo("npu", True, "torch_npu with CANN", devices, ("dma", "staged"))
+    notes: list[str] = []
+    if not hasattr(acl, "aclrtMemcpyBatchAsync"):
+        notes.append("libascendcl has no aclrtMemcpyBatchAsync: dma copies one at a time")
+    notes.append("no Triton on Ascend: staged gathers use torch ops; no kernel strategy")
+    return RuntimeInfo("npu", True, "torch_npu with CANN", devices, ("dma", "staged"), tuple(notes))
 
 
 def probe_cpu() -> RuntimeInfo:

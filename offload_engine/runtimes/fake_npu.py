@@ -1,0 +1,757 @@
+"""A simulated Ascend device, so :class:`~offload_engine.runtimes.npu.NpuRuntime` runs on CPU.
+
+:class:`FakeAscend` offers what the NPU runtime uses of torch_npu and of CANN:
+
+* ``ascend.npu``: the ``torch.npu`` surface (``Stream``, ``Event`` with
+  ``record/query/synchronize/wait``, ``current_stream``, the ``stream``
+  context, ``set_device``/``current_device``/``device_count``/``is_available``).
+  Each stream is a thread that runs its work in order. Like torch_npu with its
+  task queue on, event records, event waits and compute work issued through
+  this surface are **held in a task queue** and reach their streams only when
+  something empties it: reading ``stream.npu_stream`` (as torch_npu's getter
+  does), a ``synchronize``/``query``, or entering a stream context. A direct
+  ACL call on a stream handle read earlier would overtake them, as it would
+  on the device.
+* ``ascend.acl``: ``libascendcl`` as ctypes function pointers with ACL's
+  signatures (``aclrtMemcpyBatchAsync``, ``aclrtMemcpyAsync``,
+  ``aclrtHostRegisterV2``, ``aclrtHostUnregister``, ``aclGetRecentErrMsg``).
+  They read the descriptor arrays from the raw addresses they are given,
+  check them (batch cap, ``destMax``, memory locations against the batch
+  attributes, device memory vs registered host memory, the calling thread's
+  device context, 4 KiB-aligned registrations), record every call, and copy
+  with ``ctypes.memmove`` on the stream's thread, so round trips are bit-exact.
+  Any entry point can be left out (an older CANN), and faults can be injected.
+
+"Device memory" is host memory handed out by :meth:`FakeAscend.empty`. CPU
+torch has no ``npu`` device type, so :class:`FakeNpuRuntime` replaces exactly
+the NPU runtime's memory-placement methods (``_device_for``,
+``is_device_tensor``, ``alloc_device``, ``upload``); streams, events, the
+stream context, pinning, batched copies and block copies run the real
+:class:`~offload_engine.runtimes.npu.NpuRuntime` code.
+
+Torch work inside a stream context runs at once on the calling thread, so the
+context first empties the task queue and waits for the stream to go idle: the
+work then takes its place in the stream's order (at the cost of blocking the
+caller, which the device would not do).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.machinery
+import itertools
+import queue
+import threading
+import types
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES
+from offload_engine.runtimes.npu import (
+    ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
+    ACL_HOST_REG_PINNED,
+    ACL_MAX_BATCH,
+    ACL_MEM_LOCATION_TYPE_DEVICE,
+    ACL_MEM_LOCATION_TYPE_HOST,
+    ACL_MEMCPY_DEVICE_TO_HOST,
+    ACL_MEMCPY_HOST_TO_DEVICE,
+    HOST_PAGE_BYTES,
+    HOST_REGISTER_V2,
+    HOST_UNREGISTER,
+    MEMCPY_ASYNC,
+    MEMCPY_BATCH_ASYNC,
+    SIZE_MAX,
+    AclMemcpyBatchAttr,
+    NpuRuntime,
+)
+
+ACL_SUCCESS = 0
+ACL_ERROR_INVALID_PARAM = 100000
+ACL_ERROR_RT_PARAM_INVALID = 107000
+ACL_ERROR_RT_CONTEXT_NULL = 107002
+
+_STOP = object()
+_RECENT_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_void_p)  # aclGetRecentErrMsg's ABI: returns a pointer
+
+
+class FakeNpuError(RuntimeError):
+    """A device failure of the fake (torch_npu reports them as RuntimeError)."""
+
+
+# --------------------------------------------------------------------------- streams
+
+
+class FakeNpuStream:
+    """``torch.npu.Stream``: one thread running its work in order."""
+
+    def __init__(self, ascend: FakeAscend, handle: int, device: int) -> None:
+        self._ascend = ascend
+        self.handle = handle
+        self.device_index = device
+        self.name = f"offload-engine-fake-npu-stream-{handle}"
+        self._ops: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.pending_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread.start()
+
+    @property
+    def npu_stream(self) -> int:
+        """The ``aclrtStream`` handle; like torch_npu, reading it empties the task queue."""
+        self._ascend.flush()
+        return self.handle
+
+    @property
+    def device(self) -> str:
+        return f"npu:{self.device_index}"
+
+    def run(self, op: Callable[[], None]) -> None:
+        """Put ``op`` on the stream directly (what a launched task or an ACL call does)."""
+        self._ops.put(op)
+
+    def stop(self) -> None:
+        self._ops.put(_STOP)
+
+    def _run(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is _STOP:
+                return
+            try:
+                op()  # type: ignore[operator]
+            except Exception as exc:  # noqa: BLE001 - surfaces at the next recorded event
+                self.pending_error = exc
+
+    def take_error(self) -> BaseException | None:
+        error, self.pending_error = self.pending_error, None
+        return error
+
+    def drain(self) -> None:
+        """Block until everything put on the stream so far has run."""
+        done = threading.Event()
+        self.run(done.set)
+        done.wait()
+
+    def wait_event(self, event: FakeNpuEvent) -> None:
+        generation = event.recorded
+        if generation:
+            self._ascend.submit(self, lambda: event.wait_for(generation))
+
+    def record_event(self, event: FakeNpuEvent | None = None) -> FakeNpuEvent:
+        event = event if event is not None else FakeNpuEvent(self._ascend)
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        self._ascend.flush()
+        return bool(self._ops.empty())
+
+    def synchronize(self) -> None:
+        self._ascend.flush()
+        self.drain()
+
+    def __repr__(self) -> str:
+        return f"<FakeNpuStream {self.handle} npu:{self.device_index}>"
+
+
+class FakeNpuEvent:
+    """``torch.npu.Event``: counts records and completions; a failed op poisons the next
+    record on its stream."""
+
+    def __init__(
+        self,
+        ascend: FakeAscend,
+        enable_timing: bool = False,
+        blocking: bool = False,
+        interprocess: bool = False,
+    ) -> None:
+        self._ascend = ascend
+        self._cond = threading.Condition(threading.Lock())
+        self.recorded = 0
+        self.completed = 0
+        self.errors: dict[int, BaseException] = {}
+
+    def record(self, stream: FakeNpuStream | None = None) -> None:
+        stream = stream if stream is not None else self._ascend.current_stream()
+        with self._cond:
+            self.recorded += 1
+            generation = self.recorded
+        self._ascend.submit(stream, lambda: self._complete(generation, stream.take_error()))
+
+    def _complete(self, generation: int, error: BaseException | None) -> None:
+        with self._cond:
+            if error is not None:
+                self.errors[generation] = error
+            self.completed = max(self.completed, generation)
+            self.errors = {g: e for g, e in self.errors.items() if g >= generation}
+            self._cond.notify_all()
+
+    def wait_for(self, generation: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.completed >= generation)
+
+    def wait(self, stream: FakeNpuStream | None = None) -> None:
+        (stream if stream is not None else self._ascend.current_stream()).wait_event(self)
+
+    def query(self) -> bool:
+        self._ascend.flush()
+        return bool(self.completed >= self.recorded)
+
+    def synchronize(self) -> None:
+        self._ascend.flush()
+        with self._cond:
+            target = self.recorded
+            self._cond.wait_for(lambda: self.completed >= target)
+            error = self.errors.get(target)
+        if error is not None:
+            raise FakeNpuError(f"NPU work before this event failed: {error}") from error
+
+
+class FakeTorchNpu:
+    """The ``torch.npu`` module surface the NPU runtime uses."""
+
+    def __init__(self, ascend: FakeAscend) -> None:
+        self._ascend = ascend
+
+    def is_available(self) -> bool:
+        return self._ascend.device_count > 0
+
+    def device_count(self) -> int:
+        return self._ascend.device_count
+
+    def current_device(self) -> int:
+        return int(getattr(self._ascend.local, "device", 0))
+
+    def set_device(self, device: int) -> None:
+        if not 0 <= int(device) < self._ascend.device_count:
+            raise FakeNpuError(f"invalid device {device}")
+        self._ascend.local.device = int(device)
+        self._ascend.local.context = True
+
+    def Stream(self, device: int | None = None, priority: int = 0) -> FakeNpuStream:
+        return self._ascend.new_stream(self.current_device() if device is None else int(device))
+
+    def Event(
+        self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False
+    ) -> FakeNpuEvent:
+        return FakeNpuEvent(self._ascend, enable_timing, blocking, interprocess)
+
+    def current_stream(self, device: int | None = None) -> FakeNpuStream:
+        return self._ascend.current_stream()
+
+    def default_stream(self, device: int | None = None) -> FakeNpuStream:
+        return self._ascend.default_stream
+
+    @contextmanager
+    def stream(self, stream: FakeNpuStream | None) -> Iterator[FakeNpuStream | None]:
+        if stream is None:
+            yield None
+            return
+        self._ascend.flush()
+        stream.drain()  # torch work below then runs in the stream's order
+        local = self._ascend.local
+        previous = getattr(local, "stream", None)
+        local.stream = stream
+        try:
+            yield stream
+        finally:
+            local.stream = previous
+
+    def synchronize(self, device: int | None = None) -> None:
+        self._ascend.flush()
+        for s in self._ascend.streams():
+            s.drain()
+
+
+def fake_torch_npu_module(ascend: FakeAscend) -> types.ModuleType:
+    """A module to put in ``sys.modules["torch_npu"]``: ``torch_npu.npu`` is ``ascend.npu``."""
+    module = types.ModuleType("torch_npu")
+    module.npu = ascend.npu  # type: ignore[attr-defined]
+    module.__version__ = "2.13.0.fake"  # type: ignore[attr-defined]
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    return module
+
+
+# --------------------------------------------------------------------------- libascendcl
+
+
+@dataclass(frozen=True)
+class AclBatchCall:
+    """One aclrtMemcpyBatchAsync call as the library saw it."""
+
+    stream: int
+    count: int
+    dsts: tuple[int, ...]
+    dest_maxs: tuple[int, ...]
+    srcs: tuple[int, ...]
+    sizes: tuple[int, ...]
+    attrs: tuple[tuple[int, int, int, int], ...]  # (dst type, dst id, src type, src id)
+    attrs_indexes: tuple[int, ...]
+    thread: str
+
+
+@dataclass(frozen=True)
+class AclCopyCall:
+    """One aclrtMemcpyAsync call."""
+
+    stream: int
+    dst: int
+    dest_max: int
+    src: int
+    count: int
+    kind: int
+
+
+class FakeAscendCL:
+    """``libascendcl`` entry points as ctypes function pointers (ACL's C signatures)."""
+
+    def __init__(
+        self,
+        ascend: FakeAscend,
+        *,
+        batch: bool = True,
+        register: bool = True,
+        max_batch: int = ACL_MAX_BATCH,
+    ) -> None:
+        self._ascend = ascend
+        self.max_batch = max_batch
+        self._lock = threading.Lock()
+        self.batch_calls: list[AclBatchCall] = []
+        self.copy_calls: list[AclCopyCall] = []
+        self.register_calls: list[tuple[int, int, int]] = []  # (address, size, flag)
+        self.unregister_calls: list[int] = []
+        self._recent = b""
+        self._fail_batch: list[tuple[int, int] | None] = []  # (rc, failIndex) per next call
+        self._fail_register: list[int] = []  # rc for the next registrations
+        self._fail_unregister: list[int] = []
+        self._fail_copy: BaseException | None = None
+        self._hang_copy = False
+        self._release = threading.Event()
+        #: aclrtMemcpyBatchAsync answers ACL_ERROR_RT_FEATURE_NOT_SUPPORT (a product without it)
+        self.batch_unsupported = False
+        self.aclrtMemcpyAsync = MEMCPY_ASYNC(self._memcpy_async)
+        self.aclrtHostUnregister = HOST_UNREGISTER(self._unregister)
+        # a callback cannot hand out a char* it owns, so this one returns the address of
+        # a buffer it keeps; the runtime reads it through its own const char* prototype
+        self._recent_buffer = ctypes.create_string_buffer(1024)
+        self.aclGetRecentErrMsg = _RECENT_ADDRESS(self._recent_msg)
+        if batch:
+            self.aclrtMemcpyBatchAsync = MEMCPY_BATCH_ASYNC(self._batch_async)
+        if register:
+            self.aclrtHostRegisterV2 = HOST_REGISTER_V2(self._register)
+
+    # ------------------------------------------------------------ faults
+
+    def fail_next_batch(
+        self, rc: int = ACL_ERROR_INVALID_PARAM, fail_index: int = SIZE_MAX, *, after: int = 0
+    ) -> None:
+        """aclrtMemcpyBatchAsync call ``after + 1`` from now returns ``rc`` and writes
+        ``fail_index``."""
+        with self._lock:
+            self._fail_batch.extend([None] * after + [(rc, fail_index)])
+
+    def fail_next_register(self, rc: int = ACL_ERROR_INVALID_PARAM, *, after: int = 0) -> None:
+        """Registration call ``after + 1`` from now returns ``rc``."""
+        with self._lock:
+            self._fail_register.extend([ACL_SUCCESS] * after + [rc])
+
+    def fail_next_unregister(self, rc: int = ACL_ERROR_INVALID_PARAM) -> None:
+        with self._lock:
+            self._fail_unregister.append(rc)
+
+    def fail_next_copy(self, error: BaseException | None = None) -> None:
+        """The next accepted copy call fails on its stream (seen at the next event)."""
+        with self._lock:
+            self._fail_copy = error or FakeNpuError("injected copy failure")
+
+    def hang_next_copy(self) -> None:
+        """The next accepted copy call never finishes until :meth:`release_hangs`."""
+        with self._lock:
+            self._hang_copy = True
+
+    def release_hangs(self) -> None:
+        self._release.set()
+
+    # ------------------------------------------------------------ entry points
+
+    def _refuse(self, rc: int, message: str) -> int:
+        with self._lock:
+            self._recent = message.encode()
+        return rc
+
+    def _recent_msg(self) -> int:
+        with self._lock:
+            self._recent_buffer.value = self._recent[: len(self._recent_buffer) - 1]
+            return ctypes.addressof(self._recent_buffer)
+
+    def _context(self) -> bool:
+        return bool(getattr(self._ascend.local, "context", False))
+
+    def _enqueue(self, stream: FakeNpuStream, copies: list[tuple[int, int, int]]) -> None:
+        with self._lock:
+            error, self._fail_copy = self._fail_copy, None
+            hang, self._hang_copy = self._hang_copy, False
+
+        def op() -> None:
+            if hang:
+                self._release.wait()
+                raise FakeNpuError("a hung copy was released")
+            if error is not None:
+                raise error
+            for d, s, z in copies:
+                ctypes.memmove(d, s, z)
+
+        stream.run(op)
+
+    def _check(self, address: int, size: int, location: int, device: int) -> str | None:
+        if location == ACL_MEM_LOCATION_TYPE_DEVICE:
+            if not 0 <= device < self._ascend.device_count:
+                return f"no device {device}"
+            if not self._ascend.is_device_range(address, address + size):
+                return f"{address:#x}+{size} is not device memory"
+            return None
+        if location == ACL_MEM_LOCATION_TYPE_HOST:
+            if not self._ascend.is_registered_range(address, address + size):
+                return f"{address:#x}+{size} is not registered host memory"
+            return None
+        return f"memory location type {location} is not supported here"
+
+    def _batch_async(
+        self,
+        dsts: int | None,
+        dest_maxs: int | None,
+        srcs: int | None,
+        sizes: int | None,
+        num: int,
+        attrs: int | None,
+        attrs_indexes: int | None,
+        num_attrs: int,
+        fail_index: int | None,
+        stream: int | None,
+    ) -> int:
+        if fail_index is None:
+            return self._refuse(ACL_ERROR_INVALID_PARAM, "failIndex is NULL")
+        fail = ctypes.c_size_t.from_address(fail_index)
+        fail.value = SIZE_MAX
+        if not self._context():
+            return self._refuse(ACL_ERROR_RT_CONTEXT_NULL, "no device set on this thread")
+        if self.batch_unsupported:
+            return self._refuse(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "batch copies not supported")
+        with self._lock:
+            injected = self._fail_batch.pop(0) if self._fail_batch else None
+        if injected is not None:
+            fail.value = injected[1]
+            return self._refuse(injected[0], "injected batch failure")
+        if not num or num > self.max_batch:
+            return self._refuse(
+                ACL_ERROR_INVALID_PARAM, f"numBatches {num} not in 1..{self.max_batch}"
+            )
+        if not (dsts and dest_maxs and srcs and sizes and attrs and attrs_indexes and num_attrs):
+            return self._refuse(ACL_ERROR_INVALID_PARAM, "a NULL array or no attributes")
+        target = self._ascend.stream_for(stream)
+        if target is None:
+            return self._refuse(ACL_ERROR_RT_PARAM_INVALID, f"unknown stream {stream}")
+
+        def read(address: int, count: int = num) -> list[int]:
+            return [int(v) for v in (ctypes.c_uint64 * count).from_address(address)]
+
+        d, m, s, z = read(dsts), read(dest_maxs), read(srcs), read(sizes)
+        index = read(attrs_indexes, num_attrs)
+        table = (AclMemcpyBatchAttr * num_attrs).from_address(attrs)
+        described = tuple((a.dstLoc.type, a.dstLoc.id, a.srcLoc.type, a.srcLoc.id) for a in table)
+        if index[0] != 0 or sorted(index) != index or index[-1] >= num:
+            return self._refuse(ACL_ERROR_INVALID_PARAM, f"bad attrsIndexes {index}")
+        for i in range(num):
+            k = max(j for j in range(num_attrs) if index[j] <= i)
+            dst_type, dst_id, src_type, src_id = described[k]
+            problem = (
+                f"size {z[i]} > destMax {m[i]}"
+                if z[i] > m[i]
+                else self._check(d[i], z[i], dst_type, dst_id)
+                or self._check(s[i], z[i], src_type, src_id)
+            )
+            if problem is not None:
+                fail.value = i
+                return self._refuse(ACL_ERROR_INVALID_PARAM, f"copy {i}: {problem}")
+        with self._lock:
+            self.batch_calls.append(
+                AclBatchCall(
+                    target.handle,
+                    num,
+                    tuple(d),
+                    tuple(m),
+                    tuple(s),
+                    tuple(z),
+                    described,
+                    tuple(index),
+                    threading.current_thread().name,
+                )
+            )
+        self._enqueue(target, list(zip(d, s, z, strict=True)))
+        return ACL_SUCCESS
+
+    def _memcpy_async(
+        self,
+        dst: int | None,
+        dest_max: int,
+        src: int | None,
+        count: int,
+        kind: int,
+        stream: int | None,
+    ) -> int:
+        if not self._context():
+            return self._refuse(ACL_ERROR_RT_CONTEXT_NULL, "no device set on this thread")
+        target = self._ascend.stream_for(stream)
+        if target is None:
+            return self._refuse(ACL_ERROR_RT_PARAM_INVALID, f"unknown stream {stream}")
+        d, s = int(dst or 0), int(src or 0)
+        if kind == ACL_MEMCPY_DEVICE_TO_HOST:
+            locations = (ACL_MEM_LOCATION_TYPE_HOST, ACL_MEM_LOCATION_TYPE_DEVICE)
+        elif kind == ACL_MEMCPY_HOST_TO_DEVICE:
+            locations = (ACL_MEM_LOCATION_TYPE_DEVICE, ACL_MEM_LOCATION_TYPE_HOST)
+        else:
+            return self._refuse(ACL_ERROR_INVALID_PARAM, f"kind {kind} is not supported here")
+        problem = (
+            f"count {count} > destMax {dest_max}"
+            if count > dest_max
+            else self._check(d, count, locations[0], 0) or self._check(s, count, locations[1], 0)
+        )
+        if problem is not None:
+            return self._refuse(ACL_ERROR_INVALID_PARAM, problem)
+        with self._lock:
+            self.copy_calls.append(AclCopyCall(target.handle, d, dest_max, s, count, kind))
+        self._enqueue(target, [(d, s, count)])
+        return ACL_SUCCESS
+
+    def _register(self, ptr: int | None, size: int, flag: int) -> int:
+        address = int(ptr or 0)
+        if not self._context():
+            return self._refuse(ACL_ERROR_RT_CONTEXT_NULL, "no device set on this thread")
+        with self._lock:
+            self.register_calls.append((address, size, flag))
+            injected = self._fail_register.pop(0) if self._fail_register else None
+        if injected:
+            return self._refuse(injected, "injected registration failure")
+        if address % HOST_PAGE_BYTES or not size:
+            return self._refuse(ACL_ERROR_INVALID_PARAM, f"{address:#x} is not 4K-aligned")
+        if flag != ACL_HOST_REG_PINNED:
+            return self._refuse(ACL_ERROR_INVALID_PARAM, f"flag {flag:#x} is not PINNED")
+        if not self._ascend.add_registration(address, size):
+            return self._refuse(ACL_ERROR_INVALID_PARAM, f"{address:#x}+{size} overlaps")
+        return ACL_SUCCESS
+
+    def _unregister(self, ptr: int | None) -> int:
+        address = int(ptr or 0)
+        if not self._context():
+            return self._refuse(ACL_ERROR_RT_CONTEXT_NULL, "no device set on this thread")
+        with self._lock:
+            self.unregister_calls.append(address)
+            injected = self._fail_unregister.pop(0) if self._fail_unregister else None
+        if not self._ascend.remove_registration(address):
+            return self._refuse(ACL_ERROR_INVALID_PARAM, f"{address:#x} is not registered")
+        if injected is not None:
+            return self._refuse(injected, "injected unregistration failure")
+        return ACL_SUCCESS
+
+
+# --------------------------------------------------------------------------- the device
+
+
+class FakeAscend:
+    """One simulated machine: NPU streams, torch_npu's task queue, device memory, host
+    registrations, and the ``torch.npu`` (:attr:`npu`) and ``libascendcl`` (:attr:`acl`)
+    surfaces over them. ``close()`` stops every stream thread."""
+
+    _handles = itertools.count(0x1000)
+
+    def __init__(
+        self,
+        *,
+        device_count: int = 1,
+        task_queue: bool = True,
+        batch: bool = True,
+        register: bool = True,
+        max_batch: int = ACL_MAX_BATCH,
+    ) -> None:
+        self.device_count = device_count
+        self.task_queue = task_queue
+        self.local = threading.local()
+        self._lock = threading.Lock()
+        self._streams: dict[int, FakeNpuStream] = {}
+        self._pending: list[tuple[FakeNpuStream, Callable[[], None]]] = []
+        self._device_ranges: list[tuple[int, int]] = []
+        self._registered: dict[int, int] = {}
+        self.closed = False
+        self.npu = FakeTorchNpu(self)
+        self.acl = FakeAscendCL(self, batch=batch, register=register, max_batch=max_batch)
+        self.default_stream = self.new_stream(0)
+
+    # ------------------------------------------------------------ streams
+
+    def new_stream(self, device: int) -> FakeNpuStream:
+        with self._lock:
+            if self.closed:
+                raise FakeNpuError("the fake Ascend device is closed")
+            stream = FakeNpuStream(self, next(self._handles), device)
+            self._streams[stream.handle] = stream
+        return stream
+
+    def streams(self) -> list[FakeNpuStream]:
+        with self._lock:
+            return list(self._streams.values())
+
+    def stream_for(self, handle: int | None) -> FakeNpuStream | None:
+        if not handle:
+            return self.default_stream  # ACL's NULL stream is the default stream
+        with self._lock:
+            return self._streams.get(int(handle))
+
+    def current_stream(self) -> FakeNpuStream:
+        stream: FakeNpuStream | None = getattr(self.local, "stream", None)
+        return stream if stream is not None else self.default_stream
+
+    def submit(self, stream: FakeNpuStream, op: Callable[[], None]) -> None:
+        """Issue ``op`` on ``stream`` through the task queue (launched at the next flush)."""
+        with self._lock:
+            if self.task_queue:
+                self._pending.append((stream, op))
+                return
+        stream.run(op)
+
+    def flush(self) -> None:
+        """Launch everything in the task queue, in issue order."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            for stream, op in pending:
+                stream.run(op)
+
+    @property
+    def queued(self) -> int:
+        """Tasks issued and not launched yet."""
+        with self._lock:
+            return len(self._pending)
+
+    def compute(self, op: Callable[[], None], stream: FakeNpuStream | None = None) -> None:
+        """Issue ``op`` as model work on ``stream`` (the default stream)."""
+        self.submit(stream if stream is not None else self.default_stream, op)
+
+    # ------------------------------------------------------------ memory
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A tensor in the fake's device memory."""
+        t = torch.empty(shape, dtype=dtype)
+        start = t.data_ptr()
+        with self._lock:
+            self._device_ranges.append((start, start + t.numel() * t.element_size()))
+        return t
+
+    def is_device_range(self, start: int, end: int) -> bool:
+        with self._lock:
+            return any(lo <= start and end <= hi for lo, hi in self._device_ranges)
+
+    def add_registration(self, address: int, size: int) -> bool:
+        with self._lock:
+            for lo, n in self._registered.items():
+                if address < lo + n and lo < address + size:
+                    return False
+            self._registered[address] = size
+            return True
+
+    def remove_registration(self, address: int) -> bool:
+        with self._lock:
+            return self._registered.pop(address, None) is not None
+
+    @property
+    def registrations(self) -> dict[int, int]:
+        with self._lock:
+            return dict(self._registered)
+
+    def is_registered_range(self, start: int, end: int) -> bool:
+        with self._lock:
+            spans = sorted(self._registered.items())
+        pos = start
+        for lo, n in spans:
+            if lo <= pos < lo + n:
+                pos = lo + n
+                if pos >= end:
+                    return True
+        return False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Launch what is queued, release hung copies, stop every stream thread. Idempotent."""
+        self.flush()
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            streams = list(self._streams.values())
+        self.acl.release_hangs()
+        for s in streams:
+            s.stop()
+        for s in streams:
+            s.thread.join()
+
+
+class FakeNpuRuntime(NpuRuntime):
+    """:class:`NpuRuntime` on a :class:`FakeAscend`; only memory placement differs.
+
+    ``via_import=True`` takes ``torch.npu`` from ``import torch_npu`` and the library
+    from :func:`~offload_engine.runtimes.npu.load_ascendcl`, as production does (a
+    test puts :func:`fake_torch_npu_module` in ``sys.modules`` and patches the loader).
+    The runtime owns (and closes) a FakeAscend it created itself.
+    """
+
+    def __init__(
+        self,
+        ascend: FakeAscend | None = None,
+        *,
+        via_import: bool = False,
+        device: int | None = None,
+        max_batch: int = ACL_MAX_BATCH,
+        batched: bool = True,
+        pin_chunk_bytes: int = MAX_PIN_CHUNK_BYTES,
+    ) -> None:
+        self._owns = ascend is None
+        self.ascend = ascend if ascend is not None else FakeAscend()
+        try:
+            super().__init__(
+                device,
+                max_batch=max_batch,
+                batched=batched,
+                pin_chunk_bytes=pin_chunk_bytes,
+                npu=None if via_import else self.ascend.npu,
+                acl_library=None if via_import else self.ascend.acl,
+            )
+        except BaseException:
+            if self._owns:
+                self.ascend.close()
+            raise
+
+    def _device_for(self, index: int) -> torch.device:
+        return torch.device("cpu")  # the fake's device memory is host memory
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        return self.ascend.is_device_range(
+            start, start + max(tensor.numel() * tensor.element_size(), 1)
+        )
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return self.ascend.empty((nbytes,))
+
+    def upload(self, stream: Any, values: I64) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A tensor in the fake's device memory (for building KV caches in tests)."""
+        return self.ascend.empty(shape, dtype)
+
+    def close(self) -> None:
+        if self._owns:
+            self.ascend.close()
