@@ -1,0 +1,185 @@
+"""``offload-engine bench``: transfer benchmarks for the hardware present.
+
+Host memory always: the host handler's GB/s against blocks per job, the job
+latency distribution, and the engine's own overhead. The GPU when CUDA is
+usable (see :mod:`offload_engine.bench.cuda`). Writes ``report.json``,
+``throughput.png`` and ``latency.png`` into the output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from offload_engine import runtimes
+from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint, series_label
+
+SCHEMA = "offload-engine-bench/1"
+REPORT = "report.json"
+THROUGHPUT_PNG = "throughput.png"
+LATENCY_PNG = "latency.png"
+OVERHEAD_JOBS = (100_000, 3000)  # jobs, latency samples
+QUICK_OVERHEAD_JOBS = (5000, 300)
+
+
+def _sweep_table(points: list[SweepPoint]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="GB/s against blocks per job", title_justify="left")
+    table.add_column("strategy")
+    table.add_column("direction")
+    sizes = sorted({p.blocks_per_job for p in points})
+    for n in sizes:
+        table.add_column(str(n), justify="right")
+    rows: dict[tuple[str, str], dict[int, float]] = {}
+    for p in points:
+        label = series_label(p.medium, p.strategy, p.variant)
+        rows.setdefault((label, p.direction), {})[p.blocks_per_job] = p.gbps
+    for (label, direction), by_size in rows.items():
+        cells = [f"{by_size[n]:.2f}" if n in by_size else "-" for n in sizes]
+        table.add_row(label, direction, *cells)
+    return table
+
+
+def _latency_table(series: list[LatencySeries]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="Job latency, submit -> result", title_justify="left")
+    for col in ("strategy", "direction", "blocks/job", "in flight", "jobs"):
+        table.add_column(col, justify="left" if col in ("strategy", "direction") else "right")
+    table.add_column("p50 ms", justify="right")
+    table.add_column("p99 ms", justify="right")
+    for s in series:
+        table.add_row(
+            series_label(s.medium, s.strategy, s.variant),
+            s.direction,
+            str(s.blocks_per_job),
+            str(s.depth),
+            f"{len(s.latencies_ms):,}",
+            f"{s.p50_ms:.3f}",
+            f"{s.p99_ms:.3f}",
+        )
+    return table
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.table import Table
+
+    from offload_engine import __version__
+    from offload_engine.bench.cuda import run_cuda_cases
+    from offload_engine.bench.machine import Machine
+    from offload_engine.bench.overhead import backends, run_overhead
+    from offload_engine.bench.plots import latency_figure, throughput_figure
+    from offload_engine.bench.rigs import RigShape, open_host_rig
+    from offload_engine.bench.transfers import run_rig_cases
+    from offload_engine.errors import RuntimeUnavailableError
+
+    out = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    plan = BenchPlan.quick(args.workers) if args.quick else BenchPlan(workers=args.workers)
+    jobs, samples = QUICK_OVERHEAD_JOBS if args.quick else OVERHEAD_JOBS
+
+    found = runtimes.probe_runtimes()
+    cuda = next(r for r in found if r.name == "cuda")
+    if args.device == "cuda" and not cuda.available:
+        raise RuntimeUnavailableError(f"CUDA is not available: {cuda.reason}")
+    run_gpu = args.device == "cuda" or (args.device == "auto" and cuda.available)
+
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = Machine.detect(gpus=cuda.devices)
+    label = args.machine_label or machine.label()
+    day = date.today().isoformat()
+
+    results = CaseResults(sweep=[], latency=[])
+    gpu_status: dict[str, object]
+    total = plan.steps + len(backends()) + 1 + (plan.steps * len(cuda.strategies) if run_gpu else 0)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def tick(what: str) -> None:
+            progress.update(task, advance=1, description=what)
+
+        if run_gpu:
+            try:
+                gpu = run_cuda_cases(cuda, plan, tick=tick)
+            except RuntimeUnavailableError as exc:
+                if args.device == "cuda":
+                    raise
+                gpu_status = {"run": False, "reason": str(exc)}
+            else:
+                results.sweep += gpu.sweep
+                results.latency += gpu.latency
+                gpu_status = {"run": True, "devices": list(cuda.devices)}
+        else:
+            why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
+            gpu_status = {"run": False, "reason": why}
+
+        rig = open_host_rig(RigShape(tier_blocks=1024), workers=plan.workers)
+        try:
+            host = run_rig_cases(rig, plan, variant=f"{plan.workers} copy threads", tick=tick)
+        finally:
+            rig.close()
+        results.sweep += host.sweep
+        results.latency += host.latency
+        overhead = run_overhead(jobs, samples, tick=tick)
+
+    note = "offload-engine bench --quick (CI-sized)" if args.quick else "offload-engine bench"
+    throughput_figure(results.sweep, label, day, out_dir / THROUGHPUT_PNG, note)
+    latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
+    report = {
+        "schema": SCHEMA,
+        "command": shlex.join(["offload-engine", *sys.argv[1:]])
+        if Path(sys.argv[0]).name in ("offload-engine", "__main__.py")
+        else None,
+        "date": day,
+        "offload_engine": __version__,
+        "quick": args.quick,
+        "machine": {**machine.as_dict(), "label": label},
+        "runtimes": [asdict(r) for r in found],
+        "plan": asdict(plan),
+        "gpu": gpu_status,
+        "transfers": {
+            "sweep": [p.as_dict() for p in results.sweep],
+            "latency": [s.as_dict() for s in results.latency],
+        },
+        "overhead": {
+            "jobs": jobs,
+            "latency_samples": samples,
+            "hosts": {r.key: r.as_dict() for r in overhead},
+        },
+        "figures": {"throughput": THROUGHPUT_PNG, "latency": LATENCY_PNG},
+    }
+    (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+
+    out.print(f"bench on {label}, {day}{' (quick)' if args.quick else ''}", markup=False)
+    if not gpu_status["run"]:
+        out.print(f"GPU cases not run: {gpu_status['reason']}", markup=False)
+    out.print(_sweep_table(results.sweep))
+    out.print(_latency_table(results.latency))
+    table = Table(title="Engine overhead (instant fake handler)", title_justify="left")
+    table.add_column("host")
+    for col in ("jobs/s", "p50 us", "p99 us"):
+        table.add_column(col, justify="right")
+    for r in overhead:
+        table.add_row(r.host, f"{r.jobs_per_s:,.0f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}")
+    out.print(table)
+    written = ", ".join(str(out_dir / f) for f in (REPORT, THROUGHPUT_PNG, LATENCY_PNG))
+    out.print(f"wrote {written}", markup=False)
+    return 0
