@@ -36,6 +36,18 @@ def _save(fig: Figure, path: Path) -> Path:
 def throughput_figure(
     points: Sequence[SweepPoint], machine: str, day: str, path: Path, note: str = ""
 ) -> Path:
+    """Draw :func:`draw_throughput` into ``path`` (PNG)."""
+    return _save(draw_throughput(points, machine, day, note), path)
+
+
+def latency_figure(
+    series: Sequence[LatencySeries], machine: str, day: str, path: Path, note: str = ""
+) -> Path:
+    """Draw :func:`draw_latency` into ``path`` (PNG)."""
+    return _save(draw_latency(series, machine, day, note), path)
+
+
+def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: str = "") -> Figure:
     """GB/s against blocks per job, one panel per direction, one line per strategy."""
     fig = _figure()
     axes = fig.subplots(1, 2, sharey=True)
@@ -63,12 +75,10 @@ def throughput_figure(
     axes[0].set_ylim(bottom=0)
     fig.suptitle("KV-block transfer throughput")
     _footer(fig, machine, day, note)
-    return _save(fig, path)
+    return fig
 
 
-def latency_figure(
-    series: Sequence[LatencySeries], machine: str, day: str, path: Path, note: str = ""
-) -> Path:
+def draw_latency(series: Sequence[LatencySeries], machine: str, day: str, note: str = "") -> Figure:
     """Distribution (ECDF) of submit->result latency, one panel per direction."""
     fig = _figure()
     axes = fig.subplots(1, 2, sharey=True)
@@ -94,4 +104,4 @@ def latency_figure(
     axes[0].set_ylim(0, 1.02)
     fig.suptitle("Job latency distribution")
     _footer(fig, machine, day, note)
-    return _save(fig, path)
+    return fig

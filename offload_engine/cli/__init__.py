@@ -38,14 +38,8 @@ def positive_int(text: str) -> int:
     return value
 
 
-def _add_device(parser: argparse.ArgumentParser, what: str) -> None:
-    parser.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="auto",
-        help=f"where the KV cache lives: auto (CUDA if usable, else host memory), cuda (fail "
-        f"if unusable), cpu (host memory); {what}",
-    )
+def _add_device(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--device", choices=DEVICES, default="auto", help=help)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     info.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    info.set_defaults(func=_info.cmd_info)
+    info.set_defaults(func=_info.cmd_info, parser=info)
 
     demo = sub.add_parser(
         "demo",
@@ -78,7 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Ends with GB/s per direction, CPU time per step and job latency.",
         epilog=_EPILOG,
     )
-    _add_device(demo, "default auto")
+    _add_device(
+        demo,
+        "where the KV cache lives: auto (default: the GPU if usable, else host memory), "
+        "cuda (the GPU, or exit 3), cpu (host memory)",
+    )
     demo.add_argument(
         "--steps",
         type=positive_int,
@@ -101,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=16,
         help="jobs in flight before a step waits for the oldest (default 16)",
     )
-    demo.set_defaults(func=_demo.cmd_demo)
+    demo.set_defaults(func=_demo.cmd_demo, parser=demo)
 
     bench = sub.add_parser(
         "bench",
@@ -111,7 +109,11 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput.png and latency.png into the output directory.",
         epilog=_EPILOG,
     )
-    _add_device(bench, "host cases always run")
+    _add_device(
+        bench,
+        "which cases run besides the host ones: auto (default: GPU cases if usable), "
+        "cuda (GPU cases, or exit 3), cpu (host cases only)",
+    )
     bench.add_argument(
         "-o",
         "--output-dir",
@@ -130,23 +132,26 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="how the figures name the machine (default: CPU, cores, memory, GPUs, torch)",
     )
-    bench.set_defaults(func=_bench.cmd_bench)
+    bench.set_defaults(func=_bench.cmd_bench, parser=bench)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (bad usage exits 2 via argparse)."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    command: argparse.ArgumentParser = args.parser  # the subcommand's, for its usage line
+    if extra:
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "demo":
         from offload_engine.cli._demo import MAX_BLOCKS_PER_JOB
 
         if args.blocks_per_job > MAX_BLOCKS_PER_JOB:
-            parser.error(
-                f"demo: --blocks-per-job {args.blocks_per_job} is too large "
+            command.error(
+                f"--blocks-per-job {args.blocks_per_job} is too large "
                 f"(at most {MAX_BLOCKS_PER_JOB})"
             )
-    where = f"{parser.prog} {args.command}"
+    where = command.prog
     try:
         return int(args.func(args))
     except RuntimeUnavailableError as exc:

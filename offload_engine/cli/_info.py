@@ -24,7 +24,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    out = Console(highlight=False)
+    out = Console(highlight=False, soft_wrap=True)
     out.print(
         f"offload-engine {__version__}, Python {platform.python_version()}, "
         f"torch {torch.__version__}",
