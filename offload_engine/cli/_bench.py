@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_engine import runtimes
-from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint, series_label
+from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 
 SCHEMA = "offload-engine-bench/1"
 REPORT = "report.json"
@@ -28,22 +28,32 @@ OVERHEAD_JOBS = (100_000, 3000)  # jobs, latency samples
 QUICK_OVERHEAD_JOBS = (5000, 300)
 
 
+def _label(medium: str, strategy: str) -> str:
+    return strategy if medium == "host" else f"{strategy} {medium}"
+
+
 def _sweep_table(points: list[SweepPoint]) -> Any:
+    """Blocks per job down, one GB/s column per (strategy, direction)."""
     from rich.table import Table
 
     table = Table(title="GB/s against blocks per job", title_justify="left")
-    table.add_column("strategy")
-    table.add_column("direction")
-    sizes = sorted({p.blocks_per_job for p in points})
-    for n in sizes:
-        table.add_column(str(n), justify="right")
-    rows: dict[tuple[str, str], dict[int, float]] = {}
+    table.add_column("blocks/job", justify="right")
+    table.add_column("MiB/job", justify="right")
+    columns: dict[tuple[str, str], dict[int, SweepPoint]] = {}
+    variants: dict[str, str] = {}
     for p in points:
-        label = series_label(p.medium, p.strategy, p.variant)
-        rows.setdefault((label, p.direction), {})[p.blocks_per_job] = p.gbps
-    for (label, direction), by_size in rows.items():
-        cells = [f"{by_size[n]:.2f}" if n in by_size else "-" for n in sizes]
-        table.add_row(label, direction, *cells)
+        label = _label(p.medium, p.strategy)
+        columns.setdefault((label, p.direction), {})[p.blocks_per_job] = p
+        if p.variant:
+            variants[label] = p.variant
+    for label, direction in columns:
+        table.add_column(f"{label}\n{direction}", justify="right")
+    table.caption = "; ".join(f"{k}: {v}" for k, v in variants.items()) or None
+    table.caption_justify = "left"
+    for n in sorted({p.blocks_per_job for p in points}):
+        block_bytes = next(p.block_bytes for p in points if p.blocks_per_job == n)
+        cells = [f"{col[n].gbps:.2f}" if n in col else "-" for col in columns.values()]
+        table.add_row(str(n), f"{n * block_bytes / 2**20:g}", *cells)
     return table
 
 
@@ -57,7 +67,7 @@ def _latency_table(series: list[LatencySeries]) -> Any:
     table.add_column("p99 ms", justify="right")
     for s in series:
         table.add_row(
-            series_label(s.medium, s.strategy, s.variant),
+            _label(s.medium, s.strategy),
             s.direction,
             str(s.blocks_per_job),
             str(s.depth),
