@@ -162,6 +162,7 @@ def test_bench_quick_writes_its_report_and_figures(
     }
     for p in sweep:
         assert p["strategy"] == "host-copy" and p["gbps"] > 0
+        assert len(p["wall_s"]) == report["plan"]["repeats"] == 1
         assert p["bytes_moved"] == p["jobs"] * p["blocks_per_job"] * p["block_bytes"]
     latency = report["transfers"]["latency"]
     assert {(s["direction"], s["depth"]) for s in latency} == {

@@ -51,19 +51,36 @@ class SweepPoint:
     blocks_per_job: int
     block_bytes: int
     depth: int  # jobs in flight
-    jobs: int
-    bytes_moved: int
-    wall_s: float  # first submit -> last result
-    p50_ms: float  # submit -> result, under this load
+    jobs: int  # per run
+    bytes_moved: int  # per run
+    wall_s: tuple[float, ...]  # each run's first submit -> last result
+    p50_ms: float  # submit -> result under this load, all runs pooled
     p99_ms: float
+
+    def _rate(self, wall: float) -> float:
+        return self.bytes_moved / wall / 1e9 if wall > 0 else math.nan
 
     @property
     def gbps(self) -> float:
-        """Bytes moved per wall-clock second, in GB/s (10**9 bytes)."""
-        return self.bytes_moved / self.wall_s / 1e9 if self.wall_s > 0 else math.nan
+        """GB/s (10**9 bytes) of the median run: bytes moved over its wall time."""
+        return self._rate(percentile(self.wall_s, 50))
+
+    @property
+    def gbps_min(self) -> float:
+        return self._rate(max(self.wall_s))
+
+    @property
+    def gbps_max(self) -> float:
+        return self._rate(min(self.wall_s))
 
     def as_dict(self) -> dict[str, object]:
-        return {**self.__dict__, "gbps": self.gbps}
+        return {
+            **self.__dict__,
+            "wall_s": list(self.wall_s),
+            "gbps": self.gbps,
+            "gbps_min": self.gbps_min,
+            "gbps_max": self.gbps_max,
+        }
 
 
 @dataclass(frozen=True)
@@ -102,8 +119,9 @@ class BenchPlan:
     """What the transfer cases measure; ``quick()`` is the CI-sized plan."""
 
     blocks_per_job: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    bytes_per_point: int = 256 << 20  # moved per sweep point (at least min_jobs jobs)
+    bytes_per_point: int = 256 << 20  # moved per sweep run (at least min_jobs jobs)
     min_jobs: int = 32
+    repeats: int = 3  # runs per sweep point, interleaved; the figures show the median
     depth: int = 16  # jobs in flight during the sweep
     latency_blocks: int = 8  # blocks per job of the latency runs
     latency_depths: tuple[int, ...] = (1, 16)  # one job at a time, and a loaded queue
@@ -116,6 +134,7 @@ class BenchPlan:
             blocks_per_job=(1, 8, 64),
             bytes_per_point=16 << 20,
             min_jobs=16,
+            repeats=1,
             latency_jobs=100,
             workers=workers,
         )
@@ -126,8 +145,8 @@ class BenchPlan:
 
     @property
     def steps(self) -> int:
-        """Progress units of one medium: sweep points plus latency runs."""
-        return 2 * len(self.blocks_per_job) + 2 * len(self.latency_depths)
+        """Progress units of one rig: sweep runs plus latency runs."""
+        return 2 * len(self.blocks_per_job) * self.repeats + 2 * len(self.latency_depths)
 
 
 @dataclass

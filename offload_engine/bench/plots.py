@@ -48,7 +48,10 @@ def latency_figure(
 
 
 def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: str = "") -> Figure:
-    """GB/s against blocks per job, one panel per direction, one line per strategy."""
+    """GB/s against blocks per job, one panel per direction, one line per strategy.
+
+    Points are the median run; bars span the slowest to the fastest run.
+    """
     fig = _figure()
     axes = fig.subplots(1, 2, sharey=True)
     block_kib = {p.block_bytes // 1024 for p in points}
@@ -60,7 +63,14 @@ def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: 
                 series.setdefault(series_label(p.medium, p.strategy, p.variant), []).append(p)
         for label, pts in series.items():
             pts.sort(key=lambda p: p.blocks_per_job)
-            ax.plot([p.blocks_per_job for p in pts], [p.gbps for p in pts], "o-", label=label)
+            ys = [p.gbps for p in pts]
+            spread = [
+                [y - p.gbps_min for y, p in zip(ys, pts, strict=True)],
+                [p.gbps_max - y for y, p in zip(ys, pts, strict=True)],
+            ]
+            ax.errorbar(
+                [p.blocks_per_job for p in pts], ys, yerr=spread, fmt="o-", capsize=3, label=label
+            )
         ax.set_xscale("log", base=2)
         if sizes:
             ax.set_xticks(sizes, labels=[str(n) for n in sizes])
@@ -71,7 +81,11 @@ def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: 
         ax.grid(True, which="both", alpha=0.3)
         if series:
             ax.legend(fontsize=8)
-    axes[0].set_ylabel("GB/s (bytes moved / wall time)")
+    repeats = max((len(p.wall_s) for p in points), default=1)
+    axes[0].set_ylabel(
+        "GB/s (bytes moved / wall time)"
+        + (f"\nmedian of {repeats} runs, bars: min to max" if repeats > 1 else "")
+    )
     axes[0].set_ylim(bottom=0)
     fig.suptitle("KV-block transfer throughput")
     _footer(fig, machine, day, note)

@@ -5,7 +5,8 @@ through the sync facade, as a serving loop would:
 
 * **sweep**: for each direction and each blocks-per-job size, jobs of that
   size with ``plan.depth`` in flight; GB/s is bytes moved over the wall time
-  from the first submit to the last result;
+  from the first submit to the last result. Each point runs ``plan.repeats``
+  times, the repeats interleaved with the other points; the median run counts;
 * **latency**: jobs of ``plan.latency_blocks`` blocks, one at a time
   (depth 1) and with a queue (depth 16); every job's submit->result latency.
 
@@ -76,33 +77,38 @@ def run_rig_cases(
         for direction in DIRECTIONS:  # warm-up: threads, allocator, caches
             warm = _specs(rig, direction, plan.latency_blocks, 2 * plan.depth, seed=1)
             _checked(run_window(engine, warm, plan.depth)[0])
-        for direction in DIRECTIONS:
-            for n in plan.blocks_per_job:
-                if n > pool:
-                    tick(f"{direction} {n} blocks/job: skipped, pool holds {pool}")
-                    continue
-                depth = _max_depth(rig, n, plan.depth)
-                specs = _specs(rig, direction, n, plan.jobs_for(n, rig.block_bytes), seed=n)
-                results, wall = run_window(engine, specs, depth)
-                _checked(results)
-                lat = [r.latency * 1e3 for r in results]
-                out.sweep.append(
-                    SweepPoint(
-                        medium=rig.medium,
-                        strategy=rig.strategy,
-                        variant=variant,
-                        direction=direction,
-                        blocks_per_job=n,
-                        block_bytes=rig.block_bytes,
-                        depth=depth,
-                        jobs=len(results),
-                        bytes_moved=sum(r.bytes_moved for r in results),
-                        wall_s=wall,
-                        p50_ms=percentile(lat, 50),
-                        p99_ms=percentile(lat, 99),
-                    )
+        runs: dict[tuple[str, int], list[tuple[list[TransferResult], float]]] = {}
+        for _ in range(plan.repeats):  # interleaved, so a slow spell hits every point alike
+            for direction in DIRECTIONS:
+                for n in plan.blocks_per_job:
+                    if n > pool:
+                        tick(f"{direction} {n} blocks/job: skipped, pool holds {pool}")
+                        continue
+                    depth = _max_depth(rig, n, plan.depth)
+                    specs = _specs(rig, direction, n, plan.jobs_for(n, rig.block_bytes), seed=n)
+                    results, wall = run_window(engine, specs, depth)
+                    runs.setdefault((direction, n), []).append((_checked(results), wall))
+                    rate = sum(r.bytes_moved for r in results) / wall / 1e9
+                    tick(f"{rig.strategy} {direction} {n} blocks/job: {rate:.2f} GB/s")
+        for (direction, n), done in runs.items():
+            lat = [r.latency * 1e3 for results, _ in done for r in results]
+            first = done[0][0]
+            out.sweep.append(
+                SweepPoint(
+                    medium=rig.medium,
+                    strategy=rig.strategy,
+                    variant=variant,
+                    direction=direction,
+                    blocks_per_job=n,
+                    block_bytes=rig.block_bytes,
+                    depth=_max_depth(rig, n, plan.depth),
+                    jobs=len(first),
+                    bytes_moved=sum(r.bytes_moved for r in first),
+                    wall_s=tuple(wall for _, wall in done),
+                    p50_ms=percentile(lat, 50),
+                    p99_ms=percentile(lat, 99),
                 )
-                tick(f"{rig.strategy} {direction} {n} blocks/job: {out.sweep[-1].gbps:.2f} GB/s")
+            )
         n = plan.latency_blocks
         for direction in DIRECTIONS:
             for depth in plan.latency_depths:
