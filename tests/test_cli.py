@@ -153,6 +153,9 @@ def test_bench_quick_writes_its_report_and_figures(
     assert "wrote" in capsys.readouterr().out
     report = json.loads((out_dir / "report.json").read_text())
     assert report["schema"] == "offload-engine-bench/1"
+    assert report["command"] == (
+        f"offload-engine bench --quick -o {out_dir} --machine-label 'test VM'"
+    )
     assert report["quick"] is True
     assert report["machine"]["label"] == "test VM" and report["machine"]["cores"] >= 1
     assert report["gpu"] == {"run": False, "reason": f"no CUDA: {NO_CUDA.reason}"}

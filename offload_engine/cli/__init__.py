@@ -140,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status (bad usage exits 2 via argparse)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     command: argparse.ArgumentParser = args.parser  # the subcommand's, for its usage line
     if extra:
         command.error(f"unrecognized arguments: {' '.join(extra)}")

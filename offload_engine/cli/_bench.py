@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import sys
 from dataclasses import asdict
 from datetime import date
 from pathlib import Path
@@ -155,9 +154,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
     report = {
         "schema": SCHEMA,
-        "command": shlex.join(["offload-engine", *sys.argv[1:]])
-        if Path(sys.argv[0]).name in ("offload-engine", "__main__.py")
-        else None,
+        "command": shlex.join(["offload-engine", *args.argv]),
         "date": day,
         "offload_engine": __version__,
         "quick": args.quick,
