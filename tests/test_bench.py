@@ -18,8 +18,10 @@ from offload_engine.bench import (
 )
 from offload_engine.bench.machine import Machine
 from offload_engine.bench.plots import draw_latency, draw_throughput
-from offload_engine.bench.rigs import RigShape, open_host_rig
+from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.transfers import run_rig_cases
+from offload_engine.handlers.device import Strategy
+from offload_engine.runtimes.fake import FakeRuntime
 from offload_engine.testing import FakeHandler
 
 
@@ -120,3 +122,35 @@ def test_every_figure_names_the_machine_and_the_date() -> None:
         footer = " ".join(t.get_text() for t in fig.texts)
         assert f"machine: {machine.label()}" in footer and f"date: {day}" in footer
     assert f"{machine.cores} cores" in machine.label()
+
+
+@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+def test_rig_cases_on_a_device_rig(strategy: Strategy) -> None:
+    """What bench runs per GPU strategy, on the fake runtime (host memory, thread streams)."""
+    runtime = FakeRuntime()
+    shape = RigShape(num_layers=1, num_blocks=32, tier_blocks=32, kv_heads=1, head_dim=64)
+    plan = BenchPlan(
+        blocks_per_job=(2,),
+        bytes_per_point=1 << 14,
+        min_jobs=3,
+        repeats=1,
+        depth=2,
+        latency_jobs=3,
+        latency_depths=(1,),
+        latency_blocks=2,
+    )
+    try:
+        rig = open_device_rig(
+            runtime, shape, empty=runtime.empty, strategy=strategy, medium="fake:0"
+        )
+        try:
+            out = run_rig_cases(rig, plan)
+        finally:
+            rig.close()
+    finally:
+        runtime.close()
+    assert {(p.strategy, p.medium, p.direction) for p in out.sweep} == {
+        (strategy.value, "fake:0", d) for d in ("store", "load")
+    }
+    assert all(p.bytes_moved == p.jobs * 2 * rig.block_bytes for p in out.sweep)
+    assert [len(s.latencies_ms) for s in out.latency] == [3, 3]

@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_engine import runtimes
-from offload_engine.bench.cuda import NOT_WIRED, WIRED
-from offload_engine.bench.rigs import RigShape, open_host_rig, open_rig
+from offload_engine import Medium, runtimes
+from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig, open_rig
 from offload_engine.cli import EXIT_UNAVAILABLE, main
 from offload_engine.cli._demo import run_demo
 from offload_engine.runtimes import RuntimeInfo
+from offload_engine.runtimes.fake import FakeRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = RuntimeInfo("cuda", False, "no CUDA device is visible (simulated)")
 FAKE_CUDA = RuntimeInfo("cuda", True, "simulated", ("cuda:0 Simulated GPU",), ("dma",))
-needs_unwired_gpu_path = pytest.mark.skipif(WIRED, reason="the GPU path is wired")
+cpu_torch_only = pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA")
 
 
 @pytest.fixture
@@ -36,7 +36,8 @@ def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture
-def unwired_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+def visible_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """probe_cuda() reports a device, but this torch has no CUDA: the runtime cannot start."""
     monkeypatch.setattr(runtimes, "probe_cuda", lambda: FAKE_CUDA)
 
 
@@ -128,18 +129,39 @@ def test_integrity_check_sees_a_corrupt_block() -> None:
         rig.close()
 
 
-@needs_unwired_gpu_path
-def test_auto_falls_back_to_host_while_the_gpu_path_is_not_wired(
-    unwired_cuda: None, capsys: pytest.CaptureFixture[str]
+@cpu_torch_only
+def test_auto_falls_back_to_host_when_the_cuda_runtime_cannot_start(
+    visible_cuda: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rig, notes = open_rig("auto", RigShape(num_layers=1, num_blocks=8, tier_blocks=4))
     rig.close()
     assert rig.medium == "host"
-    assert notes == [f"CUDA is present but not used: {NOT_WIRED}; running on host memory"]
+    assert notes == [
+        "CUDA is present but not used: CUDA is not available: torch is a CPU-only build; "
+        "running on host memory"
+    ]
     assert main(["info"]) == 0
-    assert "run on: host memory (the CUDA device handler is not in this build" in (
-        capsys.readouterr().out
-    )
+    assert "run on: the GPU, cuda:0 Simulated GPU" in capsys.readouterr().out
+
+
+def test_demo_on_a_device_rig_passes_its_integrity_check() -> None:
+    runtime = FakeRuntime()  # device memory is host memory, streams are threads
+    try:
+        shape = RigShape(num_layers=2, num_blocks=128, tier_blocks=64, kv_heads=2, head_dim=32)
+        rig = open_device_rig(runtime, shape, empty=runtime.empty, medium="fake:0")
+        assert [h.pair for h in rig.handlers] == [
+            (Medium.GPU, Medium.CPU),
+            (Medium.CPU, Medium.GPU),
+        ]
+        try:
+            report = run_demo(rig, steps=40, blocks_per_job=4, max_outstanding=8)
+        finally:
+            rig.close()
+    finally:
+        runtime.close()
+    assert report.ok and report.checked > 0
+    assert report.store.jobs == 40 and report.load.jobs > 0
+    assert rig.tier.released
 
 
 # ---------------------------------------------------------------- bench
@@ -242,17 +264,16 @@ def test_device_cuda_without_cuda_is_one_clear_line(
     assert list(tmp_path.iterdir()) == []  # nothing was measured or written
 
 
-@needs_unwired_gpu_path
-def test_device_cuda_on_a_gpu_before_the_gpu_path_is_wired(
-    unwired_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@cpu_torch_only
+def test_device_cuda_when_the_cuda_runtime_cannot_start(
+    visible_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert main(["demo", "--device", "cuda"]) == EXIT_UNAVAILABLE
     assert main(["bench", "--device", "cuda", "-o", str(tmp_path)]) == EXIT_UNAVAILABLE
     err = capsys.readouterr().err.splitlines()
-    assert err == [
-        f"offload-engine demo: error: --device cuda: {NOT_WIRED}",
-        f"offload-engine bench: error: --device cuda: {NOT_WIRED}",
-    ]
+    why = "--device cuda: CUDA is not available: torch is a CPU-only build"
+    assert err == [f"offload-engine demo: error: {why}", f"offload-engine bench: error: {why}"]
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---------------------------------------------------------------- as a shell sees it

@@ -1,49 +1,80 @@
-"""GPU hooks of the demo and the benchmarks: NOT WIRED YET.
+"""The GPU side of the demo and the benchmarks, on the CUDA runtime.
 
-The CUDA device handler (``offload_engine.handlers.device``) is being written
-on another branch. Until it lands, both functions below raise
-:class:`~offload_engine.errors.RuntimeUnavailableError`, which the command
-line turns into a one-line message (``--device cuda``) or a note and a host
-run (``--device auto``). Nothing else in the CLI touches a GPU, so wiring the
-device path means filling in these two functions:
+* :func:`open_cuda_rig` is the demo's GPU path: a KV cache in GPU memory, a
+  pinned host tier, and the device handler pair from
+  :func:`~offload_engine.handlers.device.make_device_handlers`, with the
+  ``auto`` strategy.
+* :func:`run_cuda_cases` is ``bench``'s GPU hook: the same sweep and latency
+  runs as on the host, once per copy strategy the runtime offers
+  (``dma``, ``staged``, ``kernel``). Cases in the style of
+  ``benchmarks/device/bench_cuda.py`` (a contiguous-copy ceiling, transfers
+  under a GEMM) can be added here; the report and the figures take any
+  :class:`~offload_engine.bench.SweepPoint` and
+  :class:`~offload_engine.bench.LatencySeries`.
 
-* :func:`open_cuda_rig` returns a :class:`~offload_engine.bench.rigs.Rig`
-  whose KV cache is on the GPU (``cache_blocks=gpu_blocks``), whose tier is
-  pinned host memory, and whose handlers serve GPU->CPU and CPU->GPU. The demo
-  and :func:`~offload_engine.bench.transfers.run_rig_cases` then work as they
-  do on the host rig (the rig's integrity check compares on the device).
-* :func:`run_cuda_cases` runs the GPU transfer cases, one rig per copy
-  strategy in ``info.strategies``, and returns their points and latency
-  series; the report and the figures take them as they take the host's.
+Both raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
+CUDA runtime cannot start, which the command line turns into a one-line
+message (``--device cuda``) or a note and a host run (``--device auto``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from offload_engine.bench import BenchPlan, CaseResults
-from offload_engine.bench.rigs import Rig, RigShape
-from offload_engine.errors import RuntimeUnavailableError
-from offload_engine.runtimes import RuntimeInfo
+import torch
 
-#: Flip to True once both functions below drive the device handler.
-WIRED = False
-NOT_WIRED = (
-    "the CUDA device handler is not in this build yet (offload_engine.handlers.device), "
-    "so the CLI cannot drive a GPU"
-)
+from offload_engine.bench import BenchPlan, CaseResults
+from offload_engine.bench.rigs import Rig, RigShape, open_device_rig
+from offload_engine.bench.transfers import run_rig_cases
+from offload_engine.handlers.device import Strategy
+from offload_engine.runtimes import RuntimeInfo
+from offload_engine.runtimes.cuda import CudaRuntime
+
+
+def _rig(runtime: CudaRuntime, shape: RigShape, strategy: Strategy, own: bool) -> Rig:
+    device = runtime.device
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return open_device_rig(
+        runtime,
+        shape,
+        empty=empty,
+        strategy=strategy,
+        medium=str(device),
+        release=runtime.close if own else lambda: None,
+    )
 
 
 def open_cuda_rig(info: RuntimeInfo, shape: RigShape) -> Rig:
-    """GPU KV cache <-> pinned host tier, through the CUDA device handler.
+    """GPU KV cache <-> pinned host tier on the current CUDA device (``auto`` strategy).
 
     ``info`` is the available CUDA runtime from ``probe_runtimes()``.
     """
-    raise RuntimeUnavailableError(NOT_WIRED)
+    runtime = CudaRuntime()
+    try:
+        return _rig(runtime, shape, Strategy.AUTO, own=True)
+    except BaseException:
+        runtime.close()
+        raise
 
 
 def run_cuda_cases(
-    info: RuntimeInfo, plan: BenchPlan, *, tick: Callable[[str], None]
+    info: RuntimeInfo, plan: BenchPlan, shape: RigShape, *, tick: Callable[[str], None]
 ) -> CaseResults:
-    """The GPU transfer cases, per strategy in ``info.strategies``."""
-    raise RuntimeUnavailableError(NOT_WIRED)
+    """The sweep and latency runs on the GPU, once per strategy in ``info.strategies``."""
+    runtime = CudaRuntime()
+    out = CaseResults(sweep=[], latency=[])
+    try:
+        for name in info.strategies:
+            rig = _rig(runtime, shape, Strategy(name), own=False)
+            try:
+                found = run_rig_cases(rig, plan, tick=tick)
+            finally:
+                rig.close()
+            out.sweep += found.sweep
+            out.latency += found.latency
+    finally:
+        runtime.close()
+    return out

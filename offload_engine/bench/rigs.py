@@ -2,8 +2,10 @@
 
 The demo and the benchmarks run on a rig, so they run unchanged on whichever
 medium is present: :func:`open_host_rig` (the KV cache in host memory, the host
-handler) or, on a CUDA machine, :func:`offload_engine.bench.cuda.open_cuda_rig`.
-:func:`open_rig` picks one from a ``--device`` value.
+handler) or :func:`open_device_rig` (the KV cache in device memory, a pinned
+tier, the device handlers; on a CUDA machine through
+:func:`offload_engine.bench.cuda.open_cuda_rig`). :func:`open_rig` picks one
+from a ``--device`` value.
 """
 
 from __future__ import annotations
@@ -17,16 +19,26 @@ import torch
 from offload_engine import runtimes
 from offload_engine.errors import RuntimeUnavailableError
 from offload_engine.handler import TransferHandler
+from offload_engine.handlers.device import (
+    DeviceHandlerConfig,
+    Strategy,
+    make_device_handlers,
+    pinned_host_tier,
+)
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.layout import KVLayout, byte_view
+from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.testing import poisoned_tier, random_host_cache
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockIdsLike,
     CacheBlocks,
+    Medium,
     TransferSpec,
     cpu_blocks,
+    gpu_blocks,
     host_cache_blocks,
+    npu_blocks,
 )
 
 Device = Literal["auto", "cuda", "cpu"]
@@ -124,13 +136,57 @@ def open_host_rig(shape: RigShape, *, workers: int = 2) -> Rig:
     )
 
 
+def open_device_rig(
+    runtime: DeviceRuntime,
+    shape: RigShape,
+    *,
+    empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
+    strategy: Strategy = Strategy.AUTO,
+    medium: str,
+    release: Callable[[], None] = lambda: None,
+) -> Rig:
+    """Random KV tensors in device memory (from ``empty``), a pinned poisoned tier,
+    and the device handler pair (store and load) of ``runtime``.
+
+    ``release`` runs at :meth:`Rig.close`, after the tier is released (pass
+    ``runtime.close`` to hand the runtime to the rig).
+    """
+    gen = torch.Generator().manual_seed(shape.seed)
+    tensors = []
+    for _ in range(shape.num_layers):
+        block = (shape.num_blocks, 2, shape.block_tokens, shape.kv_heads, shape.head_dim)
+        t = empty(block, torch.bfloat16)
+        t.copy_(torch.randn(block, generator=gen).to(torch.bfloat16))
+        tensors.append(t)
+    layout = KVLayout.from_block_tensors(tensors)
+    tier = pinned_host_tier(runtime, layout, shape.tier_blocks)
+    try:
+        tier.memory.fill_(0xA5)
+        handlers = make_device_handlers(
+            runtime, layout, tier, DeviceHandlerConfig(strategy=strategy)
+        )
+    except BaseException:
+        tier.release()
+        raise
+    return Rig(
+        medium=medium,
+        description=f"{medium} memory <-> pinned host tier, {strategy.value} copies",
+        strategy=strategy.value,
+        layout=layout,
+        tier=tier,
+        handlers=list(handlers),
+        cache_blocks=gpu_blocks if runtime.medium is Medium.GPU else npu_blocks,
+        release=release,
+    )
+
+
 def open_rig(device: Device, shape: RigShape, *, workers: int = 2) -> tuple[Rig, list[str]]:
     """The rig for ``device``, and notes on how it was chosen.
 
     ``"cpu"`` is the host rig. ``"cuda"`` is the CUDA rig or
-    :class:`RuntimeUnavailableError` (no CUDA here, or no CUDA rig in this
-    build). ``"auto"`` tries CUDA when a device is visible and falls back to
-    the host rig, saying why in the notes.
+    :class:`RuntimeUnavailableError` (no usable CUDA device here). ``"auto"``
+    tries CUDA when a device is visible and falls back to the host rig, saying
+    why in the notes.
     """
     from offload_engine.bench.cuda import open_cuda_rig
 

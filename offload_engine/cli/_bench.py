@@ -2,8 +2,9 @@
 
 Host memory always: the host handler's GB/s against blocks per job, the job
 latency distribution, and the engine's own overhead. The GPU when CUDA is
-usable (see :mod:`offload_engine.bench.cuda`). Writes ``report.json``,
-``throughput.png`` and ``latency.png`` into the output directory.
+usable: the same cases once per copy strategy (:mod:`offload_engine.bench.cuda`).
+Writes ``report.json``, ``throughput.png`` and ``latency.png`` into the
+output directory.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from typing import Any
 
 from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
+from offload_engine.bench.rigs import RigShape
 
 SCHEMA = "offload-engine-bench/1"
+BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
 REPORT = "report.json"
 THROUGHPUT_PNG = "throughput.png"
 LATENCY_PNG = "latency.png"
@@ -87,7 +90,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.overhead import backends, run_overhead
     from offload_engine.bench.plots import latency_figure, throughput_figure
-    from offload_engine.bench.rigs import RigShape, open_host_rig
+    from offload_engine.bench.rigs import open_host_rig
     from offload_engine.bench.transfers import run_rig_cases
     from offload_engine.errors import RuntimeUnavailableError
 
@@ -127,7 +130,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if run_gpu:
             try:
-                gpu = run_cuda_cases(cuda, plan, tick=tick)
+                gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
             except RuntimeUnavailableError as exc:
                 if args.device == "cuda":
                     raise
@@ -140,7 +143,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
             gpu_status = {"run": False, "reason": why}
 
-        rig = open_host_rig(RigShape(tier_blocks=1024), workers=plan.workers)
+        rig = open_host_rig(BENCH_SHAPE, workers=plan.workers)
         try:
             host = run_rig_cases(rig, plan, variant=f"{plan.workers} copy threads", tick=tick)
         finally:

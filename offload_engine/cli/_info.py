@@ -12,7 +12,6 @@ from offload_engine import runtimes
 
 def cmd_info(args: argparse.Namespace) -> int:
     from offload_engine import __version__
-    from offload_engine.bench.cuda import NOT_WIRED, WIRED
 
     found = runtimes.probe_runtimes()
     if args.json:
@@ -44,11 +43,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         )
     out.print(table)
     cuda = next(r for r in found if r.name == "cuda")
-    if not cuda.available:
-        auto = f"host memory (CUDA: {cuda.reason})"
-    elif WIRED:
-        auto = cuda.devices[0] if cuda.devices else "cuda"
+    if cuda.available:
+        auto = f"the GPU, {cuda.devices[0] if cuda.devices else 'cuda'}"
     else:
-        auto = f"host memory ({NOT_WIRED})"
+        auto = f"host memory (CUDA: {cuda.reason})"
     out.print(f"demo and bench with --device auto run on: {auto}", markup=False)
     return 0
