@@ -22,9 +22,9 @@ def _footer(fig: Figure, machine: str, day: str, note: str) -> None:
     fig.text(0.01, 0.01, text, fontsize=7, color="0.35", ha="left", va="bottom")
 
 
-def _figure() -> Figure:
+def _figure(height: float = 4.4) -> Figure:
     # constrained layout, leaving a strip at the bottom for the footer
-    return Figure(figsize=(10, 4.4), layout=ConstrainedLayoutEngine(rect=(0, 0.04, 1, 0.96)))
+    return Figure(figsize=(10, height), layout=ConstrainedLayoutEngine(rect=(0, 0.04, 1, 0.96)))
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -94,7 +94,7 @@ def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: 
 
 def draw_latency(series: Sequence[LatencySeries], machine: str, day: str, note: str = "") -> Figure:
     """Distribution (ECDF) of submit->result latency, one panel per direction."""
-    fig = _figure()
+    fig = _figure(height=4.4 + 0.15 * len({(x.medium, x.strategy, x.depth) for x in series}))
     axes = fig.subplots(1, 2, sharey=True)
     for ax, direction in zip(axes, ("store", "load"), strict=True):
         shown = [s for s in series if s.direction == direction and s.latencies_ms]
@@ -113,7 +113,7 @@ def draw_latency(series: Sequence[LatencySeries], machine: str, day: str, note: 
         ax.axhline(0.99, color="0.6", lw=0.6, ls=":")
         ax.grid(True, which="both", alpha=0.3)
         if shown:
-            ax.legend(fontsize=7, loc="best")
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))
     axes[0].set_ylabel("fraction of jobs")
     axes[0].set_ylim(0, 1.02)
     fig.suptitle("Job latency distribution")
