@@ -51,10 +51,10 @@ class SweepPoint:
     blocks_per_job: int
     block_bytes: int
     depth: int  # jobs in flight
-    jobs: int  # per run
-    bytes_moved: int  # per run
-    wall_s: tuple[float, ...]  # each run's first submit -> last result
-    p50_ms: float  # submit -> result under this load, all runs pooled
+    jobs: int  # per repeat
+    bytes_moved: int  # per repeat
+    wall_s: tuple[float, ...]  # each repeat's first submit -> last result
+    p50_ms: float  # submit -> result under this load, all repeats pooled
     p99_ms: float
 
     def _rate(self, wall: float) -> float:
@@ -62,7 +62,7 @@ class SweepPoint:
 
     @property
     def gbps(self) -> float:
-        """GB/s (10**9 bytes) of the median run: bytes moved over its wall time."""
+        """GB/s (10**9 bytes) of the median repeat: bytes moved over its wall time."""
         return self._rate(percentile(self.wall_s, 50))
 
     @property
@@ -119,9 +119,9 @@ class BenchPlan:
     """What the transfer cases measure; ``quick()`` is the CI-sized plan."""
 
     blocks_per_job: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-    bytes_per_point: int = 256 << 20  # moved per sweep run (at least min_jobs jobs)
+    bytes_per_point: int = 256 << 20  # moved per repeat of a point (at least min_jobs jobs)
     min_jobs: int = 32
-    repeats: int = 3  # runs per sweep point, interleaved; the figures show the median
+    repeats: int = 3  # of each sweep point, interleaved; the figures show the median
     depth: int = 16  # jobs in flight during the sweep
     latency_blocks: int = 8  # blocks per job of the latency runs
     latency_depths: tuple[int, ...] = (1, 16)  # one job at a time, and a loaded queue

@@ -50,7 +50,7 @@ def latency_figure(
 def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: str = "") -> Figure:
     """GB/s against blocks per job, one panel per direction, one line per strategy.
 
-    Points are the median run; bars span the slowest to the fastest run.
+    Points are the median repeat; bars span the slowest to the fastest repeat.
     """
     fig = _figure()
     axes = fig.subplots(1, 2, sharey=True)
@@ -84,7 +84,7 @@ def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: 
     repeats = max((len(p.wall_s) for p in points), default=1)
     axes[0].set_ylabel(
         "GB/s (bytes moved / wall time)"
-        + (f"\nmedian of {repeats} runs, bars: min to max" if repeats > 1 else "")
+        + (f"\nmedian of {repeats} repeats, bars: min to max" if repeats > 1 else "")
     )
     axes[0].set_ylim(bottom=0)
     fig.suptitle("KV-block transfer throughput")

@@ -5,8 +5,9 @@ through the sync facade, as a serving loop would:
 
 * **sweep**: for each direction and each blocks-per-job size, jobs of that
   size with ``plan.depth`` in flight; GB/s is bytes moved over the wall time
-  from the first submit to the last result. Each point runs ``plan.repeats``
-  times, the repeats interleaved with the other points; the median run counts;
+  from the first submit to the last result. Each point is repeated
+  ``plan.repeats`` times, interleaved with the other points; the median
+  repeat counts;
 * **latency**: jobs of ``plan.latency_blocks`` blocks, one at a time
   (depth 1) and with a queue (depth 16); every job's submit->result latency.
 
