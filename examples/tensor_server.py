@@ -89,7 +89,7 @@ class TensorStore:
             [HostCopyHandler(layout, self._tier, workers=workers)]
         )
         self._staging_free: deque[int] = deque(range(staging_blocks))
-        self._staging_freed = anyio.Event()
+        self._staging_freed: anyio.Event | None = None  # set when staging blocks are freed
         self._tier_free: deque[int] = deque(range(tier_blocks))
         self._index: dict[str, _Entry] = {}
 
@@ -197,13 +197,16 @@ class TensorStore:
         request reuses blocks that a copy thread is still touching.
         """
         while len(self._staging_free) < n:
+            if self._staging_freed is None:
+                self._staging_freed = anyio.Event()
             await self._staging_freed.wait()
         return [self._staging_free.popleft() for _ in range(n)]
 
     def _free_staging(self, ids: list[int]) -> None:
         self._staging_free.extend(ids)
-        freed, self._staging_freed = self._staging_freed, anyio.Event()
-        freed.set()
+        freed, self._staging_freed = self._staging_freed, None
+        if freed is not None:
+            freed.set()
 
     async def _transfer(self, spec: TransferSpec) -> None:
         """One job through the engine; waits while its queue is full."""

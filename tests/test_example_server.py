@@ -73,6 +73,26 @@ async def test_put_get_round_trips_over_loopback() -> None:
     assert engine_threads() == []
 
 
+async def test_requests_wait_for_staging_blocks() -> None:
+    """Four requests of 3 blocks each share 4 staging blocks: all but one wait their turn."""
+    store = ts.TensorStore(block_bytes=BLOCK, staging_blocks=4, tier_blocks=64)
+    got: dict[str, bytes] = {}
+    async with store:
+
+        async def request(i: int) -> None:
+            data = bytes([i]) * (3 * BLOCK)
+            for j in range(5):
+                await store.put(f"{i}-{j}", data)
+                got[f"{i}-{j}"] = await store.get(f"{i}-{j}")
+                store.delete(f"{i}-{j}")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(request, i)
+    assert got == {f"{i}-{j}": bytes([i]) * (3 * BLOCK) for i in range(4) for j in range(5)}
+    assert store.tier_free == 64 and store.stats().succeeded == 40
+
+
 async def test_errors_overwrite_and_delete() -> None:
     async with small_store() as store, anyio.create_task_group() as tg:
         port = await tg.start(ts.serve_tcp, store, "127.0.0.1", 0)
