@@ -1,0 +1,80 @@
+"""The GPU side of the demo and the benchmarks, on the CUDA runtime.
+
+* :func:`open_cuda_rig` is the demo's GPU path: a KV cache in GPU memory, a
+  pinned host tier, and the device handler pair from
+  :func:`~offload_engine.handlers.device.make_device_handlers`, with the
+  ``auto`` strategy.
+* :func:`run_cuda_cases` is ``bench``'s GPU hook: the same sweep and latency
+  runs as on the host, once per copy strategy the runtime offers
+  (``dma``, ``staged``, ``kernel``). Cases in the style of
+  ``benchmarks/device/bench_cuda.py`` (a contiguous-copy ceiling, transfers
+  under a GEMM) can be added here; the report and the figures take any
+  :class:`~offload_engine.bench.SweepPoint` and
+  :class:`~offload_engine.bench.LatencySeries`.
+
+Both raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
+CUDA runtime cannot start, which the command line turns into a one-line
+message (``--device cuda``) or a note and a host run (``--device auto``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from offload_engine.bench import BenchPlan, CaseResults
+from offload_engine.bench.rigs import Rig, RigShape, open_device_rig
+from offload_engine.bench.transfers import run_rig_cases
+from offload_engine.handlers.device import Strategy
+from offload_engine.runtimes import RuntimeInfo
+from offload_engine.runtimes.cuda import CudaRuntime
+
+
+def _rig(runtime: CudaRuntime, shape: RigShape, strategy: Strategy, own: bool) -> Rig:
+    device = runtime.device
+
+    def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=device)
+
+    return open_device_rig(
+        runtime,
+        shape,
+        empty=empty,
+        strategy=strategy,
+        medium=str(device),
+        release=runtime.close if own else lambda: None,
+    )
+
+
+def open_cuda_rig(info: RuntimeInfo, shape: RigShape) -> Rig:
+    """GPU KV cache <-> pinned host tier on the current CUDA device (``auto`` strategy).
+
+    ``info`` is the available CUDA runtime from ``probe_runtimes()``.
+    """
+    runtime = CudaRuntime()
+    try:
+        return _rig(runtime, shape, Strategy.AUTO, own=True)
+    except BaseException:
+        runtime.close()
+        raise
+
+
+def run_cuda_cases(
+    info: RuntimeInfo, plan: BenchPlan, shape: RigShape, *, tick: Callable[[str], None]
+) -> CaseResults:
+    """The sweep and latency runs on the GPU, once per strategy in ``info.strategies``."""
+    runtime = CudaRuntime()
+    out = CaseResults(sweep=[], latency=[])
+    try:
+        for name in info.strategies:
+            rig = _rig(runtime, shape, Strategy(name), own=False)
+            try:
+                found = run_rig_cases(rig, plan, tick=tick)
+            finally:
+                rig.close()
+            out.sweep += found.sweep
+            out.latency += found.latency
+    finally:
+        runtime.close()
+    return out

@@ -1,0 +1,73 @@
+"""What machine a figure was measured on: CPU, cores, memory, GPUs, versions."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+
+def _cpu_model() -> str:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return 0
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The machine a benchmark ran on."""
+
+    cpu: str
+    cores: int
+    memory_bytes: int
+    gpus: tuple[str, ...]
+    hostname: str
+    system: str
+    python: str
+    torch: str
+    packages: dict[str, str | None]
+
+    @classmethod
+    def detect(cls, gpus: tuple[str, ...] = ()) -> Machine:
+        import torch
+
+        return cls(
+            cpu=_cpu_model(),
+            cores=os.cpu_count() or 0,
+            memory_bytes=_memory_bytes(),
+            gpus=gpus,
+            hostname=platform.node(),
+            system=f"{platform.system()} {platform.release()}",
+            python=sys.version.split()[0],
+            torch=torch.__version__,
+            packages={p: _version(p) for p in ("numpy", "anyio", "trio")},
+        )
+
+    def label(self) -> str:
+        """One line for a figure: CPU, cores, memory, GPUs and torch."""
+        gpus = ", ".join(self.gpus) if self.gpus else "no GPU"
+        mem = f"{self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else "? GiB"
+        return f"{self.cpu}, {self.cores} cores, {mem}, {gpus}; torch {self.torch}"
+
+    def as_dict(self) -> dict[str, object]:
+        return {**self.__dict__, "gpus": list(self.gpus), "label": self.label()}

@@ -1,0 +1,121 @@
+"""The benchmark figures, drawn with matplotlib's Agg canvas (no display, no pyplot).
+
+Every figure carries the machine and the date in a footer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+from offload_engine.bench import LatencySeries, SweepPoint, series_label
+
+DIRECTION_TITLES = {"store": "store (KV cache -> tier)", "load": "load (tier -> KV cache)"}
+
+
+def _footer(fig: Figure, machine: str, day: str, note: str) -> None:
+    text = f"machine: {machine} | date: {day}" + (f" | {note}" if note else "")
+    fig.text(0.01, 0.01, text, fontsize=7, color="0.35", ha="left", va="bottom")
+
+
+def _figure(height: float = 4.4) -> Figure:
+    # constrained layout, leaving a strip at the bottom for the footer
+    return Figure(figsize=(10, height), layout=ConstrainedLayoutEngine(rect=(0, 0.04, 1, 0.96)))
+
+
+def _save(fig: Figure, path: Path) -> Path:
+    FigureCanvasAgg(fig)
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def throughput_figure(
+    points: Sequence[SweepPoint], machine: str, day: str, path: Path, note: str = ""
+) -> Path:
+    """Draw :func:`draw_throughput` into ``path`` (PNG)."""
+    return _save(draw_throughput(points, machine, day, note), path)
+
+
+def latency_figure(
+    series: Sequence[LatencySeries], machine: str, day: str, path: Path, note: str = ""
+) -> Path:
+    """Draw :func:`draw_latency` into ``path`` (PNG)."""
+    return _save(draw_latency(series, machine, day, note), path)
+
+
+def draw_throughput(points: Sequence[SweepPoint], machine: str, day: str, note: str = "") -> Figure:
+    """GB/s against blocks per job, one panel per direction, one line per strategy.
+
+    Points are the median repeat; bars span the slowest to the fastest repeat.
+    """
+    fig = _figure()
+    axes = fig.subplots(1, 2, sharey=True)
+    block_kib = {p.block_bytes // 1024 for p in points}
+    sizes = sorted({p.blocks_per_job for p in points})
+    for ax, direction in zip(axes, ("store", "load"), strict=True):
+        series: dict[str, list[SweepPoint]] = {}
+        for p in points:
+            if p.direction == direction:
+                series.setdefault(series_label(p.medium, p.strategy, p.variant), []).append(p)
+        for label, pts in series.items():
+            pts.sort(key=lambda p: p.blocks_per_job)
+            ys = [p.gbps for p in pts]
+            spread = [
+                [y - p.gbps_min for y, p in zip(ys, pts, strict=True)],
+                [p.gbps_max - y for y, p in zip(ys, pts, strict=True)],
+            ]
+            ax.errorbar(
+                [p.blocks_per_job for p in pts], ys, yerr=spread, fmt="o-", capsize=3, label=label
+            )
+        ax.set_xscale("log", base=2)
+        if sizes:
+            ax.set_xticks(sizes, labels=[str(n) for n in sizes])
+            ax.minorticks_off()
+        ax.set_title(DIRECTION_TITLES[direction])
+        kib = "/".join(str(k) for k in sorted(block_kib))
+        ax.set_xlabel(f"blocks per job ({kib} KiB each)")
+        ax.grid(True, which="both", alpha=0.3)
+        if series:
+            ax.legend(fontsize=8)
+    repeats = max((len(p.wall_s) for p in points), default=1)
+    axes[0].set_ylabel(
+        "GB/s (bytes moved / wall time)"
+        + (f"\nmedian of {repeats} repeats, bars: min to max" if repeats > 1 else "")
+    )
+    axes[0].set_ylim(bottom=0)
+    fig.suptitle("KV-block transfer throughput")
+    _footer(fig, machine, day, note)
+    return fig
+
+
+def draw_latency(series: Sequence[LatencySeries], machine: str, day: str, note: str = "") -> Figure:
+    """Distribution (ECDF) of submit->result latency, one panel per direction."""
+    fig = _figure(height=4.4 + 0.15 * len({(x.medium, x.strategy, x.depth) for x in series}))
+    axes = fig.subplots(1, 2, sharey=True)
+    for ax, direction in zip(axes, ("store", "load"), strict=True):
+        shown = [s for s in series if s.direction == direction and s.latencies_ms]
+        for s in shown:
+            xs = sorted(s.latencies_ms)
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            label = (
+                f"{series_label(s.medium, s.strategy, s.variant)}, {s.blocks_per_job} blocks, "
+                f"{s.depth} in flight: p50 {s.p50_ms:.2f} / p99 {s.p99_ms:.2f} ms"
+            )
+            ax.step(xs, ys, where="post", label=label)
+        ax.set_xscale("log")
+        ax.set_title(DIRECTION_TITLES[direction])
+        ax.set_xlabel("submit -> result latency (ms)")
+        ax.axhline(0.5, color="0.6", lw=0.6, ls=":")
+        ax.axhline(0.99, color="0.6", lw=0.6, ls=":")
+        ax.grid(True, which="both", alpha=0.3)
+        if shown:
+            ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16))
+    axes[0].set_ylabel("fraction of jobs")
+    axes[0].set_ylim(0, 1.02)
+    fig.suptitle("Job latency distribution")
+    _footer(fig, machine, day, note)
+    return fig

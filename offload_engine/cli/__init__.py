@@ -1,0 +1,174 @@
+"""The ``offload-engine`` command (also ``python -m offload_engine``).
+
+Subcommands: ``info`` (runtimes on this machine), ``demo`` (a serving loop in
+miniature) and ``bench`` (transfer benchmarks, a JSON report and figures).
+
+Exit status: 0 success; 1 the run failed (a failed job, corrupt bytes, a file
+that could not be written); 2 usage error (argparse prints the usage); 3 the
+requested device is unavailable (for example ``--device cuda`` without CUDA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from offload_engine.bench.rigs import DEVICES
+from offload_engine.errors import JobFailedError, RuntimeUnavailableError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNAVAILABLE = 3
+
+_EPILOG = (
+    "exit status: 0 success, 1 the run failed (failed job, corrupt bytes, unwritable file), "
+    "2 usage error, 3 the requested device is unavailable"
+)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not positive")
+    return value
+
+
+def _add_device(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--device", choices=DEVICES, default="auto", help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from offload_engine import __version__
+    from offload_engine.cli import _bench, _demo, _info
+
+    parser = argparse.ArgumentParser(
+        prog="offload-engine",
+        description="Move KV-cache blocks between memory tiers.",
+        epilog=_EPILOG,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    info = sub.add_parser(
+        "info",
+        help="show the runtimes on this machine (CUDA, NPU, CPU) and their copy strategies",
+        description="Show the runtimes on this machine, their devices and copy strategies, "
+        "and why any is unavailable.",
+        epilog=_EPILOG,
+    )
+    info.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    info.set_defaults(func=_info.cmd_info, parser=info)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run a serving loop in miniature through the engine and check every loaded byte",
+        description="Simulate a serving loop: each scheduling step stores new KV blocks and "
+        "loads a prefix hit through the engine, then check every loaded block byte for byte. "
+        "Ends with GB/s per direction, CPU time per step and job latency.",
+        epilog=_EPILOG,
+    )
+    _add_device(
+        demo,
+        "where the KV cache lives: auto (default: the GPU if usable, else host memory), "
+        "cuda (the GPU, or exit 3), cpu (host memory)",
+    )
+    demo.add_argument(
+        "--steps",
+        type=positive_int,
+        help=f"scheduling steps (default {_demo.STEPS}, {_demo.QUICK_STEPS} with --quick)",
+    )
+    demo.add_argument("--quick", action="store_true", help="a short run (CI-sized)")
+    demo.add_argument(
+        "--blocks-per-job",
+        type=positive_int,
+        default=8,
+        help=f"blocks per store and per load (default 8, at most {_demo.MAX_BLOCKS_PER_JOB})",
+    )
+    demo.add_argument("--layers", type=positive_int, default=8, help="KV layers (default 8)")
+    demo.add_argument(
+        "--workers", type=positive_int, default=2, help="host copy threads (default 2)"
+    )
+    demo.add_argument(
+        "--max-outstanding",
+        type=positive_int,
+        default=16,
+        help="jobs in flight before a step waits for the oldest (default 16)",
+    )
+    demo.set_defaults(func=_demo.cmd_demo, parser=demo)
+
+    bench = sub.add_parser(
+        "bench",
+        help="benchmark transfers on the hardware present; write a JSON report and PNG plots",
+        description="Benchmark transfers: host memory always (GB/s against blocks per job, "
+        "job latency, engine overhead), the GPU when CUDA is usable. Writes report.json, "
+        "throughput.png and latency.png into the output directory.",
+        epilog=_EPILOG,
+    )
+    _add_device(
+        bench,
+        "which cases run besides the host ones: auto (default: GPU cases if usable), "
+        "cuda (GPU cases, or exit 3), cpu (host cases only)",
+    )
+    bench.add_argument(
+        "-o",
+        "--output-dir",
+        default="bench-out",
+        metavar="DIR",
+        help="where to write the report and figures (default ./bench-out)",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="small sizes and few jobs (CI-sized, seconds)"
+    )
+    bench.add_argument(
+        "--workers", type=positive_int, default=2, help="host copy threads (default 2)"
+    )
+    bench.add_argument(
+        "--machine-label",
+        metavar="TEXT",
+        help="how the figures name the machine (default: CPU, cores, memory, GPUs, torch)",
+    )
+    bench.set_defaults(func=_bench.cmd_bench, parser=bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; return the exit status (bad usage exits 2 via argparse)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    command: argparse.ArgumentParser = args.parser  # the subcommand's, for its usage line
+    if extra:
+        command.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "demo":
+        from offload_engine.cli._demo import MAX_BLOCKS_PER_JOB
+
+        if args.blocks_per_job > MAX_BLOCKS_PER_JOB:
+            command.error(
+                f"--blocks-per-job {args.blocks_per_job} is too large "
+                f"(at most {MAX_BLOCKS_PER_JOB})"
+            )
+    where = command.prog
+    try:
+        return int(args.func(args))
+    except RuntimeUnavailableError as exc:
+        flag = f"--device {args.device}: " if getattr(args, "device", "auto") != "auto" else ""
+        print(f"{where}: error: {flag}{exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except JobFailedError as exc:
+        print(f"{where}: error: a transfer failed: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except OSError as exc:
+        print(f"{where}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""``offload-engine bench``: transfer benchmarks for the hardware present.
+
+Host memory always: the host handler's GB/s against blocks per job, the job
+latency distribution, and the engine's own overhead. The GPU when CUDA is
+usable: the same cases once per copy strategy (:mod:`offload_engine.bench.cuda`).
+Writes ``report.json``, ``throughput.png`` and ``latency.png`` into the
+output directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from dataclasses import asdict
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from offload_engine import runtimes
+from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
+from offload_engine.bench.rigs import RigShape
+
+SCHEMA = "offload-engine-bench/1"
+BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
+REPORT = "report.json"
+THROUGHPUT_PNG = "throughput.png"
+LATENCY_PNG = "latency.png"
+OVERHEAD_JOBS = (100_000, 3000)  # jobs, latency samples
+QUICK_OVERHEAD_JOBS = (5000, 300)
+
+
+def _label(medium: str, strategy: str) -> str:
+    return strategy if medium == "host" else f"{strategy} {medium}"
+
+
+def _sweep_table(points: list[SweepPoint]) -> Any:
+    """Blocks per job down, one GB/s column per (strategy, direction)."""
+    from rich.table import Table
+
+    table = Table(title="GB/s against blocks per job", title_justify="left")
+    table.add_column("blocks/job", justify="right")
+    table.add_column("MiB/job", justify="right")
+    columns: dict[tuple[str, str], dict[int, SweepPoint]] = {}
+    variants: dict[str, str] = {}
+    for p in points:
+        label = _label(p.medium, p.strategy)
+        columns.setdefault((label, p.direction), {})[p.blocks_per_job] = p
+        if p.variant:
+            variants[label] = p.variant
+    for label, direction in columns:
+        table.add_column(f"{label}\n{direction}", justify="right")
+    table.caption = "; ".join(f"{k}: {v}" for k, v in variants.items()) or None
+    table.caption_justify = "left"
+    for n in sorted({p.blocks_per_job for p in points}):
+        block_bytes = next(p.block_bytes for p in points if p.blocks_per_job == n)
+        cells = [f"{col[n].gbps:.2f}" if n in col else "-" for col in columns.values()]
+        table.add_row(str(n), f"{n * block_bytes / 2**20:g}", *cells)
+    return table
+
+
+def _latency_table(series: list[LatencySeries]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="Job latency, submit -> result", title_justify="left")
+    for col in ("strategy", "direction", "blocks/job", "in flight", "jobs"):
+        table.add_column(col, justify="left" if col in ("strategy", "direction") else "right")
+    table.add_column("p50 ms", justify="right")
+    table.add_column("p99 ms", justify="right")
+    for s in series:
+        table.add_row(
+            _label(s.medium, s.strategy),
+            s.direction,
+            str(s.blocks_per_job),
+            str(s.depth),
+            f"{len(s.latencies_ms):,}",
+            f"{s.p50_ms:.3f}",
+            f"{s.p99_ms:.3f}",
+        )
+    return table
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.table import Table
+
+    from offload_engine import __version__
+    from offload_engine.bench.cuda import run_cuda_cases
+    from offload_engine.bench.machine import Machine
+    from offload_engine.bench.overhead import backends, run_overhead
+    from offload_engine.bench.plots import latency_figure, throughput_figure
+    from offload_engine.bench.rigs import open_host_rig
+    from offload_engine.bench.transfers import run_rig_cases
+    from offload_engine.errors import RuntimeUnavailableError
+
+    out = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    plan = BenchPlan.quick(args.workers) if args.quick else BenchPlan(workers=args.workers)
+    jobs, samples = QUICK_OVERHEAD_JOBS if args.quick else OVERHEAD_JOBS
+
+    found = runtimes.probe_runtimes()
+    cuda = next(r for r in found if r.name == "cuda")
+    if args.device == "cuda" and not cuda.available:
+        raise RuntimeUnavailableError(f"CUDA is not available: {cuda.reason}")
+    run_gpu = args.device == "cuda" or (args.device == "auto" and cuda.available)
+
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = Machine.detect(gpus=cuda.devices)
+    label = args.machine_label or machine.label()
+    day = date.today().isoformat()
+
+    results = CaseResults(sweep=[], latency=[])
+    gpu_status: dict[str, object]
+    total = plan.steps + len(backends()) + 1 + (plan.steps * len(cuda.strategies) if run_gpu else 0)
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    ) as progress:
+        task = progress.add_task("bench", total=total)
+
+        def tick(what: str) -> None:
+            progress.update(task, advance=1, description=what)
+
+        if run_gpu:
+            try:
+                gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
+            except RuntimeUnavailableError as exc:
+                if args.device == "cuda":
+                    raise
+                gpu_status = {"run": False, "reason": str(exc)}
+            else:
+                results.sweep += gpu.sweep
+                results.latency += gpu.latency
+                gpu_status = {"run": True, "devices": list(cuda.devices)}
+        else:
+            why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
+            gpu_status = {"run": False, "reason": why}
+
+        rig = open_host_rig(BENCH_SHAPE, workers=plan.workers)
+        try:
+            host = run_rig_cases(rig, plan, variant=f"{plan.workers} copy threads", tick=tick)
+        finally:
+            rig.close()
+        results.sweep += host.sweep
+        results.latency += host.latency
+        overhead = run_overhead(jobs, samples, tick=tick)
+
+    note = "offload-engine bench --quick (CI-sized)" if args.quick else "offload-engine bench"
+    throughput_figure(results.sweep, label, day, out_dir / THROUGHPUT_PNG, note)
+    latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
+    report = {
+        "schema": SCHEMA,
+        "command": shlex.join(["offload-engine", *args.argv]),
+        "date": day,
+        "offload_engine": __version__,
+        "quick": args.quick,
+        "machine": {**machine.as_dict(), "label": label},
+        "runtimes": [asdict(r) for r in found],
+        "plan": asdict(plan),
+        "gpu": gpu_status,
+        "transfers": {
+            "sweep": [p.as_dict() for p in results.sweep],
+            "latency": [s.as_dict() for s in results.latency],
+        },
+        "overhead": {
+            "jobs": jobs,
+            "latency_samples": samples,
+            "hosts": {r.key: r.as_dict() for r in overhead},
+        },
+        "figures": {"throughput": THROUGHPUT_PNG, "latency": LATENCY_PNG},
+    }
+    (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+
+    out.print(f"bench on {label}, {day}{' (quick)' if args.quick else ''}", markup=False)
+    if not gpu_status["run"]:
+        out.print(f"GPU cases not run: {gpu_status['reason']}", markup=False)
+    out.print(_sweep_table(results.sweep))
+    out.print(_latency_table(results.latency))
+    table = Table(title="Engine overhead (instant fake handler)", title_justify="left")
+    table.add_column("host")
+    for col in ("jobs/s", "p50 us", "p99 us"):
+        table.add_column(col, justify="right")
+    for r in overhead:
+        table.add_row(r.host, f"{r.jobs_per_s:,.0f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}")
+    out.print(table)
+    written = ", ".join(str(out_dir / f) for f in (REPORT, THROUGHPUT_PNG, LATENCY_PNG))
+    out.print(f"wrote {written}", markup=False)
+    return 0

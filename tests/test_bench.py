@@ -1,0 +1,156 @@
+"""The benchmark kit behind `offload-engine bench`: statistics, windows, figures, rigs."""
+
+from __future__ import annotations
+
+import math
+from datetime import date
+
+import pytest
+
+from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench import (
+    BenchPlan,
+    LatencySeries,
+    SweepPoint,
+    percentile,
+    run_window,
+    series_label,
+)
+from offload_engine.bench.machine import Machine
+from offload_engine.bench.plots import draw_latency, draw_throughput
+from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
+from offload_engine.bench.transfers import run_rig_cases
+from offload_engine.handlers.device import Strategy
+from offload_engine.runtimes.fake import FakeRuntime
+from offload_engine.testing import FakeHandler
+
+
+def point(direction: str, n: int, walls: tuple[float, ...]) -> SweepPoint:
+    return SweepPoint(
+        medium="host",
+        strategy="host-copy",
+        variant="2 copy threads",
+        direction=direction,
+        blocks_per_job=n,
+        block_bytes=1 << 17,
+        depth=16,
+        jobs=10,
+        bytes_moved=2_000_000_000,
+        wall_s=walls,
+        p50_ms=1.0,
+        p99_ms=2.0,
+    )
+
+
+def test_percentile_is_nearest_rank() -> None:
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile(list(range(101)), 99) == 99
+    assert percentile([5.0], 99) == 5.0
+    assert math.isnan(percentile([], 50))
+
+
+def test_sweep_point_reports_the_median_run_and_the_spread() -> None:
+    p = point("store", 8, (2.0, 1.0, 4.0))
+    assert p.gbps == pytest.approx(1.0)  # median wall 2 s
+    assert (p.gbps_min, p.gbps_max) == pytest.approx((0.5, 2.0))
+    d = p.as_dict()
+    assert d["wall_s"] == [2.0, 1.0, 4.0] and d["gbps"] == pytest.approx(1.0)
+
+
+def test_labels_and_plan_sizes() -> None:
+    assert series_label("host", "host-copy", "2 copy threads") == "host-copy (2 copy threads)"
+    assert series_label("cuda:0", "dma", "") == "dma (cuda:0)"
+    assert series_label("host", "host-copy", "") == "host-copy"
+    plan = BenchPlan(bytes_per_point=1 << 20, min_jobs=4)
+    assert plan.jobs_for(1, 1 << 17) == 8  # 1 MiB of 128 KiB jobs
+    assert plan.jobs_for(64, 1 << 17) == 4  # at least min_jobs
+    assert BenchPlan.quick().repeats == 1 and BenchPlan().repeats == 3
+
+
+def test_run_window_returns_every_result_in_submit_order() -> None:
+    spec = TransferSpec(gpu_blocks([1]), cpu_blocks([2]))
+    with SyncOffloadingEngine([FakeHandler(latency=0.0005)]) as engine:
+        results, wall = run_window(engine, [spec] * 50, depth=4)
+    assert [r.job_id for r in results] == sorted(r.job_id for r in results)
+    assert len(results) == 50 and all(r.success for r in results) and wall > 0
+
+
+def test_rig_cases_measure_both_directions_on_the_host() -> None:
+    shape = RigShape(num_layers=1, num_blocks=64, tier_blocks=64, kv_heads=1, head_dim=32)
+    plan = BenchPlan(
+        blocks_per_job=(1, 4),
+        bytes_per_point=1 << 16,
+        min_jobs=4,
+        repeats=2,
+        depth=4,
+        latency_jobs=5,
+        latency_depths=(1, 2),
+        latency_blocks=2,
+    )
+    rig = open_host_rig(shape, workers=1)
+    ticks: list[str] = []
+    try:
+        out = run_rig_cases(rig, plan, variant="1 copy thread", tick=ticks.append)
+    finally:
+        rig.close()
+    assert len(ticks) == plan.steps
+    assert {(p.direction, p.blocks_per_job) for p in out.sweep} == {
+        (d, n) for d in ("store", "load") for n in (1, 4)
+    }
+    for p in out.sweep:
+        assert len(p.wall_s) == 2 and p.gbps > 0
+        assert p.bytes_moved == p.jobs * p.blocks_per_job * rig.block_bytes
+    assert [(s.direction, s.depth, len(s.latencies_ms)) for s in out.latency] == [
+        ("store", 1, 5),
+        ("store", 2, 5),
+        ("load", 1, 5),
+        ("load", 2, 5),
+    ]
+
+
+def test_every_figure_names_the_machine_and_the_date() -> None:
+    machine = Machine.detect()
+    day = date.today().isoformat()
+    series = [LatencySeries("host", "host-copy", "", "load", 8, 1, (1.0, 2.0, 3.0))]
+    figures = [
+        draw_throughput(
+            [point("store", 1, (1.0,)), point("load", 1, (1.0,))], machine.label(), day
+        ),
+        draw_latency(series, machine.label(), day, note="quick"),
+    ]
+    for fig in figures:
+        footer = " ".join(t.get_text() for t in fig.texts)
+        assert f"machine: {machine.label()}" in footer and f"date: {day}" in footer
+    assert f"{machine.cores} cores" in machine.label()
+
+
+@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+def test_rig_cases_on_a_device_rig(strategy: Strategy) -> None:
+    """What bench runs per GPU strategy, on the fake runtime (host memory, thread streams)."""
+    runtime = FakeRuntime()
+    shape = RigShape(num_layers=1, num_blocks=32, tier_blocks=32, kv_heads=1, head_dim=64)
+    plan = BenchPlan(
+        blocks_per_job=(2,),
+        bytes_per_point=1 << 14,
+        min_jobs=3,
+        repeats=1,
+        depth=2,
+        latency_jobs=3,
+        latency_depths=(1,),
+        latency_blocks=2,
+    )
+    try:
+        rig = open_device_rig(
+            runtime, shape, empty=runtime.empty, strategy=strategy, medium="fake:0"
+        )
+        try:
+            out = run_rig_cases(rig, plan)
+        finally:
+            rig.close()
+    finally:
+        runtime.close()
+    assert {(p.strategy, p.medium, p.direction) for p in out.sweep} == {
+        (strategy.value, "fake:0", d) for d in ("store", "load")
+    }
+    assert all(p.bytes_moved == p.jobs * 2 * rig.block_bytes for p in out.sweep)
+    assert [len(s.latencies_ms) for s in out.latency] == [3, 3]

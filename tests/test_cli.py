@@ -1,0 +1,300 @@
+"""The offload-engine command: info, demo, bench, usage errors and exit codes.
+
+In-process runs call ``main([...])``; a few runs go through a subprocess
+(``python -m offload_engine``) to check what a shell sees. CUDA is simulated
+absent (or present but unwired) by replacing ``runtimes.probe_cuda``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_engine import Medium, runtimes
+from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig, open_rig
+from offload_engine.cli import EXIT_UNAVAILABLE, main
+from offload_engine.cli._demo import run_demo
+from offload_engine.runtimes import RuntimeInfo
+from offload_engine.runtimes.fake import FakeRuntime
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_CUDA = RuntimeInfo("cuda", False, "no CUDA device is visible (simulated)")
+FAKE_CUDA = RuntimeInfo("cuda", True, "simulated", ("cuda:0 Simulated GPU",), ("dma",))
+cpu_torch_only = pytest.mark.skipif(torch.version.cuda is not None, reason="torch has CUDA")
+
+
+@pytest.fixture
+def no_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runtimes, "probe_cuda", lambda: NO_CUDA)
+
+
+@pytest.fixture
+def visible_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """probe_cuda() reports a device, but this torch has no CUDA: the runtime cannot start."""
+    monkeypatch.setattr(runtimes, "probe_cuda", lambda: FAKE_CUDA)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "offload_engine", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=120,
+        check=False,
+    )
+
+
+# ---------------------------------------------------------------- info
+
+
+def test_info_lists_every_runtime_and_why_cuda_is_missing(
+    no_cuda: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    for text in ("cuda", "npu", "cpu", "unavailable", "simulated", "host-copy"):
+        assert text in out
+    assert "run on: host memory (CUDA: no CUDA device is visible (simulated))" in out
+
+
+def test_info_json(no_cuda: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["info", "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert [r["name"] for r in found] == ["cuda", "npu", "cpu"]
+    assert found[0] == {
+        "name": "cuda",
+        "available": False,
+        "reason": NO_CUDA.reason,
+        "devices": [],
+        "strategies": [],
+        "notes": [],
+    }
+    assert found[2]["available"] is True and found[2]["strategies"] == ["host-copy"]
+
+
+# ---------------------------------------------------------------- demo
+
+
+def test_demo_quick_passes_its_integrity_check(
+    no_cuda: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "200 steps" in out
+    assert "note: no CUDA (no CUDA device is visible (simulated)); running on host memory" in out
+    assert "loaded blocks compared bytewise, 0 corrupt" in out
+    for text in ("store", "load", "GB/s", "p50 ms", "p99 ms", "CPU per step"):
+        assert text in out
+
+
+def test_demo_report_counts_what_it_moved() -> None:
+    rig = open_host_rig(RigShape(num_layers=2, num_blocks=256, tier_blocks=128), workers=2)
+    try:
+        report = run_demo(rig, steps=60, blocks_per_job=4, max_outstanding=8)
+    finally:
+        rig.close()
+    assert report.ok
+    assert report.store.jobs == 60 and report.load.jobs > 0
+    for tally in (report.store, report.load):
+        assert tally.failed == 0
+        assert tally.bytes_moved == tally.jobs * 4 * rig.block_bytes
+        assert len(tally.latencies_ms) == tally.jobs
+    assert 0 < report.checked <= 128
+    assert report.caller_cpu_s > 0 and report.process_cpu_s >= report.caller_cpu_s
+
+
+def test_integrity_check_sees_a_corrupt_block() -> None:
+    rig = open_host_rig(RigShape(num_layers=2, num_blocks=16, tier_blocks=4))
+    try:
+        for t in rig.layout.tensors:
+            t[8:12] = t[0:4]  # blocks 8..11 become copies of 0..3
+        assert rig.mismatched([8, 9, 10, 11], [0, 1, 2, 3]) == 0
+        rig.layout.tensors[-1][10, 1, 3, 0, 5] += 1  # one element of one block, last layer
+        assert rig.mismatched([8, 9, 10, 11], [0, 1, 2, 3]) == 1
+        assert rig.mismatched([], []) == 0
+    finally:
+        rig.close()
+
+
+@cpu_torch_only
+def test_auto_falls_back_to_host_when_the_cuda_runtime_cannot_start(
+    visible_cuda: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rig, notes = open_rig("auto", RigShape(num_layers=1, num_blocks=8, tier_blocks=4))
+    rig.close()
+    assert rig.medium == "host"
+    assert notes == [
+        "CUDA is present but not used: CUDA is not available: torch is a CPU-only build; "
+        "running on host memory"
+    ]
+    assert main(["info"]) == 0
+    assert "run on: the GPU, cuda:0 Simulated GPU" in capsys.readouterr().out
+
+
+def test_demo_on_a_device_rig_passes_its_integrity_check() -> None:
+    runtime = FakeRuntime()  # device memory is host memory, streams are threads
+    try:
+        shape = RigShape(num_layers=2, num_blocks=128, tier_blocks=64, kv_heads=2, head_dim=32)
+        rig = open_device_rig(runtime, shape, empty=runtime.empty, medium="fake:0")
+        assert [h.pair for h in rig.handlers] == [
+            (Medium.GPU, Medium.CPU),
+            (Medium.CPU, Medium.GPU),
+        ]
+        try:
+            report = run_demo(rig, steps=40, blocks_per_job=4, max_outstanding=8)
+        finally:
+            rig.close()
+    finally:
+        runtime.close()
+    assert report.ok and report.checked > 0
+    assert report.store.jobs == 40 and report.load.jobs > 0
+    assert rig.tier.released
+
+
+# ---------------------------------------------------------------- bench
+
+
+def test_bench_quick_writes_its_report_and_figures(
+    no_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out_dir = tmp_path / "nested" / "out"
+    assert main(["bench", "--quick", "-o", str(out_dir), "--machine-label", "test VM"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    report = json.loads((out_dir / "report.json").read_text())
+    assert report["schema"] == "offload-engine-bench/1"
+    assert report["command"] == (
+        f"offload-engine bench --quick -o {out_dir} --machine-label 'test VM'"
+    )
+    assert report["quick"] is True
+    assert report["machine"]["label"] == "test VM" and report["machine"]["cores"] >= 1
+    assert report["gpu"] == {"run": False, "reason": f"no CUDA: {NO_CUDA.reason}"}
+    sweep = report["transfers"]["sweep"]
+    assert {(p["direction"], p["blocks_per_job"]) for p in sweep} == {
+        (d, n) for d in ("store", "load") for n in (1, 8, 64)
+    }
+    for p in sweep:
+        assert p["strategy"] == "host-copy" and p["gbps"] > 0
+        assert len(p["wall_s"]) == report["plan"]["repeats"] == 1
+        assert p["bytes_moved"] == p["jobs"] * p["blocks_per_job"] * p["block_bytes"]
+    latency = report["transfers"]["latency"]
+    assert {(s["direction"], s["depth"]) for s in latency} == {
+        (d, k) for d in ("store", "load") for k in (1, 16)
+    }
+    assert all(len(s["latencies_ms"]) == s["jobs"] == 100 for s in latency)
+    assert set(report["overhead"]["hosts"]) >= {"async_asyncio", "sync"}
+    for name in ("throughput.png", "latency.png"):
+        data = (out_dir / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_bench_output_dir_that_is_a_file_is_a_clear_error(
+    no_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert main(["bench", "--quick", "-o", str(blocker / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("offload-engine bench: error: ") and "Traceback" not in err
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "the following arguments are required: COMMAND"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["demo", "--bogus"], "unrecognized arguments: --bogus"),
+        (["demo", "--steps", "0"], "argument --steps: 0 is not positive"),
+        (["demo", "--steps", "many"], "argument --steps: 'many' is not an integer"),
+        (["demo", "--blocks-per-job", "33"], "--blocks-per-job 33 is too large (at most 32)"),
+        (["bench", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    ],
+)
+def test_bad_usage_exits_2_with_usage(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prog = (
+        " ".join(["offload-engine", *argv[:1]])
+        if argv[:1] in (["demo"], ["bench"])
+        else "offload-engine"
+    )
+    assert err.startswith(f"usage: {prog} ")
+    assert f"\n{prog}: error: " in err and message in err
+
+
+@pytest.mark.parametrize("command", ["demo", "bench"])
+def test_device_cuda_without_cuda_is_one_clear_line(
+    command: str, no_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                command,
+                "--device",
+                "cuda",
+                "--quick",
+                *(["-o", str(tmp_path)] * (command == "bench")),
+            ]
+        )
+        == EXIT_UNAVAILABLE
+    )
+    captured = capsys.readouterr()
+    assert captured.err == (
+        f"offload-engine {command}: error: --device cuda: CUDA is not available: {NO_CUDA.reason}\n"
+    )
+    assert list(tmp_path.iterdir()) == []  # nothing was measured or written
+
+
+@cpu_torch_only
+def test_device_cuda_when_the_cuda_runtime_cannot_start(
+    visible_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["demo", "--device", "cuda"]) == EXIT_UNAVAILABLE
+    assert main(["bench", "--device", "cuda", "-o", str(tmp_path)]) == EXIT_UNAVAILABLE
+    err = capsys.readouterr().err.splitlines()
+    why = "--device cuda: CUDA is not available: torch is a CPU-only build"
+    assert err == [f"offload-engine demo: error: {why}", f"offload-engine bench: error: {why}"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- as a shell sees it
+
+
+def test_console_script_points_at_main() -> None:
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"offload-engine": "offload_engine.cli:main"}
+
+
+def test_subprocess_bad_flag_exits_2() -> None:
+    usage = run_cli("demo", "--bogus")
+    assert usage.returncode == 2
+    assert usage.stderr.startswith("usage: offload-engine demo") and "Traceback" not in usage.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_subprocess_device_cuda_without_cuda() -> None:
+    proc = run_cli("demo", "--device", "cuda")
+    assert proc.returncode == EXIT_UNAVAILABLE
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("offload-engine demo: error: --device cuda: CUDA is not available: ")
