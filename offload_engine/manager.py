@@ -117,9 +117,27 @@ class _Job:
         return self.outcome is not None
 
     def succeed(self, nbytes: int, seconds: float | None = None) -> None:
-        self._mgr._report(self, True, int(nbytes), seconds, None)
+        # A malformed report is the handler's bug, but raising here would kill the
+        # reporting thread (a worker, a watcher) and leave the job without a result.
+        # It fails the job instead, with an error that names the bad value.
+        try:
+            count = int(nbytes)
+            secs = None if seconds is None else float(seconds)
+            if count < 0 or (secs is not None and not secs >= 0):
+                raise ValueError("byte counts and durations are non-negative")
+        except (TypeError, ValueError, OverflowError) as exc:
+            bad = TransferError(
+                f"job {self.job_id}: {self.route.handler.name} reported success with an invalid "
+                f"byte count or duration (nbytes={nbytes!r}, seconds={seconds!r})"
+            )
+            bad.__cause__ = exc
+            self._mgr._report(self, False, 0, None, bad)
+            return
+        self._mgr._report(self, True, count, secs, None)
 
     def fail(self, error: BaseException) -> None:
+        if not isinstance(error, BaseException):
+            error = TypeError(f"the handler reported a failure that is not an exception: {error!r}")
         if isinstance(error, TransferError):
             wrapped: BaseException = error
         else:

@@ -69,11 +69,11 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
                 if job.resolved:  # timed out or abandoned while waiting
                     continue
                 try:
-                    nbytes = self.execute(job)
+                    job.succeed(self.execute(job))
                 except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    # also covers a report that raised: the worker must outlive any job
+                    # (a report that was recorded makes this later fail() a no-op)
                     job.fail(exc)
-                else:
-                    job.succeed(nbytes)
         finally:
             with self._alive_lock:
                 self._alive -= 1
