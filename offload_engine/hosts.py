@@ -23,6 +23,7 @@ from typing import Any, Literal
 import anyio
 
 from offload_engine._loop import LoopBridge
+from offload_engine.completions import check_wait_timeout
 from offload_engine.errors import EngineBrokenError, EngineClosedError, WrongThreadError
 from offload_engine.handler import TransferHandler
 from offload_engine.manager import OffloadingQueueManager
@@ -189,6 +190,7 @@ class SyncOffloadingEngine:
         results nobody collected. Idempotent: later calls return ``[]``."""
         if self._host.in_loop_thread():
             raise WrongThreadError("close() cannot run on the engine's own loop thread")
+        timeout = check_wait_timeout(timeout)
         with self._close_lock:
             if self._closed:
                 return []

@@ -42,7 +42,7 @@ import anyio
 import anyio.lowlevel
 
 from offload_engine._loop import LoopBridge
-from offload_engine.completions import CompletionStore, check_job_id
+from offload_engine.completions import CompletionStore, check_job_id, check_wait_timeout
 from offload_engine.errors import (
     EngineClosedError,
     EngineNotStartedError,
@@ -390,6 +390,9 @@ class OffloadingQueueManager:
         (results claimed by a running ``wait`` go to that waiter). Idempotent:
         a second call waits for the first and returns ``[]``.
         """
+        # checked before anything changes: a bad value must not close the engine and
+        # then lose the results it was about to return
+        timeout = check_wait_timeout(timeout)
         with self._lock:
             state = self._state
             if state == _CLOSED:
@@ -756,6 +759,7 @@ class OffloadingQueueManager:
         """
         if self._on_loop():
             raise WrongThreadError("submit_blocking would deadlock on the engine's loop thread")
+        wait_timeout = check_wait_timeout(wait_timeout, what="wait_timeout")
         route, prepared, timeout = self._prepare(spec, job_id, timeout)
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         with self._lock:
