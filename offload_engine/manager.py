@@ -784,6 +784,10 @@ class OffloadingQueueManager:
         result; False if it is already in flight or finished. Any thread."""
         check_job_id(job_id)
         with self._lock:
+            if self._state == _NEW:
+                raise EngineNotStartedError("enter the engine ('async with') first")
+            if self._state == _CLOSED:
+                raise EngineClosedError("the engine is closed; it has no jobs to cancel")
             job = self._jobs.get(job_id)
             if job is None:
                 if self._store.is_live_locked(job_id):

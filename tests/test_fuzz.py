@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 
+import anyio
 import pytest
 
 from offload_engine import (
+    EngineClosedError,
+    EngineNotStartedError,
     OffloadingQueueManager,
     SyncOffloadingEngine,
     TransferSpec,
@@ -80,3 +83,29 @@ async def test_aclose_refuses_a_bad_timeout_and_stays_usable() -> None:
         fake.complete(j)
         [r] = await mgr.wait([j], timeout=BOUND)
         assert r.success
+
+
+@pytest.mark.anyio
+async def test_calls_in_the_wrong_state_get_state_errors() -> None:
+    """Regression: ``cancel`` on a closed (or never started) manager raised
+    ``UnknownJobError`` instead of the state error every other call raises."""
+    mgr = OffloadingQueueManager([FakeHandler()])
+    for call in (lambda: mgr.submit_nowait(STORE), mgr.get_finished, lambda: mgr.cancel(0)):
+        with pytest.raises(EngineNotStartedError):
+            call()
+    async with mgr:
+        [r] = await mgr.wait([mgr.submit_nowait(STORE)], timeout=BOUND)
+        assert r.success
+    for call in (
+        lambda: mgr.submit_nowait(STORE),
+        lambda: mgr.submit_blocking(STORE),
+        mgr.get_finished,
+        lambda: mgr.wait_blocking([0]),
+        lambda: mgr.cancel(0),
+    ):
+        with pytest.raises(EngineClosedError):
+            await anyio.to_thread.run_sync(call)  # blocking calls refuse the loop thread
+    with pytest.raises(EngineClosedError):
+        await mgr.submit(STORE)
+    with pytest.raises(EngineClosedError):
+        await mgr.wait([0])
