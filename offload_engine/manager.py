@@ -284,7 +284,8 @@ class OffloadingQueueManager:
         self._timer_next = math.inf
         self._idle: anyio.Event | None = None
         self._closed_event: anyio.Event | None = None
-        #: results nobody collected when ``async with`` closed the engine
+        #: results nobody collected when ``async with`` closed the engine, or when
+        #: :meth:`aclose` raised a handler's close error
         self.leftover_results: tuple[TransferResult, ...] = ()
         for handler in handlers:
             self.register(handler)
@@ -369,7 +370,10 @@ class OffloadingQueueManager:
         tb: TracebackType | None,
     ) -> bool | None:
         try:
-            self.leftover_results = tuple(await self.aclose(cancel_queued=exc is not None))
+            closed_before = self._state in (_CLOSING, _CLOSED)
+            results = await self.aclose(cancel_queued=exc is not None)
+            if not closed_before:  # keep what an earlier, failed aclose left there
+                self.leftover_results = tuple(results)
         finally:
             # Our tasks have stopped in aclose, so the group exits at once. It is
             # given no exception: the body's own exception propagates unwrapped.
@@ -389,6 +393,10 @@ class OffloadingQueueManager:
         failed result (abandoned). Returns every result nobody collected yet
         (results claimed by a running ``wait`` go to that waiter). Idempotent:
         a second call waits for the first and returns ``[]``.
+
+        If a handler fails to close, the engine still ends closed and this
+        raises the first such error; the results nobody collected are then
+        kept in :attr:`leftover_results` rather than lost.
         """
         # checked before anything changes: a bad value must not close the engine and
         # then lose the results it was about to return
@@ -429,6 +437,7 @@ class OffloadingQueueManager:
                     self._closed_event = None
                 self._flush()
         if errors:
+            self.leftover_results = tuple(leftovers)
             raise errors[0]
         return leftovers
 

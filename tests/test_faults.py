@@ -12,6 +12,7 @@ import pytest
 
 from offload_engine import (
     Medium,
+    OffloadingQueueManager,
     SyncOffloadingEngine,
     ThreadPoolHandler,
     TransferError,
@@ -20,7 +21,7 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.handler import LaunchedJob
-from offload_engine.testing import assert_exactly_once
+from offload_engine.testing import FakeHandler, assert_exactly_once
 
 STORE = TransferSpec(gpu_blocks([1, 2]), cpu_blocks([3, 4]))
 BOUND = 10.0  # seconds; no step of a fault test may take longer
@@ -93,3 +94,41 @@ def test_a_failure_reported_with_a_non_exception_still_fails_the_job() -> None:
     assert isinstance(first.error.__cause__, TypeError)
     assert "disk on fire" in str(first.error.__cause__)
     assert all(r.success for r in rest)
+
+
+class FailsToClose(FakeHandler):
+    async def aclose(self) -> None:
+        await super().aclose()
+        raise RuntimeError("cannot release the device")
+
+
+def test_a_handler_that_fails_to_close_keeps_the_uncollected_results() -> None:
+    """Regression: when a handler's ``aclose`` raised, ``close()`` raised it and the results
+    nobody had collected were dropped: those jobs never got their result to anyone."""
+    engine = SyncOffloadingEngine([FailsToClose(), FakeHandler(Medium.CPU, Medium.GPU)])
+    ids = [engine.submit_nowait(STORE) for _ in range(4)]
+    collected = engine.wait(ids[:1], timeout=BOUND)
+    with pytest.raises(RuntimeError, match="cannot release"):
+        engine.close()
+    assert engine.closed and engine.stats().state == "closed"
+    assert_exactly_once(ids, collected + list(engine.leftover_results))
+    assert engine.close() == []  # idempotent, and it keeps the leftovers
+    assert len(engine.leftover_results) == 3
+
+
+@pytest.mark.anyio
+async def test_async_with_keeps_the_uncollected_results_when_a_handler_fails_to_close() -> None:
+    mgr = OffloadingQueueManager([FailsToClose()])
+    with pytest.raises(RuntimeError, match="cannot release"):
+        async with mgr:
+            ids = [mgr.submit_nowait(STORE) for _ in range(3)]
+            await mgr.wait(ids[:1], timeout=BOUND)
+    assert mgr.closed
+    assert sorted(r.job_id for r in mgr.leftover_results) == ids[1:]
+    mgr2 = OffloadingQueueManager([FailsToClose()])
+    async with mgr2:
+        j = mgr2.submit_nowait(STORE)
+        with pytest.raises(RuntimeError, match="cannot release"):
+            await mgr2.aclose()
+    # the second aclose in __aexit__ must not overwrite what the failed one kept
+    assert [r.job_id for r in mgr2.leftover_results] == [j]
