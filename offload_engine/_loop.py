@@ -75,7 +75,10 @@ class ThreadSignal:
             self._flag = True
             event = self._event
         if event is not None:
-            self._call_soon(event.set)
+            try:
+                self._call_soon(event.set)
+            except EngineBrokenError:
+                pass  # the loop has ended: nobody is left waiting
 
     def is_set(self) -> bool:
         return self._flag

@@ -30,9 +30,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from offload_engine.errors import BlockCountMismatchError, InvalidBlockIdsError, LayoutError
 from offload_engine.vocabulary import BlockIds, CacheBlocks, TierBlocks
+
+U64 = npt.NDArray[np.uint64]
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +67,97 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
         t.untyped_storage(), t.storage_offset() * esz, (tensor_byte_span(t),), (1,)
     )
+
+
+def _check_uniform(layers: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+    """All per-layer tensors of a layout must agree in shape, dtype and device."""
+    if not layers:
+        raise LayoutError(f"{what} needs at least one tensor")
+    first = layers[0]
+    for i, t in enumerate(layers):
+        if t.shape != first.shape or t.dtype != first.dtype or t.device != first.device:
+            raise LayoutError(
+                f"{what}: layer {i} is {tuple(t.shape)} {t.dtype} on {t.device}, layer 0 is "
+                f"{tuple(first.shape)} {first.dtype} on {first.device}; the layers must agree"
+            )
+    return first
+
+
+@dataclass(frozen=True)
+class RegionTables:
+    """One group's regions as arrays: absolute base address, block stride,
+    size, and offset inside a tier slot (all uint64)."""
+
+    base: U64
+    stride: U64
+    size: U64
+    slot_offset: U64
+
+
+def merge_runs(dst: U64, src: U64, sizes: U64) -> tuple[U64, U64, U64]:
+    """Merge neighbouring copies that continue each other on both sides.
+
+    The driver does not merge descriptors and each one costs CPU time, so
+    adjacent chunks (consecutive block ids in a layout whose blocks are
+    contiguous, consecutive tier slots) become one copy.
+    """
+    n = sizes.shape[0]
+    if n <= 1:
+        return dst, src, sizes
+    ends_src = src[:-1] + sizes[:-1]
+    ends_dst = dst[:-1] + sizes[:-1]
+    breaks = (ends_src != src[1:]) | (ends_dst != dst[1:])
+    if not breaks.any():
+        return dst[:1], src[:1], np.array([sizes.sum()], dtype=np.uint64)
+    starts = np.flatnonzero(np.concatenate(([True], breaks)))
+    return dst[starts], src[starts], np.add.reduceat(sizes, starts).astype(np.uint64)
+
+
+def chunk_descriptors(
+    tables: RegionTables,
+    cache_ids: BlockIds,
+    slots: BlockIds,
+    *,
+    tier_base: int,
+    slot_bytes: int,
+    store: bool,
+) -> tuple[U64, U64, U64]:
+    """``(dst, src, sizes)`` for every (block, region) chunk of one group, in
+    block-major order (a block's regions are adjacent in its tier slot), merged."""
+    ids = cache_ids.astype(np.uint64)[:, None]
+    cache = (tables.base[None, :] + ids * tables.stride[None, :]).ravel()
+    tier = (
+        np.uint64(tier_base)
+        + slots.astype(np.uint64)[:, None] * np.uint64(slot_bytes)
+        + tables.slot_offset[None, :]
+    ).ravel()
+    sizes = np.broadcast_to(tables.size, (cache_ids.shape[0], tables.size.shape[0])).ravel()
+    if store:
+        return merge_runs(tier, cache, sizes)
+    return merge_runs(cache, tier, sizes)
+
+
+def slot_descriptors(
+    count: int,
+    slots: BlockIds,
+    *,
+    staging_base: int,
+    staging_row_bytes: int,
+    tier_base: int,
+    slot_bytes: int,
+    used_bytes: int,
+    store: bool,
+) -> tuple[U64, U64, U64]:
+    """``(dst, src, sizes)`` moving ``used_bytes`` of each of ``count`` staging rows
+    (filled in order) to or from its tier slot, merged where both sides continue."""
+    staging = np.uint64(staging_base) + np.arange(count, dtype=np.uint64) * np.uint64(
+        staging_row_bytes
+    )
+    tier = np.uint64(tier_base) + slots.astype(np.uint64) * np.uint64(slot_bytes)
+    sizes = np.full(count, used_bytes, dtype=np.uint64)
+    if store:
+        return merge_runs(tier, staging, sizes)
+    return merge_runs(staging, tier, sizes)
 
 
 def _coalesce(regions: Sequence[Region]) -> tuple[Region, ...]:
@@ -137,6 +231,7 @@ class KVLayout:
         self.slot_offsets: tuple[tuple[int, ...], ...] = tuple(
             tuple(int(x) for x in np.cumsum([0] + [r.size for r in g])[:-1]) for g in self.groups
         )
+        self._tables: dict[int, RegionTables] = {}
 
     @classmethod
     def from_block_tensors(
@@ -163,6 +258,112 @@ class KVLayout:
             size = inner.numel() * t.element_size()
             regions.append(Region(i, 0, t.stride(0) * t.element_size(), size))
         return cls(tensors, [regions], num_blocks, name=name)
+
+    @classmethod
+    def flash_attention(cls, layers: Sequence[torch.Tensor]) -> KVLayout:
+        """Per-layer tensors ``(2, num_blocks, block_tokens, heads, head_dim)``:
+        K and V before ``num_blocks`` (FlashAttention). Two regions per layer."""
+        first = _check_uniform(layers, "flash_attention")
+        if first.dim() < 3 or first.shape[0] != 2:
+            raise LayoutError(
+                f"flash_attention expects (2, num_blocks, ...) tensors, got {tuple(first.shape)}"
+            )
+        esz = first.element_size()
+        regions: list[Region] = []
+        for i, t in enumerate(layers):
+            if not t[0, 0].is_contiguous():
+                raise LayoutError(
+                    f"layer {i} (shape {tuple(t.shape)}, stride {t.stride()}): a block's K "
+                    "bytes must be contiguous"
+                )
+            size = t[0, 0].numel() * esz
+            stride = t.stride(1) * esz
+            regions += [Region(i, 0, stride, size), Region(i, t.stride(0) * esz, stride, size)]
+        return cls(layers, [regions], int(first.shape[1]), name="flash-attention")
+
+    @classmethod
+    def flashinfer(cls, layers: Sequence[torch.Tensor]) -> KVLayout:
+        """Per-layer tensors ``(num_blocks, 2, block_tokens, heads, head_dim)``:
+        blocks first, K and V of a block side by side (FlashInfer)."""
+        first = _check_uniform(layers, "flashinfer")
+        if first.dim() < 3 or first.shape[1] != 2:
+            raise LayoutError(
+                f"flashinfer expects (num_blocks, 2, ...) tensors, got {tuple(first.shape)}"
+            )
+        return cls.from_block_tensors(layers, name="flashinfer")
+
+    @classmethod
+    def mla(cls, layers: Sequence[torch.Tensor]) -> KVLayout:
+        """Per-layer MLA tensors ``(num_blocks, block_tokens, latent_dim)``: one
+        latent per token, no K/V split."""
+        first = _check_uniform(layers, "mla")
+        if first.dim() != 3:
+            raise LayoutError(
+                "mla expects (num_blocks, block_tokens, latent_dim) tensors, "
+                f"got {tuple(first.shape)}"
+            )
+        return cls.from_block_tensors(layers, name="mla")
+
+    @classmethod
+    def cross_layer(cls, tensor: torch.Tensor) -> KVLayout:
+        """One tensor ``(num_blocks, layers, ...)`` holding each block contiguously
+        across all layers."""
+        return cls.from_block_tensors([tensor], name="cross-layer")
+
+    @classmethod
+    def separate_kv(
+        cls, k_layers: Sequence[torch.Tensor], v_layers: Sequence[torch.Tensor]
+    ) -> KVLayout:
+        """K and V in separate per-layer tensors ``(num_blocks, ...)`` (the Ascend
+        layout). Block views come from shape and strides, so storage a runtime
+        over-allocated for alignment is never touched."""
+        if len(k_layers) != len(v_layers):
+            raise LayoutError(f"{len(k_layers)} K tensors but {len(v_layers)} V tensors")
+        both = [t for pair in zip(k_layers, v_layers, strict=True) for t in pair]
+        _check_uniform(both, "separate_kv")
+        return cls.from_block_tensors(both, name="separate-kv")
+
+    @classmethod
+    def combine(cls, groups: Sequence[KVLayout], *, name: str = "groups") -> KVLayout:
+        """One layout with a KV group per given single-group layout (hybrid models).
+        The groups share ``num_blocks``; a tensor may appear in several groups."""
+        if not groups:
+            raise LayoutError("combine needs at least one layout")
+        num_blocks = groups[0].num_blocks
+        tensors: list[torch.Tensor] = []
+        index: dict[int, int] = {}
+        out: list[list[Region]] = []
+        for k, layout in enumerate(groups):
+            if layout.num_blocks != num_blocks:
+                raise LayoutError(
+                    f"group {k} has {layout.num_blocks} blocks, group 0 has {num_blocks}"
+                )
+            for regions in layout.groups:
+                mapped = []
+                for r in regions:
+                    t = layout.tensors[r.tensor]
+                    key = id(t)
+                    if key not in index:
+                        index[key] = len(tensors)
+                        tensors.append(t)
+                    mapped.append(Region(index[key], r.offset, r.stride, r.size))
+                out.append(mapped)
+        return cls(tensors, out, num_blocks, name=name)
+
+    def region_tables(self, group: int) -> RegionTables:
+        """Per-region absolute addresses, strides, sizes and slot offsets (cached)."""
+        cached = self._tables.get(group)
+        if cached is None:
+            regions = self.groups[group]
+            ptrs = [t.data_ptr() for t in self.tensors]
+            cached = RegionTables(
+                base=np.array([ptrs[r.tensor] + r.offset for r in regions], dtype=np.uint64),
+                stride=np.array([r.stride for r in regions], dtype=np.uint64),
+                size=np.array([r.size for r in regions], dtype=np.uint64),
+                slot_offset=np.array(self.slot_offsets[group], dtype=np.uint64),
+            )
+            self._tables[group] = cached
+        return cached
 
     @property
     def bytes_per_block(self) -> int:

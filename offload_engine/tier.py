@@ -70,6 +70,10 @@ class HostTier:
         return self._memory
 
     @property
+    def released(self) -> bool:
+        return self._memory is None
+
+    @property
     def nbytes(self) -> int:
         return self.num_blocks * self.factor * self.slot_bytes
 

@@ -1,0 +1,358 @@
+"""GPU <-> host transfer benchmark through the engine (run on a CUDA machine).
+
+    python benchmarks/device/bench_cuda.py [--json out.json] [--quick]
+
+Workload: a Llama-3-8B-like KV cache, 32 layers, K and V per layer
+(FlashAttention layout), 8 KV heads x 128 dims, bf16; blocks of 16 tokens
+(a 32 KiB chunk per layer and K/V, 2 MiB per block) and of 64 tokens (8 MiB
+per block). Jobs of 8, 64 and 512 blocks go through a SyncOffloadingEngine
+with the store and load handlers, back to back; GB/s counts the job bytes
+from the first submit to the last result.
+
+Pass 1: store, load, and store + load at once, per strategy, with the ratio to
+a contiguous pinned copy of the same size measured in the same run (one
+direction, and both directions at once).
+Pass 2: the same 512-block store and load while a bf16 GEMM loop runs on
+another stream: transfer ratio to the ceiling and the GEMM's slowdown.
+Pass 3: CPU microseconds per job in submit (the caller's thread) and in launch
+(the handler's launcher thread: descriptors and driver calls), measured as
+thread CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from datetime import date
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.handlers.device import (
+    DeviceCopyHandler,
+    DeviceHandlerConfig,
+    Strategy,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.runtimes.base import CopyKind
+from offload_engine.runtimes.cuda import CudaRuntime
+
+LAYERS, HEADS, DIM = 32, 8, 128
+STRATEGIES = (Strategy.DMA, Strategy.STAGED, Strategy.KERNEL)
+
+
+def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict[str, float]:
+    """The best GB/s of a contiguous pinned copy, each way and both ways at once.
+
+    Two variants, best taken: one torch copy per direction, and the same bytes as
+    64 MiB pieces through the batched driver call on two streams per direction.
+    """
+    dev = [torch.empty(nbytes, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    streams = [torch.cuda.Stream() for _ in range(4)]
+    piece = 64 << 20
+    offs = np.arange(0, nbytes, piece, dtype=np.uint64)
+    sizes = np.full(offs.shape[0], piece, dtype=np.uint64)
+
+    def timed(fn: Any) -> float:
+        fn()
+        torch.cuda.synchronize()
+        samples = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    def torch_copy(direction: str) -> None:
+        if direction == "store":
+            with torch.cuda.stream(streams[0]):
+                host[0].copy_(dev[0], non_blocking=True)
+        else:
+            with torch.cuda.stream(streams[1]):
+                dev[1].copy_(host[1], non_blocking=True)
+
+    def batched(direction: str) -> None:
+        d = np.uint64(dev[0 if direction == "store" else 1].data_ptr()) + offs
+        h = np.uint64(host[0 if direction == "store" else 1].data_ptr()) + offs
+        kind = CopyKind.DEVICE_TO_HOST if direction == "store" else CopyKind.HOST_TO_DEVICE
+        dst, src = (h, d) if direction == "store" else (d, h)
+        base = 0 if direction == "store" else 2
+        for k in range(2):
+            runtime.memcpy_batch(streams[base + k], dst[k::2], src[k::2], sizes[k::2], kind)
+
+    out: dict[str, float] = {}
+    for case in ("store", "load"):
+        out[case] = max(
+            nbytes / timed(lambda c=case: torch_copy(c)) / 1e9,
+            nbytes / timed(lambda c=case: batched(c)) / 1e9,
+        )
+    out["both"] = max(
+        2 * nbytes / timed(lambda: (torch_copy("store"), torch_copy("load"))) / 1e9,
+        2 * nbytes / timed(lambda: (batched("store"), batched("load"))) / 1e9,
+    )
+    return out
+
+
+class Bench:
+    def __init__(self, runtime: CudaRuntime, tokens: int, num_blocks: int) -> None:
+        self.runtime = runtime
+        self.tokens = tokens
+        layers = [
+            torch.randn(2, num_blocks, tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+            for _ in range(LAYERS)
+        ]
+        self.layout = KVLayout.flash_attention(layers)
+        self.num_blocks = num_blocks
+        self.tier = pinned_host_tier(runtime, self.layout, num_blocks)
+        self.block_bytes = self.layout.slot_bytes
+
+    def engine(
+        self, strategy: Strategy
+    ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
+        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=256 << 20, max_inflight=8)
+        store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
+        return SyncOffloadingEngine([store, load], capacity=100_000), store, load
+
+    def specs(self, direction: str, per_job: int, jobs: int) -> list[TransferSpec]:
+        half = self.num_blocks // 2
+        rng = np.random.default_rng(per_job)
+        out = []
+        for _ in range(jobs):
+            cache = rng.choice(half, size=per_job, replace=False)
+            tier = rng.choice(half, size=per_job, replace=False)
+            if direction == "store":
+                out.append(TransferSpec(gpu_blocks(cache), cpu_blocks(tier)))
+            else:  # loads read the other half of the tier into the other half of the cache
+                out.append(TransferSpec(cpu_blocks(tier + half), gpu_blocks(cache + half)))
+        return out
+
+    def run(self, engine: SyncOffloadingEngine, specs: list[TransferSpec]) -> float:
+        """Seconds from the first submit to the last result (no device-wide sync: a
+        concurrent GEMM stream must not gate it)."""
+        t0 = time.perf_counter()
+        ids = [engine.submit(s) for s in specs]
+        results = engine.wait(ids)
+        seconds = time.perf_counter() - t0
+        failed = [r for r in results if not r.success]
+        if failed:
+            raise RuntimeError(f"{len(failed)} jobs failed: {failed[0].error}")
+        return seconds
+
+
+def jobs_for(per_job: int, block_bytes: int, target_bytes: int) -> int:
+    return max(2, target_bytes // (per_job * block_bytes))
+
+
+def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    runtime = CudaRuntime()
+    for tokens, num_blocks in ((16, 1536), (64, 1152)):
+        bench = Bench(runtime, tokens, num_blocks)
+        target = (1 << 30) if args.quick else (4 << 30)
+        ceiling = contiguous_ceiling(runtime, 1 << 30)
+        print(f"[{tokens}-token blocks] contiguous ceiling: {ceiling}", flush=True)
+        for strategy in STRATEGIES:
+            engine, _, _ = bench.engine(strategy)
+            try:
+                for per_job in (8, 64, 512):
+                    n = jobs_for(per_job, bench.block_bytes, target)
+                    per = n * per_job * bench.block_bytes
+                    stores = bench.specs("store", per_job, n)
+                    loads = bench.specs("load", per_job, n)
+                    bench.run(engine, stores[:2] + loads[:2])  # warm up (Triton compiles once)
+                    samples: dict[str, list[float]] = {"store": [], "load": [], "both": []}
+                    for _ in range(args.reps):
+                        samples["store"].append(per / bench.run(engine, stores))
+                        samples["load"].append(per / bench.run(engine, loads))
+                        mixed = [s for pair in zip(stores, loads, strict=True) for s in pair]
+                        samples["both"].append(2 * per / bench.run(engine, mixed))
+                    for case, values in samples.items():
+                        gbps = statistics.median(values) / 1e9
+                        rows.append(
+                            {
+                                "pass": "bandwidth",
+                                "tokens": tokens,
+                                "blocks_per_job": per_job,
+                                "strategy": strategy.value,
+                                "case": case,
+                                "gbps": gbps,
+                                "ceiling_gbps": ceiling[case],
+                                "ratio": gbps / ceiling[case],
+                            }
+                        )
+                        print(
+                            f"  {strategy.value:7} {per_job:4} blocks {case:5} {gbps:6.1f} GB/s "
+                            f"ratio {gbps / ceiling[case]:.3f}",
+                            flush=True,
+                        )
+            finally:
+                engine.close()
+        bench.tier.release()
+        del bench
+        torch.cuda.empty_cache()
+
+
+def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    runtime = CudaRuntime()
+    bench = Bench(runtime, 16, 1536)
+    ceiling = contiguous_ceiling(runtime, 1 << 30)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    gemm_stream = torch.cuda.Stream()
+
+    def gemm_seconds(count: int) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(gemm_stream):
+            start.record()
+            for _ in range(count):
+                torch.mm(a, b)
+            end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    gemm_seconds(20)
+    count = 150 if args.quick else 400
+    alone = statistics.median(gemm_seconds(count) for _ in range(3))
+    tflops = 2 * n**3 * count / alone / 1e12
+    print(f"GEMM alone: {alone * 1e3:.1f} ms for {count} ({tflops:.0f} TFLOP/s)", flush=True)
+    variants = [(Strategy.DMA, 3), (Strategy.STAGED, 2), (Strategy.STAGED, 3), (Strategy.STAGED, 4)]
+    variants.append((Strategy.KERNEL, 3))
+    for strategy, buffers in variants:
+        engine, _, _ = bench.engine(strategy, buffers)
+        try:
+            for case in ("store", "load"):
+                specs = bench.specs(case, 512, 2)
+                bench.run(engine, specs)
+                stop = threading.Event()
+                moved = [0.0, 0.0]  # bytes, seconds
+
+                def transfers() -> None:
+                    t0 = time.perf_counter()
+                    total = 0
+                    while not stop.is_set():  # noqa: B023 - the loop's own event
+                        bench.run(engine, specs)  # noqa: B023
+                        total += 2 * 512 * bench.block_bytes
+                    moved[0], moved[1] = total, time.perf_counter() - t0  # noqa: B023
+
+                worker = threading.Thread(target=transfers)
+                worker.start()
+                with_tx = gemm_seconds(count)
+                stop.set()
+                worker.join()
+                gbps = moved[0] / moved[1] / 1e9
+                row = {
+                    "pass": "gemm",
+                    "strategy": strategy.value,
+                    "buffers": buffers,
+                    "case": case,
+                    "gbps": gbps,
+                    "ratio": gbps / ceiling[case],
+                    "gemm_slowdown": with_tx / alone - 1,
+                }
+                rows.append(row)
+                print(
+                    f"  {strategy.value:7} x{buffers} {case:5} with GEMM: {gbps:6.1f} GB/s ratio "
+                    f"{row['ratio']:.3f}, GEMM slowdown {row['gemm_slowdown'] * 100:+.1f}%",
+                    flush=True,
+                )
+        finally:
+            engine.close()
+    bench.tier.release()
+
+
+def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    runtime = CudaRuntime()
+    bench = Bench(runtime, 16, 1536)
+    for strategy in STRATEGIES:
+        engine, store, _ = bench.engine(strategy)
+        launch_cpu: list[float] = []
+        real_enqueue = store._enqueue
+
+        def timed_enqueue(
+            plan: Any, real: Any = real_enqueue, out: list[float] = launch_cpu
+        ) -> None:
+            t0 = time.thread_time_ns()  # CPU time of the handler's launcher thread
+            real(plan)
+            out.append((time.thread_time_ns() - t0) / 1e3)
+
+        store._enqueue = timed_enqueue  # type: ignore[method-assign]
+        try:
+            for per_job in (8, 64, 512):
+                specs = bench.specs("store", per_job, 40)
+                bench.run(engine, specs[:4])
+                launch_cpu.clear()
+                submit_cpu = []
+                ids = []
+                for s in specs:
+                    t0 = time.thread_time_ns()
+                    ids.append(engine.submit(s))
+                    submit_cpu.append((time.thread_time_ns() - t0) / 1e3)
+                engine.wait(ids)
+                row = {
+                    "pass": "cpu",
+                    "strategy": strategy.value,
+                    "blocks_per_job": per_job,
+                    "submit_us": statistics.median(submit_cpu),
+                    "launch_us": statistics.median(launch_cpu),
+                }
+                rows.append(row)
+                print(
+                    f"  {strategy.value:7} {per_job:4} blocks: submit {row['submit_us']:.0f} us, "
+                    f"launch {row['launch_us']:.0f} us (median CPU time per job)",
+                    flush=True,
+                )
+        finally:
+            engine.close()
+    bench.tier.release()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--quick", action="store_true", help="fewer bytes per measurement")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--passes", default="bandwidth,gemm,cpu")
+    args = parser.parse_args()
+    rows: list[dict[str, Any]] = []
+    passes = args.passes.split(",")
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {date.today()}", flush=True)
+    if "bandwidth" in passes:
+        pass_bandwidth(args, rows)
+    if "gemm" in passes:
+        pass_gemm(args, rows)
+    if "cpu" in passes:
+        pass_submit_cpu(args, rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {"device": torch.cuda.get_device_name(0), "date": str(date.today()), "rows": rows},
+                f,
+                indent=1,
+            )
+    print("\nsummary (ratio to the same-run contiguous ceiling)")
+    for r in rows:
+        if r["pass"] == "bandwidth" and r["blocks_per_job"] == 512:
+            what = f"{r['tokens']:2}tok {r['strategy']:7} {r['case']:5}"
+            print(f"  bw   {what} {r['gbps']:6.1f} GB/s {r['ratio']:.3f}")
+    for r in rows:
+        if r["pass"] == "gemm":
+            slow = r["gemm_slowdown"] * 100
+            what = f"{r['strategy']:7} x{r['buffers']} {r['case']:5}"
+            print(f"  gemm {what} {r['ratio']:.3f} slowdown {slow:+.1f}%")
+    for r in rows:
+        if r["pass"] == "cpu" and r["blocks_per_job"] == 512:
+            cpu = f"submit {r['submit_us']:.0f} us launch {r['launch_us']:.0f} us"
+            print(f"  cpu  {r['strategy']:7} 512 blocks {cpu}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,564 @@
+"""Device handler: KV cache on an accelerator <-> host tier, on any runtime.
+
+One class serves one direction: a **store** handler for ``(device, CPU)`` and a
+**load** handler for ``(CPU, device)``; :func:`make_device_handlers` builds the
+pair over one layout and one tier. The runtime (CUDA, NPU, fake) supplies
+streams, events and copies; this module holds the logic they share.
+
+Strategies, chosen per job (``Strategy.AUTO``) or forced:
+
+* ``dma``: every (block, region) chunk becomes a copy descriptor; neighbours
+  that continue each other are merged; the runtime issues batched copies of at
+  most ``max_batch`` descriptors. Best when chunks are large already.
+* ``staged``: a store gathers the job's chunks on the device into a staging
+  buffer laid out like tier slots (each block contiguous across layers), then
+  DMAs whole slots to the host; a load DMAs slots into staging and scatters
+  them on the device. Staging is double-buffered: piece *i+1* is gathered while
+  piece *i* is on the copy engine. Best for scattered small chunks.
+* ``kernel``: an SM copy straight between the cache and mapped pinned host
+  memory; no staging memory, but it occupies SMs that concurrent compute wants.
+
+Correctness rules:
+
+* At submit (:meth:`DeviceCopyHandler.prepare`, in the caller's thread) an
+  event is recorded on the caller's current stream; the job's first operation
+  waits on it, so a store never reads blocks the model is still writing and a
+  load never races pending writes (such as zeroing) to its destination blocks.
+* Jobs use a pool of streams (a single stream's queue degrades past ~1000
+  entries). A job's writes wait for the previous job's writes, so the jobs of
+  one handler take effect in submission order (and finish in that order); the
+  other half of a staged job (a store's gather, a load's DMA into staging)
+  runs ahead as far as the staging buffers allow.
+* Device-side copies go on a high-priority stream, so a concurrent GEMM does
+  not hold up the pipeline behind them.
+* ``launch`` only queues the job. A launcher thread enqueues its device work
+  (descriptor arithmetic and driver calls, which release the GIL, so a store
+  and a load handler enqueue in parallel and the event loop never waits on
+  the driver). A watcher thread sleeps in ``synchronize`` on each job's
+  events, in order, and reports through ``job.succeed``/``job.fail``. Nothing
+  polls.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import numpy as np
+import torch
+
+from offload_engine._loop import ThreadSignal
+from offload_engine.errors import (
+    ConfigError,
+    EngineBrokenError,
+    InvalidTransferError,
+    LayoutError,
+)
+from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.layout import (
+    GroupMapping,
+    KVLayout,
+    byte_view,
+    chunk_descriptors,
+    map_blocks,
+    slot_descriptors,
+)
+from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime
+from offload_engine.tier import HostTier
+from offload_engine.vocabulary import (
+    CacheBlocks,
+    Direction,
+    Medium,
+    TierBlocks,
+    TransferSpec,
+)
+
+_STOP = object()
+
+
+class Strategy(enum.Enum):
+    AUTO = "auto"
+    DMA = "dma"
+    STAGED = "staged"
+    KERNEL = "kernel"
+
+
+@dataclass(frozen=True)
+class DeviceHandlerConfig:
+    """Tuning of a device handler; every field is validated at construction.
+
+    ``staging_bytes`` is the device memory for the staged strategy, split in
+    ``staging_buffers`` buffers (0 bytes disables it): with more buffers, more
+    pieces can be gathered ahead of the copy engine, which hides gathers that
+    wait for SMs a concurrent GEMM holds. ``dma_min_chunk_bytes``: ``AUTO`` picks
+    ``dma`` when every region of a block is at least this large, else
+    ``staged`` when there is staging memory. ``streams``: size of the stream
+    pool. ``max_inflight``: jobs launched and not yet finished.
+    ``close_timeout``: how long close waits for device work already abandoned
+    by the engine before reporting the device broken.
+    """
+
+    strategy: Strategy = Strategy.AUTO
+    staging_bytes: int = 256 << 20
+    staging_buffers: int = 3
+    dma_min_chunk_bytes: int = 512 << 10
+    streams: int = 4
+    max_inflight: int = 16
+    close_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.strategy, Strategy):
+            raise ConfigError(f"strategy must be a Strategy, got {self.strategy!r}")
+        for key in ("staging_bytes", "dma_min_chunk_bytes"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
+        for key in ("streams", "max_inflight", "staging_buffers"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{key} must be an int >= 1, got {value!r}")
+        if self.staging_buffers < 2:
+            raise ConfigError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
+        if not self.close_timeout > 0:
+            raise ConfigError(f"close_timeout must be positive, got {self.close_timeout!r}")
+
+
+@dataclass
+class DevicePlan:
+    """A job planned at submit."""
+
+    groups: list[GroupMapping]
+    nbytes: int
+    strategy: Strategy
+    ready: Any  # event recorded on the submitter's current stream
+    events: list[Any] = field(default_factory=list)  # handed back to the pool when done
+    # one event at the end of each stream the job used; the watcher checks them all,
+    # since a device error surfaces at the next event recorded on its own stream
+    checks: list[Any] = field(default_factory=list)
+
+
+class _Staging:
+    """``count`` device buffers of ``rows`` tier-slot-shaped rows, used in turn.
+
+    ``free[b]`` is the event after which buffer ``b`` may be refilled (the end
+    of the last piece that used it), or ``None`` before its first use.
+    """
+
+    def __init__(self, runtime: DeviceRuntime, count: int, rows: int, slot_bytes: int) -> None:
+        self.rows = rows
+        self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
+        self.free: list[Any] = [None] * count
+        self.next = 0
+
+    def take(self) -> int:
+        b = self.next
+        self.next = (b + 1) % len(self.buffers)
+        return b
+
+
+class DeviceCopyHandler(TransferHandler[DevicePlan]):
+    """Moves blocks between a device KV cache and a pinned host tier, one direction."""
+
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        layout: KVLayout,
+        tier: HostTier,
+        *,
+        direction: Direction,
+        config: DeviceHandlerConfig | None = None,
+    ) -> None:
+        config = config or DeviceHandlerConfig()
+        if direction not in (Direction.STORE, Direction.LOAD):
+            raise ConfigError(f"a device handler stores or loads, got {direction}")
+        for i, t in enumerate(layout.tensors):
+            if not runtime.is_device_tensor(t):
+                raise LayoutError(
+                    f"KV tensor {i} (shape {tuple(t.shape)}, {t.dtype}) is on {t.device}, not in "
+                    f"{runtime.name} device memory"
+                )
+        if tier.memory.dtype.itemsize != 1:
+            raise LayoutError(f"tier memory must be bytes, got {tier.memory.dtype}")
+        if not runtime.is_pinned(tier.memory):
+            raise LayoutError(
+                "the host tier is not pinned: DMA needs registered host memory "
+                "(build it with pinned_host_tier)"
+            )
+        tier.check_layout(layout)
+        self.runtime = runtime
+        self.layout = layout
+        self.tier = tier
+        self.config = config
+        self.direction = direction
+        self.store = direction is Direction.STORE
+        self.src, self.dst = (
+            (runtime.medium, Medium.CPU) if self.store else (Medium.CPU, runtime.medium)
+        )
+        self.ordered = True
+        self.max_inflight = config.max_inflight
+        self._copy_kind = CopyKind.DEVICE_TO_HOST if self.store else CopyKind.HOST_TO_DEVICE
+        align = runtime.block_copy_alignment
+        aligned = (
+            all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
+            and all(
+                v % align == 0
+                for g in layout.groups
+                for r in g
+                for v in (r.offset, r.stride, r.size)
+            )
+            and tier.slot_bytes % align == 0
+        )
+        block_copies = runtime.supports_block_copy and aligned
+        rows = (
+            config.staging_bytes // config.staging_buffers // layout.slot_bytes
+            if config.staging_bytes and block_copies
+            else 0
+        )
+        if config.strategy is Strategy.STAGED and rows < 1:
+            raise ConfigError(
+                f"the staged strategy needs block copies on the {runtime.name} runtime with "
+                f"{align}-byte aligned regions, and staging_bytes >= {config.staging_buffers} x "
+                f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
+            )
+        if config.strategy is Strategy.KERNEL and not (
+            runtime.supports_kernel_strategy and aligned
+        ):
+            raise ConfigError(
+                f"the kernel strategy needs a {runtime.name} copy kernel and {align}-byte aligned "
+                "regions and tier slots"
+            )
+        self._stage_rows = rows
+        min_region = min(r.size for g in layout.groups for r in g)
+        self._auto = (
+            Strategy.DMA
+            if min_region >= config.dma_min_chunk_bytes or rows < 1
+            else Strategy.STAGED
+        )
+        self._events: list[Any] = []
+        self._events_lock = threading.Lock()
+        self._started = False
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, context: HandlerContext) -> None:
+        rt = self.runtime
+        # (SM stream, two DMA streams): device-side copies go on a high-priority
+        # stream so a concurrent GEMM does not hold them (and the DMA behind them)
+        # up; staged pieces alternate between the DMA streams, which keeps the copy
+        # engines busy across the per-copy setup of scattered slots
+        self._pool = [
+            (rt.new_stream(priority=-1), (rt.new_stream(), rt.new_stream()))
+            for _ in range(self.config.streams)
+        ]
+        self._seq = 0
+        # the event after which the previous job's writes (its effect) are done
+        self._last_effect: Any = None
+        self._staging = (
+            _Staging(rt, self.config.staging_buffers, self._stage_rows, self.layout.slot_bytes)
+            if self._stage_rows
+            else None
+        )
+        # region tables on the device, uploaded once
+        setup = self._pool[0][0]
+        self._tables: list[tuple[Any, Any, Any, Any, int]] = []
+        for g in range(len(self.layout.groups)):
+            tables = self.layout.region_tables(g)
+            arrays = (tables.base, tables.stride, tables.size, tables.slot_offset)
+            base, stride, size, offset = (rt.upload(setup, a.view(np.int64)) for a in arrays)
+            self._tables.append((base, stride, size, offset, int(tables.size.max())))
+        # the same regions as torch byte views, for runtimes that copy with torch ops
+        bases = [byte_view(t) for t in self.layout.tensors]
+        self._views = [
+            tuple(
+                torch.as_strided(
+                    bases[r.tensor], (self.layout.num_blocks, r.size), (r.stride, 1), r.offset
+                )
+                for r in regions
+            )
+            for regions in self.layout.groups
+        ]
+        done = rt.new_event()
+        rt.record(done, setup)
+        rt.synchronize(done)
+        # launcher: enqueues each job's device work (driver calls release the GIL, so
+        # the store and load handlers' launchers run in parallel, off the event loop);
+        # watcher: sleeps on each job's events in order and reports the outcome.
+        self._launch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._watch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._threads_done = ThreadSignal(context.call_soon)
+        name = f"offload-engine-{self.runtime.name}-{self.direction.value}"
+        self._threads = [
+            threading.Thread(target=self._launch_loop, name=f"{name}-launch", daemon=True),
+            threading.Thread(target=self._watch_loop, name=f"{name}-watch", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+        self._started = True
+
+    async def aclose(self) -> None:
+        if not self._started:
+            return
+        self._started = False
+        self._launch_q.put(_STOP)  # the launcher passes it on to the watcher
+        with anyio.move_on_after(self.config.close_timeout):
+            await self._threads_done.wait()
+        if not self._threads_done.is_set():
+            raise EngineBrokenError(
+                f"{self.name}: device work did not finish within {self.config.close_timeout}s of "
+                "close; the device may be hung"
+            )
+        for t in self._threads:
+            t.join()
+        self._staging = None
+        self._views = []
+        self._tables.clear()
+        self._pool = []
+
+    # ------------------------------------------------------------ events
+
+    def _event(self) -> Any:
+        with self._events_lock:
+            if self._events:
+                return self._events.pop()
+        return self.runtime.new_event()
+
+    def _recycle(self, events: list[Any]) -> None:
+        # Safe to reuse once the job is done: a later wait on a recycled event
+        # captured its record when it was enqueued, and a re-record only adds a
+        # wait on already-enqueued work, never a cycle.
+        with self._events_lock:
+            self._events.extend(events)
+
+    # ------------------------------------------------------------ submit
+
+    def prepare(self, spec: TransferSpec) -> DevicePlan:
+        if self.store:
+            cache, tier = spec.src, spec.dst
+        else:
+            cache, tier = spec.dst, spec.src
+        if not isinstance(cache, CacheBlocks) or not isinstance(tier, TierBlocks):
+            want = "CacheBlocks -> TierBlocks" if self.store else "TierBlocks -> CacheBlocks"
+            raise InvalidTransferError(
+                f"{self.name} needs {want}, got {type(spec.src).__name__} -> "
+                f"{type(spec.dst).__name__}"
+            )
+        if self.tier.released:
+            raise LayoutError(f"{self.name}: the host tier has been released")
+        groups = map_blocks(
+            cache,
+            tier,
+            factor=self.tier.factor,
+            num_cache_blocks=self.layout.num_blocks,
+            num_tier_blocks=self.tier.num_blocks,
+            num_groups=len(self.layout.groups),
+        )
+        nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in groups)
+        strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto
+        ready = self._event()
+        self.runtime.record(ready, self.runtime.current_stream())
+        return DevicePlan(groups, nbytes, strategy, ready, [ready])
+
+    # ------------------------------------------------------------ launch
+
+    def launch(self, job: LaunchedJob[DevicePlan]) -> None:
+        self._launch_q.put(job)
+
+    def _launch_loop(self) -> None:
+        while True:
+            item = self._launch_q.get()
+            if item is _STOP:
+                self._watch_q.put(_STOP)
+                return
+            job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
+            try:
+                self._enqueue(job.prepared)
+            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                job.fail(exc)
+                self._recycle(job.prepared.events)
+            else:
+                self._watch_q.put(job)
+
+    def _enqueue(self, plan: DevicePlan) -> None:
+        """Put one job's work on the streams. Jobs take effect in submission order:
+        each job's writes wait for the previous job's writes."""
+        rt = self.runtime
+        sm, dmas = self._pool[self._seq % len(self._pool)]
+        self._seq += 1
+        if plan.strategy is Strategy.STAGED:
+            self._enqueue_staged(plan, sm, dmas)
+            return
+        stream = dmas[0] if plan.strategy is Strategy.DMA else sm
+        rt.wait_event(stream, plan.ready)
+        if self._last_effect is not None:
+            rt.wait_event(stream, self._last_effect)
+        for m in plan.groups:
+            if plan.strategy is Strategy.DMA:
+                dst, src, sizes = chunk_descriptors(
+                    self.layout.region_tables(m.group),
+                    m.cache_ids,
+                    m.slots,
+                    tier_base=self.tier.memory.data_ptr(),
+                    slot_bytes=self.tier.slot_bytes,
+                    store=self.store,
+                )
+                rt.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
+            else:
+                ids = rt.upload(stream, m.cache_ids)
+                slots = rt.upload(stream, m.slots)
+                self._block_copy(stream, m, ids, slots, 0, int(m.cache_ids.size), self.tier.memory)
+        end = self._mark(plan, stream)
+        self._last_effect = end
+
+    def _mark(self, plan: DevicePlan, stream: Any) -> Any:
+        """Record a pooled event on ``stream`` that the watcher will check."""
+        event = self._event()
+        self.runtime.record(event, stream)
+        plan.events.append(event)
+        plan.checks.append(event)
+        return event
+
+    def _block_copy(
+        self,
+        stream: Any,
+        m: GroupMapping,
+        ids: torch.Tensor,
+        slot_ids: torch.Tensor | None,
+        lo: int,
+        hi: int,
+        slots: torch.Tensor,
+    ) -> None:
+        """Copy blocks ``lo:hi`` of the group between the cache and ``slots``: a staging
+        buffer filled in order (``slot_ids`` None) or the tier itself."""
+        base, stride, size, offset, max_size = self._tables[m.group]
+        row_bytes = self.layout.slot_bytes if slot_ids is None else self.tier.slot_bytes
+        self.runtime.copy_blocks(
+            stream,
+            BlockCopy(
+                region_base=base,
+                region_stride=stride,
+                region_size=size,
+                slot_offset=offset,
+                max_region_size=max_size,
+                cache_ids=ids[lo:hi],
+                slot_ids=None if slot_ids is None else slot_ids[lo:hi],
+                count=hi - lo,
+                slot_base=slots.data_ptr(),
+                slot_bytes=row_bytes,
+                to_slots=self.store,
+                cache_views=self._views[m.group],
+                slot_view=slots.view(-1, row_bytes),
+                slot_offsets=self.layout.slot_offsets[m.group],
+            ),
+        )
+
+    def _enqueue_staged(self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
+        """A store gathers each piece on the SM stream, then DMAs it to the host; a load
+        DMAs each piece into staging, then scatters it on the SM stream. With several
+        buffers, later pieces' first halves run while earlier pieces' second halves do;
+        consecutive pieces' DMAs go on alternate DMA streams.
+
+        The job's writes (store: the DMAs, load: the scatters) wait for the previous
+        job's writes; the other half of each piece is only held by buffer reuse.
+        Every piece records events the watcher checks, since a device error
+        surfaces at the next event recorded on its own stream.
+        """
+        rt = self.runtime
+        staging = self._staging
+        if staging is None:  # pragma: no cover - guarded at construction
+            raise ConfigError("no staging memory")
+        rt.wait_event(sm, plan.ready)
+        if self._last_effect is not None:
+            for stream in dmas if self.store else (sm,):
+                rt.wait_event(stream, self._last_effect)
+        last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
+        end = None
+        for m in plan.groups:
+            n = int(m.cache_ids.size)
+            ids = rt.upload(sm, m.cache_ids)  # once per job and group, before any piece
+            for lo in range(0, n, staging.rows):
+                hi = min(lo + staging.rows, n)
+                b = staging.take()
+                dma = dmas[b % 2]
+                first, second = (sm, dma) if self.store else (dma, sm)
+                buffer = staging.buffers[b]
+                dst, src, sizes = slot_descriptors(
+                    hi - lo,
+                    m.slots[lo:hi],
+                    staging_base=buffer.data_ptr(),
+                    staging_row_bytes=self.layout.slot_bytes,
+                    tier_base=self.tier.memory.data_ptr(),
+                    slot_bytes=self.tier.slot_bytes,
+                    used_bytes=self.layout.group_bytes[m.group],
+                    store=self.store,
+                )
+                if staging.free[b] is not None:
+                    rt.wait_event(first, staging.free[b])
+                if self.store:
+                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                else:
+                    rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
+                full = self._mark(plan, first)
+                rt.wait_event(second, full)
+                if self.store:
+                    rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
+                else:
+                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                staging.free[b] = end = self._mark(plan, second)
+                last[b % 2] = end
+        if self.store and len(last) == 2:  # join both DMA streams into one end event
+            rt.wait_event(dmas[0], last[1])
+            end = self._mark(plan, dmas[0])
+        elif end is None:  # an empty job still takes its place in the order
+            end = self._mark(plan, dmas[0] if self.store else sm)
+        self._last_effect = end
+
+    # ------------------------------------------------------------ completion
+
+    def _watch_loop(self) -> None:
+        try:
+            while True:
+                item = self._watch_q.get()
+                if item is _STOP:
+                    return
+                job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
+                plan = job.prepared
+                try:
+                    for event in plan.checks:
+                        self.runtime.synchronize(event)
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    job.fail(exc)
+                else:
+                    job.succeed(plan.nbytes)
+                self._recycle(plan.events)
+        finally:
+            self._threads_done.set()
+
+
+def pinned_host_tier(
+    runtime: DeviceRuntime, layout: KVLayout, num_blocks: int, *, factor: int = 1
+) -> HostTier:
+    """A host tier for ``layout``, allocated plainly (no power-of-two rounding) and
+    registered with the runtime in chunks; ``tier.release()`` unregisters it."""
+    rows = num_blocks * factor
+    memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
+    unpin = runtime.pin_host(memory)
+    return HostTier(
+        num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
+    )
+
+
+def make_device_handlers(
+    runtime: DeviceRuntime,
+    layout: KVLayout,
+    tier: HostTier,
+    config: DeviceHandlerConfig | None = None,
+) -> tuple[DeviceCopyHandler, DeviceCopyHandler]:
+    """The store (device -> CPU) and load (CPU -> device) handlers over one tier."""
+    return (
+        DeviceCopyHandler(runtime, layout, tier, direction=Direction.STORE, config=config),
+        DeviceCopyHandler(runtime, layout, tier, direction=Direction.LOAD, config=config),
+    )

@@ -1,0 +1,207 @@
+"""The runtime seam a device handler is written against.
+
+A runtime is deliberately thin. torch.cuda and torch.npu share one shape
+(``Stream``, ``Event.record/query/synchronize``, ``current_stream``, a stream
+context), so most methods forward to it. The places runtimes really differ are
+the **batched async copy** (``cuMemcpyBatchAsync`` on CUDA,
+``aclrtMemcpyBatchAsync`` on CANN, a recorder on the fake), **host pinning**,
+and the **device-side block copy** (a Triton kernel on CUDA, torch ops
+elsewhere).
+
+Every method that enqueues work takes the stream it goes on. Nothing here
+blocks except :meth:`DeviceRuntime.synchronize`.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from offload_engine.vocabulary import Medium
+
+U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
+
+# Bound on one host registration: a single registration of 512 GiB or more fails.
+MAX_PIN_CHUNK_BYTES = 64 << 30
+
+
+class CopyKind(enum.Enum):
+    """Which way a batched copy goes (it sets ordering hints)."""
+
+    DEVICE_TO_HOST = "d2h"
+    HOST_TO_DEVICE = "h2d"
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """A device-side copy of whole blocks between KV regions and slot rows.
+
+    For each block ``i`` and each region ``r`` of the group: the bytes at
+    ``region_base[r] + cache_ids[i] * region_stride[r]`` (``region_size[r]``
+    bytes) pair with the bytes at ``slot_base + slot_ids[i] * slot_bytes +
+    slot_offset[r]``. ``to_slots`` copies regions -> slots (a gather, for a
+    store), otherwise slots -> regions (a scatter, for a load).
+
+    ``region_*`` and ``cache_ids``/``slot_ids`` are device tensors (int64)
+    prepared by :meth:`DeviceRuntime.upload`; ``slot_ids`` ``None`` means
+    ``slot_ids[i] = i`` (a staging buffer filled in order). A kernel works on
+    the addresses; a runtime without one uses the torch views instead
+    (:func:`torch_block_copy`): ``cache_views[r]`` is region ``r`` as a
+    ``(num_blocks, size)`` byte view and ``slot_view`` the ``(rows, row_bytes)``
+    slot rows.
+    """
+
+    region_base: torch.Tensor
+    region_stride: torch.Tensor
+    region_size: torch.Tensor
+    slot_offset: torch.Tensor
+    max_region_size: int
+    cache_ids: torch.Tensor
+    slot_ids: torch.Tensor | None
+    count: int
+    slot_base: int
+    slot_bytes: int
+    to_slots: bool
+    cache_views: tuple[torch.Tensor, ...] = ()
+    slot_view: torch.Tensor | None = None
+    slot_offsets: tuple[int, ...] = ()
+
+
+def torch_block_copy(copy: BlockCopy) -> None:
+    """:class:`BlockCopy` with torch indexing on the current stream: one gather and
+    one scatter per region. For runtimes without a copy kernel; device memory only."""
+    if copy.slot_view is None or not copy.cache_views:
+        raise ValueError("this BlockCopy carries no torch views")
+    device = copy.slot_view.device
+    rows = (
+        copy.slot_ids
+        if copy.slot_ids is not None
+        else torch.arange(copy.count, dtype=torch.int64, device=device)
+    )
+    for view, offset in zip(copy.cache_views, copy.slot_offsets, strict=True):
+        slots = copy.slot_view[:, offset : offset + view.shape[1]]
+        if copy.to_slots:
+            slots.index_copy_(0, rows, view.index_select(0, copy.cache_ids))
+        else:
+            view.index_copy_(0, copy.cache_ids, slots.index_select(0, rows))
+
+
+class DeviceRuntime(abc.ABC):
+    """Streams, events, pinned memory and copies on one accelerator device."""
+
+    name: str
+    medium: Medium
+    device: torch.device
+    #: descriptors per batched-copy call (drivers fault or refuse above their cap)
+    max_batch: int = 4096
+    #: whether streams accept a priority (NPU: no)
+    supports_priority: bool = True
+
+    # -- streams and events ----------------------------------------------------
+
+    @abc.abstractmethod
+    def new_stream(self, priority: int = 0) -> Any:
+        """A new non-default stream (never the legacy default stream). A negative
+        ``priority`` asks for a higher one where :attr:`supports_priority`."""
+
+    @abc.abstractmethod
+    def current_stream(self) -> Any:
+        """The calling thread's current stream on this device (the compute stream)."""
+
+    @abc.abstractmethod
+    def new_event(self) -> Any:
+        """An event whose ``synchronize`` sleeps rather than spins."""
+
+    @abc.abstractmethod
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` at the current end of ``stream``."""
+
+    @abc.abstractmethod
+    def wait_event(self, stream: Any, event: Any) -> None:
+        """Make later work on ``stream`` wait for ``event``'s latest record."""
+
+    @abc.abstractmethod
+    def query(self, event: Any) -> bool:
+        """True once the event's recorded work has finished. Never blocks."""
+
+    @abc.abstractmethod
+    def synchronize(self, event: Any) -> None:
+        """Block until the event's recorded work has finished; raise if it failed."""
+
+    @abc.abstractmethod
+    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
+        """Make ``stream`` current for torch work issued inside the block."""
+
+    # -- memory ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        """True if ``tensor`` lives in this runtime's device memory."""
+
+    @abc.abstractmethod
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of device memory as a uint8 tensor."""
+
+    @abc.abstractmethod
+    def pin_host(self, tensor: torch.Tensor) -> Callable[[], None]:
+        """Register a host tensor's memory for DMA (in chunks of at most
+        :data:`MAX_PIN_CHUNK_BYTES`); return the call that unregisters it."""
+
+    @abc.abstractmethod
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """True if DMA may use ``tensor``'s host memory directly."""
+
+    @abc.abstractmethod
+    def upload(self, stream: Any, values: I64) -> torch.Tensor:
+        """Copy a small int64 array to the device, ordered on ``stream``."""
+
+    # -- copies ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+        """Enqueue ``len(sizes)`` copies on ``stream``, in calls of at most
+        :attr:`max_batch` descriptors (or one call per copy where the batched
+        API is missing). Returns the number of driver calls made."""
+
+    @abc.abstractmethod
+    def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
+        """Enqueue a device-side (SM) block copy on ``stream``."""
+
+    @property
+    def supports_kernel_strategy(self) -> bool:
+        """True if :meth:`copy_blocks` may address mapped pinned host memory."""
+        return False
+
+    @property
+    def supports_block_copy(self) -> bool:
+        """True if :meth:`copy_blocks` works at all (the staged strategy needs it)."""
+        return True
+
+    #: byte alignment :meth:`copy_blocks` needs of every address and size
+    block_copy_alignment: int = 1
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release runtime-level resources (threads of a fake runtime)."""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name} {self.device}>"
+
+
+def pin_chunks(
+    total: int, row_bytes: int, limit: int = MAX_PIN_CHUNK_BYTES
+) -> Iterator[tuple[int, int]]:
+    """``(offset, size)`` pieces of at most ``limit`` bytes that end on row boundaries,
+    so no block straddles two registrations."""
+    rows = max(limit // max(row_bytes, 1), 1)
+    step = rows * row_bytes
+    for offset in range(0, total, step):
+        yield offset, min(step, total - offset)

@@ -1,0 +1,378 @@
+"""A CPU-backed runtime whose streams and events behave like a GPU's.
+
+Each :class:`FakeStream` is a worker thread that runs the operations enqueued
+on it in order, so work is truly asynchronous: ``record`` marks an event done
+when the stream reaches it, ``wait_event`` holds a stream until the event's
+latest record (at the time of the call) is reached, ``query`` never blocks and
+``synchronize`` sleeps on a condition. "Device memory" is host memory the
+runtime handed out (:meth:`FakeRuntime.empty`); "pinned" memory is host memory
+registered with :meth:`FakeRuntime.pin_host`. Copies are ``ctypes.memmove``
+over raw addresses, an implementation independent of the host handler's torch
+indexing, so the two check each other.
+
+For tests, it records every batched-copy call and can inject faults:
+:meth:`fail_next` makes the next copy of a kind raise (the failure surfaces at
+the next event recorded on that stream, as an asynchronous device error
+would), and :meth:`hang_next` makes the next copy never finish until
+:meth:`release_hangs` or :meth:`close`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+import queue
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_engine.runtimes.base import (
+    I64,
+    MAX_PIN_CHUNK_BYTES,
+    U64,
+    BlockCopy,
+    CopyKind,
+    DeviceRuntime,
+    pin_chunks,
+)
+from offload_engine.vocabulary import Medium
+
+_STOP = object()
+
+
+class FakeDeviceError(RuntimeError):
+    """An injected (or detected) device failure of the fake runtime."""
+
+
+class FakeEvent:
+    """Counts records and completions; a failed op poisons the next record."""
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._cond = threading.Condition(lock)
+        self.recorded = 0
+        self.completed = 0
+        self.errors: dict[int, BaseException] = {}
+
+    def complete(self, generation: int, error: BaseException | None) -> None:
+        with self._cond:
+            if error is not None:
+                self.errors[generation] = error
+            self.completed = max(self.completed, generation)
+            self.errors = {g: e for g, e in self.errors.items() if g >= generation}
+            self._cond.notify_all()
+
+    def wait_for(self, generation: int) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self.completed >= generation)
+
+
+class FakeStream:
+    """A FIFO of operations run by one thread."""
+
+    _ids = itertools.count()
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+        self.name = f"offload-engine-fake-stream-{next(self._ids)}"
+        self._ops: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.pending_error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread.start()
+
+    def enqueue(self, op: Callable[[], None]) -> None:
+        self._ops.put(op)
+
+    def stop(self) -> None:
+        self._ops.put(_STOP)
+
+    def _run(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is _STOP:
+                return
+            try:
+                op()  # type: ignore[operator]
+            except Exception as exc:  # noqa: BLE001 - surfaces at the next recorded event
+                self.pending_error = exc
+
+    def take_error(self) -> BaseException | None:
+        error, self.pending_error = self.pending_error, None
+        return error
+
+    def __repr__(self) -> str:
+        return f"<FakeStream {self.name}>"
+
+
+@dataclass(frozen=True)
+class BatchCall:
+    """One recorded batched-copy call."""
+
+    stream: str
+    kind: CopyKind
+    count: int
+    dst: tuple[int, ...]
+    src: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+class FakeRuntime(DeviceRuntime):
+    """A runtime whose device is host memory and whose streams are threads."""
+
+    name = "fake"
+
+    def __init__(
+        self,
+        medium: Medium = Medium.GPU,
+        *,
+        max_batch: int = 4096,
+        batched: bool = True,
+        pin_chunk_bytes: int = MAX_PIN_CHUNK_BYTES,
+        kernel_copies: bool = True,
+    ) -> None:
+        self.medium = medium
+        self.device = torch.device("cpu")
+        self.max_batch = max_batch
+        self.batched = batched
+        self.pin_chunk_bytes = pin_chunk_bytes
+        self._kernel_copies = kernel_copies
+        self._lock = threading.Lock()
+        self._streams: list[FakeStream] = []
+        self._device_ranges: list[tuple[int, int]] = []
+        self._pinned: dict[int, tuple[int, int]] = {}  # registration start -> (start, end)
+        self._local = threading.local()
+        self._fail_next: dict[str, BaseException] = {}
+        self._hang_next: set[str] = set()
+        self._release = threading.Event()
+        self.batch_calls: list[BatchCall] = []
+        self.block_copies = 0
+        self.pin_calls: list[tuple[int, int]] = []
+        self.unpin_calls: list[int] = []
+        self.closed = False
+        self.compute = self.new_stream()
+
+    # ------------------------------------------------------------ streams and events
+
+    def new_stream(self, priority: int = 0) -> FakeStream:
+        with self._lock:
+            if self.closed:
+                raise FakeDeviceError("the fake runtime is closed")
+            stream = FakeStream(self)
+            self._streams.append(stream)
+        return stream
+
+    def current_stream(self) -> FakeStream:
+        stream: FakeStream | None = getattr(self._local, "stream", None)
+        return stream if stream is not None else self.compute
+
+    @contextmanager
+    def stream_context(self, stream: Any) -> Iterator[FakeStream]:
+        previous = getattr(self._local, "stream", None)
+        self._local.stream = stream
+        try:
+            yield stream
+        finally:
+            self._local.stream = previous
+
+    def new_event(self) -> FakeEvent:
+        return FakeEvent(threading.Lock())
+
+    def record(self, event: Any, stream: Any) -> None:
+        with event._cond:
+            event.recorded += 1
+            generation = event.recorded
+        stream.enqueue(lambda: event.complete(generation, stream.take_error()))
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        generation = event.recorded
+        if generation:
+            stream.enqueue(lambda: event.wait_for(generation))
+
+    def query(self, event: Any) -> bool:
+        return bool(event.completed >= event.recorded)
+
+    def synchronize(self, event: Any) -> None:
+        with event._cond:
+            target = event.recorded
+            event._cond.wait_for(lambda: event.completed >= target)
+            error = event.errors.get(target)
+        if error is not None:
+            raise FakeDeviceError(f"device work before this event failed: {error}") from error
+
+    def enqueue(self, stream: FakeStream, op: Callable[[], None]) -> None:
+        """Run ``op`` on ``stream`` in order (tests use it as "compute work")."""
+        stream.enqueue(op)
+
+    # ------------------------------------------------------------ memory
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A tensor in the fake's "device memory"."""
+        t = torch.empty(shape, dtype=dtype)
+        start = t.data_ptr()
+        with self._lock:
+            self._device_ranges.append((start, start + t.numel() * t.element_size()))
+        return t
+
+    def _in_ranges(self, start: int, end: int, ranges: Iterator[tuple[int, int]]) -> bool:
+        return any(lo <= start and end <= hi for lo, hi in ranges)
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        end = start + max(tensor.numel() * tensor.element_size(), 1)
+        with self._lock:
+            return self._in_ranges(start, end, iter(self._device_ranges))
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return self.empty((nbytes,))
+
+    def pin_host(self, tensor: torch.Tensor) -> Callable[[], None]:
+        base = tensor.data_ptr()
+        total = tensor.numel() * tensor.element_size()
+        row = tensor.stride(0) * tensor.element_size() if tensor.dim() > 1 else 1
+        starts = []
+        with self._lock:
+            for offset, size in pin_chunks(total, row, self.pin_chunk_bytes):
+                self._pinned[base + offset] = (base + offset, base + offset + size)
+                self.pin_calls.append((base + offset, size))
+                starts.append(base + offset)
+
+        def release() -> None:
+            with self._lock:
+                for s in starts:
+                    if self._pinned.pop(s, None) is not None:
+                        self.unpin_calls.append(s)
+
+        return release
+
+    def _is_pinned_range(self, start: int, end: int) -> bool:
+        # a range may span consecutive chunks of one registration
+        with self._lock:
+            spans = sorted(self._pinned.values())
+        pos = start
+        for lo, hi in spans:
+            if lo <= pos < hi:
+                pos = hi
+                if pos >= end:
+                    return True
+        return False
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        start = tensor.data_ptr()
+        return self._is_pinned_range(start, start + tensor.numel() * tensor.element_size())
+
+    def upload(self, stream: Any, values: I64) -> torch.Tensor:
+        return torch.tensor(np.asarray(values, dtype=np.int64))
+
+    # ------------------------------------------------------------ faults
+
+    def fail_next(self, kind: str = "copy", error: BaseException | None = None) -> None:
+        """Make the next operation of ``kind`` (``copy`` or ``kernel``) fail."""
+        self._fail_next[kind] = error or FakeDeviceError(f"injected {kind} failure")
+
+    def hang_next(self, kind: str = "copy") -> None:
+        """Make the next operation of ``kind`` never finish until released."""
+        self._hang_next.add(kind)
+
+    def release_hangs(self) -> None:
+        self._release.set()
+
+    def _faults(self, kind: str) -> tuple[BaseException | None, bool]:
+        with self._lock:
+            error = self._fail_next.pop(kind, None)
+            hang = kind in self._hang_next
+            self._hang_next.discard(kind)
+        return error, hang
+
+    def _run_faults(self, error: BaseException | None, hang: bool) -> None:
+        if hang:
+            self._release.wait()
+            raise FakeDeviceError("a hung operation was released")
+        if error is not None:
+            raise error
+
+    # ------------------------------------------------------------ copies
+
+    def _check_dma(self, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> None:
+        host, dev = (dst, src) if kind is CopyKind.DEVICE_TO_HOST else (src, dst)
+        with self._lock:
+            ranges = list(self._device_ranges)
+        for h, d, n in zip(host.tolist(), dev.tolist(), sizes.tolist(), strict=True):
+            if not self._is_pinned_range(h, h + n):
+                raise FakeDeviceError(f"DMA from/to host memory at {h:#x} that is not pinned")
+            if not self._in_ranges(d, d + n, iter(ranges)):
+                raise FakeDeviceError(f"DMA from/to {d:#x}, which is not device memory")
+
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+        n = int(sizes.shape[0])
+        step = self.max_batch if self.batched else 1
+        calls = 0
+        for lo in range(0, n, step):
+            d, s, z = dst[lo : lo + step], src[lo : lo + step], sizes[lo : lo + step]
+            self._check_dma(d, s, z, kind)
+            self.batch_calls.append(
+                BatchCall(
+                    stream.name,
+                    kind,
+                    len(z),
+                    tuple(d.tolist()),
+                    tuple(s.tolist()),
+                    tuple(z.tolist()),
+                )
+            )
+            calls += 1
+        error, hang = self._faults("copy")
+        dst_l, src_l, size_l = dst.tolist(), src.tolist(), sizes.tolist()
+
+        def op() -> None:
+            self._run_faults(error, hang)
+            for d, s, z in zip(dst_l, src_l, size_l, strict=True):
+                ctypes.memmove(d, s, z)
+
+        stream.enqueue(op)
+        return calls
+
+    @property
+    def supports_kernel_strategy(self) -> bool:
+        return self._kernel_copies
+
+    def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
+        base = copy.region_base.tolist()
+        stride = copy.region_stride.tolist()
+        size = copy.region_size.tolist()
+        offset = copy.slot_offset.tolist()
+        cache_ids = copy.cache_ids.tolist()
+        slot_ids = copy.slot_ids.tolist() if copy.slot_ids is not None else range(copy.count)
+        error, hang = self._faults("kernel")
+        self.block_copies += 1
+
+        def op() -> None:
+            self._run_faults(error, hang)
+            for cid, sid in zip(cache_ids, slot_ids, strict=True):
+                row = copy.slot_base + sid * copy.slot_bytes
+                for b, st, z, off in zip(base, stride, size, offset, strict=True):
+                    cache_addr = (b + cid * st) & 0xFFFFFFFFFFFFFFFF
+                    if copy.to_slots:
+                        ctypes.memmove(row + off, cache_addr, z)
+                    else:
+                        ctypes.memmove(cache_addr, row + off, z)
+
+        stream.enqueue(op)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def close(self) -> None:
+        """Release hung operations and stop every stream thread. Idempotent."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            streams = list(self._streams)
+        self._release.set()
+        for s in streams:
+            s.stop()
+        for s in streams:
+            s.thread.join()

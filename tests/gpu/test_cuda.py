@@ -1,0 +1,136 @@
+"""GPU tests: bit-exact round trips on a real CUDA device (skipped without one)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.handlers.device import (
+    DeviceHandlerConfig,
+    Strategy,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.runtimes.base import CopyKind
+from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
+from tests.test_device_handler import round_trip
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda() -> Iterator[object]:
+    from offload_engine.runtimes.cuda import CudaRuntime
+
+    yield CudaRuntime()
+
+
+def gpu_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("factor", [1, 4])
+def test_round_trip_on_the_gpu(cuda: object, kind: str, strategy: Strategy, factor: int) -> None:
+    round_trip(cuda, gpu_empty, kind, strategy, factor)  # type: ignore[arg-type]
+
+
+def test_round_trip_without_the_batched_api() -> None:
+    from offload_engine.runtimes.cuda import CudaRuntime
+
+    round_trip(CudaRuntime(batched=False), gpu_empty, "flash-attention", Strategy.DMA, 1)
+
+
+def test_large_jobs_span_many_staging_pieces(cuda: object) -> None:
+    round_trip(cuda, gpu_empty, "flash-attention", Strategy.STAGED, 2, staging_blocks=3)  # type: ignore[arg-type]
+
+
+def test_a_store_waits_for_the_compute_stream(cuda: object) -> None:
+    layout = build_layout("flash-attention", gpu_empty, num_blocks=8)
+    tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
+    for strategy in (Strategy.DMA, Strategy.STAGED, Strategy.KERNEL):
+        store, _ = make_device_handlers(
+            cuda,  # type: ignore[arg-type]
+            layout,
+            tier,
+            DeviceHandlerConfig(strategy=strategy),
+        )
+        with SyncOffloadingEngine([store]) as engine:
+            value = float(list(Strategy).index(strategy) + 3)
+            torch.cuda._sleep(200_000_000)  # the model is still busy on the compute stream...
+            for t in layout.tensors:
+                t[:, 3].fill_(value)  # ...before it writes block 3
+            job = engine.submit(TransferSpec(gpu_blocks([3]), cpu_blocks([1])))
+            [r] = engine.wait([job])
+            assert r.success, r.error
+        assert tier.memory[1].numpy().tobytes() == cache_block_bytes(layout, 3), strategy
+    tier.release()
+
+
+def test_legacy_default_stream_falls_back_to_single_copies(cuda: object) -> None:
+    src = torch.randint(0, 255, (4, 4096), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(4, 4096, dtype=torch.uint8)
+    release = cuda.pin_host(host)  # type: ignore[attr-defined]
+    try:
+        dst = np.array([host[i].data_ptr() for i in range(4)], dtype=np.uint64)
+        srcp = np.array([src[3 - i].data_ptr() for i in range(4)], dtype=np.uint64)
+        sizes = np.full(4, 4096, dtype=np.uint64)
+        stream = torch.cuda.default_stream()
+        calls = cuda.memcpy_batch(stream, dst, srcp, sizes, CopyKind.DEVICE_TO_HOST)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        assert calls == 4
+        assert torch.equal(host, src.flip(0).cpu())
+        side = torch.cuda.Stream()
+        host.zero_()
+        calls = cuda.memcpy_batch(side, dst, srcp, sizes, CopyKind.DEVICE_TO_HOST)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        assert calls == 1
+        assert torch.equal(host, src.flip(0).cpu())
+    finally:
+        release()
+
+
+def test_a_refused_copy_fails_its_job_and_the_next_job_runs(cuda: object) -> None:
+    from offload_engine import TransferError
+
+    layout = build_layout("flash-attention", gpu_empty, num_blocks=8)
+    tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
+    store, _ = make_device_handlers(cuda, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA))  # type: ignore[arg-type]
+    with SyncOffloadingEngine([store]) as engine:
+        real = cuda.memcpy_batch  # type: ignore[attr-defined]
+        calls = {"n": 0}
+
+        def bogus_once(stream, dst, src, sizes, kind):  # type: ignore[no-untyped-def]
+            calls["n"] += 1
+            if calls["n"] == 1:  # a null source: the driver refuses the batch
+                src = np.zeros_like(src)
+            return real(stream, dst, src, sizes, kind)
+
+        cuda.memcpy_batch = bogus_once  # type: ignore[attr-defined]
+        try:
+            bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
+            good = engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))
+            r_bad, r_good = engine.wait([bad, good])
+        finally:
+            del cuda.memcpy_batch  # type: ignore[attr-defined]
+    assert not r_bad.success and isinstance(r_bad.error, TransferError)
+    assert r_good.success
+    assert tier.memory[2].numpy().tobytes() == cache_block_bytes(layout, 2)
+    tier.release()
+
+
+def test_pinned_tier_is_registered_and_released(cuda: object) -> None:
+    layout = build_layout("mla", gpu_empty, num_blocks=4)
+    tier = pinned_host_tier(cuda, layout, 8)  # type: ignore[arg-type]
+    memory = tier.memory
+    assert memory.is_pinned()
+    tier.release()
+    assert not memory.is_pinned()

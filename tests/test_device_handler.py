@@ -1,0 +1,412 @@
+"""The device handler on the fake runtime: real bytes, real stream ordering, in CI."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from offload_engine import (
+    ConfigError,
+    EngineBrokenError,
+    InvalidBlockIdsError,
+    JobTimeoutError,
+    KVLayout,
+    LayoutError,
+    Medium,
+    SyncOffloadingEngine,
+    TransferError,
+    TransferSpec,
+    cpu_blocks,
+    gpu_blocks,
+)
+from offload_engine.handlers.device import (
+    DeviceCopyHandler,
+    DeviceHandlerConfig,
+    Strategy,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.layout import byte_view, merge_runs
+from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.runtimes.fake import FakeDeviceError, FakeRuntime
+from offload_engine.testing import LAYOUT_KINDS, Allocator, build_layout, cache_block_bytes
+from offload_engine.vocabulary import Direction
+
+POISON = 0xA5
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeRuntime]:
+    runtime = FakeRuntime()
+    yield runtime
+    runtime.close()
+
+
+def config(strategy: Strategy, layout: KVLayout, **kw: object) -> DeviceHandlerConfig:
+    # two staging rows per buffer, so jobs of a few blocks span several pieces
+    return DeviceHandlerConfig(strategy=strategy, staging_bytes=4 * layout.slot_bytes, **kw)  # type: ignore[arg-type]
+
+
+def poison(layout: KVLayout, blocks: list[int]) -> None:
+    for g in layout.groups:
+        for r in g:
+            base = byte_view(layout.tensors[r.tensor])
+            for b in blocks:
+                base[r.offset + b * r.stride : r.offset + b * r.stride + r.size].fill_(POISON)
+
+
+def round_trip(
+    runtime: DeviceRuntime,
+    empty: Allocator,
+    kind: str,
+    strategy: Strategy,
+    factor: int,
+    *,
+    staging_blocks: int = 2,
+) -> None:
+    """Store random blocks (mid tier block, every group), load them elsewhere, compare
+    bit for bit; destination blocks and tier start poisoned, and skipped slots stay so."""
+    layout = build_layout(kind, empty, num_blocks=24, seed=len(kind) + factor)
+    groups = len(layout.groups)
+    tier = pinned_host_tier(runtime, layout, 12, factor=factor)
+    tier.memory.fill_(POISON)
+    rng = np.random.default_rng(factor)
+    n = 5
+    sizes = (n,) * groups
+    indices = (2,) * groups  # the job starts at logical block 2 of its request
+    src = [int(x) for x in rng.choice(12, size=n * groups, replace=False)]
+    dst = [12 + int(x) for x in rng.choice(12, size=n * groups, replace=False)]
+    per_group = -(-(n + 2 % factor) // factor)
+    tier_ids = [int(x) for x in rng.choice(12, size=per_group * groups, replace=False)]
+    want = {b: cache_block_bytes(layout, b, i // n) for i, b in enumerate(src)}
+    poison(layout, dst)
+    cfg = DeviceHandlerConfig(
+        strategy=strategy, staging_bytes=2 * staging_blocks * layout.slot_bytes
+    )
+    store, load = make_device_handlers(runtime, layout, tier, cfg)
+    try:
+        with SyncOffloadingEngine([store, load]) as engine:
+            s = engine.submit(
+                TransferSpec(
+                    gpu_blocks(src, group_sizes=sizes, block_indices=indices), cpu_blocks(tier_ids)
+                )
+            )
+            [rs] = engine.wait([s])
+            assert rs.success, rs.error
+            assert rs.bytes_moved == n * sum(layout.group_bytes)
+            ld = engine.submit(
+                TransferSpec(
+                    cpu_blocks(tier_ids), gpu_blocks(dst, group_sizes=sizes, block_indices=indices)
+                )
+            )
+            [rl] = engine.wait([ld])
+            assert rl.success, rl.error
+        got = {
+            s_: cache_block_bytes(layout, d_, i // n)
+            for i, (s_, d_) in enumerate(zip(src, dst, strict=True))
+        }
+        assert got == want
+        if factor > 1:  # the slots before the job's start were not written
+            assert bool((tier.block(tier_ids[0])[: 2 % factor] == POISON).all())
+    finally:
+        tier.release()
+
+
+@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("factor", [1, 4])
+def test_round_trip_every_layout_and_strategy(
+    fake: FakeRuntime, kind: str, strategy: Strategy, factor: int
+) -> None:
+    round_trip(fake, fake.empty, kind, strategy, factor)
+
+
+def test_a_store_waits_for_compute_writing_its_blocks(fake: FakeRuntime) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, _ = make_device_handlers(fake, layout, tier, config(Strategy.STAGED, layout))
+    gate = threading.Event()
+    k0 = layout.tensors[0]
+
+    def model_writes_block_3() -> None:  # "a kernel" still running on the compute stream
+        gate.wait()
+        for t in layout.tensors:
+            t[:, 3].fill_(7.0)
+
+    fake.enqueue(fake.compute, model_writes_block_3)
+    with SyncOffloadingEngine([store]) as engine:
+        job = engine.submit(TransferSpec(gpu_blocks([3]), cpu_blocks([1])))
+        with pytest.raises(TimeoutError):  # the store is held behind the compute stream
+            engine.wait([job], timeout=0.2)
+        gate.set()
+        [r] = engine.wait([job])
+        assert r.success
+    assert tier.memory[1].numpy().tobytes() == cache_block_bytes(layout, 3)
+    assert bool((k0[:, 3] == 7.0).all())
+    tier.release()
+
+
+def test_jobs_take_effect_in_submission_order(fake: FakeRuntime) -> None:
+    layout = build_layout("flashinfer", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, load = make_device_handlers(fake, layout, tier, config(Strategy.DMA, layout, streams=3))
+    with SyncOffloadingEngine([store, load]) as engine:
+        ids = [engine.submit(TransferSpec(gpu_blocks([b]), cpu_blocks([0]))) for b in range(6)]
+        results = engine.wait(ids)
+    assert [r.job_id for r in results] == ids
+    # every job wrote tier block 0; the last one submitted wins
+    assert tier.memory[0].numpy().tobytes() == cache_block_bytes(layout, 5)
+    # and the jobs went round the stream pool
+    assert len({c.stream for c in fake.batch_calls}) == 3
+    tier.release()
+
+
+def test_a_failed_copy_fails_its_job_and_later_jobs_run(fake: FakeRuntime) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, _ = make_device_handlers(fake, layout, tier, config(Strategy.DMA, layout))
+    with SyncOffloadingEngine([store]) as engine:
+        fake.fail_next("copy")
+        bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
+        good = engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))
+        r_bad, r_good = engine.wait([bad, good])
+    assert not r_bad.success and isinstance(r_bad.error, TransferError)
+    assert isinstance(r_bad.error.__cause__, FakeDeviceError)
+    assert r_good.success
+    assert tier.memory[2].numpy().tobytes() == cache_block_bytes(layout, 2)
+    tier.release()
+
+
+def test_a_failed_gather_kernel_fails_its_job(fake: FakeRuntime) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, _ = make_device_handlers(fake, layout, tier, config(Strategy.STAGED, layout))
+    with SyncOffloadingEngine([store]) as engine:
+        fake.fail_next("kernel")
+        bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
+        good = engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))
+        r_bad, r_good = engine.wait([bad, good])
+    assert not r_bad.success and r_good.success
+    tier.release()
+
+
+def test_a_hung_copy_times_out_and_close_does_not_hang(fake: FakeRuntime) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, _ = make_device_handlers(
+        fake, layout, tier, config(Strategy.DMA, layout, close_timeout=0.2)
+    )
+    engine = SyncOffloadingEngine([store])
+    fake.hang_next("copy")
+    job = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])), timeout=0.2)
+    [r] = engine.wait([job], timeout=10)
+    assert isinstance(r.error, JobTimeoutError)
+    with pytest.raises(EngineBrokenError, match="hung"):
+        engine.close(timeout=1)
+    fake.release_hangs()  # lets the watcher thread go, so the fixture finds no thread
+    for thread in store._threads:
+        thread.join(timeout=10)
+    tier.release()
+
+
+def test_close_drains_in_flight_and_queued_device_work(fake: FakeRuntime) -> None:
+    layout = build_layout("mla", fake.empty, num_blocks=16)
+    tier = pinned_host_tier(fake, layout, 16)
+    store, _ = make_device_handlers(
+        fake, layout, tier, config(Strategy.STAGED, layout, max_inflight=2)
+    )
+    engine = SyncOffloadingEngine([store])
+    ids = [engine.submit(TransferSpec(gpu_blocks([b]), cpu_blocks([b]))) for b in range(16)]
+    results = engine.close()
+    assert sorted(r.job_id for r in results) == ids
+    assert all(r.success for r in results)
+    assert all(tier.memory[b].numpy().tobytes() == cache_block_bytes(layout, b) for b in range(16))
+    tier.release()
+
+
+def test_bad_ids_are_refused_at_submit_and_nothing_is_written(fake: FakeRuntime) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    tier.memory.fill_(POISON)
+    store, load = make_device_handlers(fake, layout, tier)
+    with SyncOffloadingEngine([store, load]) as engine:
+        with pytest.raises(InvalidBlockIdsError, match="out of range"):
+            engine.submit(TransferSpec(gpu_blocks([8]), cpu_blocks([0])))
+        with pytest.raises(InvalidBlockIdsError, match="out of range"):
+            engine.submit(TransferSpec(cpu_blocks([4]), gpu_blocks([0])))
+        assert engine.stats().submitted == 0
+    assert bool((tier.memory == POISON).all())
+    assert fake.batch_calls == []
+    tier.release()
+
+
+def test_wrong_device_dtype_unpinned_or_disagreeing_shapes_are_refused(fake: FakeRuntime) -> None:
+    host_layout = KVLayout.from_block_tensors([torch.zeros(4, 64)])  # not device memory
+    dev_layout = build_layout("flash-attention", fake.empty, num_blocks=4)
+    pinned = pinned_host_tier(fake, dev_layout, 2)
+    with pytest.raises(LayoutError, match="not in fake device memory"):
+        DeviceCopyHandler(fake, host_layout, pinned, direction=Direction.STORE)
+    from offload_engine import HostTier
+
+    with pytest.raises(LayoutError, match="not pinned"):
+        DeviceCopyHandler(
+            fake, dev_layout, HostTier.for_layout(dev_layout, 2), direction=Direction.STORE
+        )
+    with pytest.raises(LayoutError, match="must agree"):
+        KVLayout.flash_attention(
+            [
+                fake.empty((2, 4, 16, 2, 32), torch.bfloat16),
+                fake.empty((2, 4, 16, 2, 64), torch.bfloat16),
+            ]
+        )
+    with pytest.raises(LayoutError, match="must agree"):
+        KVLayout.flash_attention(
+            [
+                fake.empty((2, 4, 16, 2, 32), torch.bfloat16),
+                fake.empty((2, 4, 16, 2, 32), torch.float16),
+            ]
+        )
+    with pytest.raises(LayoutError, match=r"\(2, num_blocks"):
+        KVLayout.flash_attention([fake.empty((3, 4, 16), torch.bfloat16)])
+    pinned.release()
+
+
+def test_strategy_configuration_is_checked(fake: FakeRuntime) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=4)
+    tier = pinned_host_tier(fake, layout, 2)
+    with pytest.raises(ConfigError, match="staging_bytes"):
+        DeviceCopyHandler(
+            fake,
+            layout,
+            tier,
+            direction=Direction.STORE,
+            config=DeviceHandlerConfig(strategy=Strategy.STAGED, staging_bytes=layout.slot_bytes),
+        )
+    no_kernel = FakeRuntime(kernel_copies=False)
+    try:
+        layout2 = build_layout("mla", no_kernel.empty, num_blocks=4)
+        tier2 = pinned_host_tier(no_kernel, layout2, 2)
+        with pytest.raises(ConfigError, match="kernel strategy"):
+            DeviceCopyHandler(
+                no_kernel,
+                layout2,
+                tier2,
+                direction=Direction.LOAD,
+                config=DeviceHandlerConfig(strategy=Strategy.KERNEL),
+            )
+        tier2.release()
+    finally:
+        no_kernel.close()
+    for bad in ({"streams": 0}, {"max_inflight": 0}, {"staging_bytes": -1}, {"close_timeout": 0}):
+        with pytest.raises(ConfigError):
+            DeviceHandlerConfig(**bad)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError):
+        DeviceHandlerConfig(strategy="dma")  # type: ignore[arg-type]
+    tier.release()
+
+
+def test_auto_picks_dma_for_large_chunks_and_staged_for_small(fake: FakeRuntime) -> None:
+    small = build_layout("flash-attention", fake.empty, num_blocks=4)
+    big = build_layout("cross-layer", fake.empty, num_blocks=4, num_layers=8, head_dim=128)
+    for layout, want in ((small, Strategy.STAGED), (big, Strategy.DMA)):
+        tier = pinned_host_tier(fake, layout, 4)
+        store, _ = make_device_handlers(
+            fake, layout, tier, DeviceHandlerConfig(dma_min_chunk_bytes=64 << 10)
+        )
+        plan = store.prepare(TransferSpec(gpu_blocks([0]), cpu_blocks([0])))
+        assert plan.strategy is want
+        tier.release()
+
+
+def test_descriptors_are_merged_and_chunked_to_the_batch_cap() -> None:
+    fake = FakeRuntime(max_batch=5)
+    try:
+        layout = build_layout("cross-layer", fake.empty, num_blocks=32)
+        tier = pinned_host_tier(fake, layout, 32)
+        store, _ = make_device_handlers(
+            fake, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+        )
+        with SyncOffloadingEngine([store]) as engine:
+            # consecutive cache blocks into consecutive tier blocks: one merged copy
+            engine.wait([engine.submit(TransferSpec(gpu_blocks(range(8)), cpu_blocks(range(8))))])  # type: ignore[arg-type]
+            assert fake.batch_calls[-1].count == 1
+            assert fake.batch_calls[-1].sizes == (8 * layout.slot_bytes,)
+            # scattered blocks: 12 descriptors in calls of at most 5
+            before = len(fake.batch_calls)
+            engine.wait(
+                [
+                    engine.submit(
+                        TransferSpec(gpu_blocks(range(0, 24, 2)), cpu_blocks(range(12, 24)))
+                    )
+                ]  # type: ignore[arg-type]
+            )
+            counts = [c.count for c in fake.batch_calls[before:]]
+            assert counts == [5, 5, 2]
+        assert all(
+            tier.block(12 + i).numpy().tobytes() == cache_block_bytes(layout, 2 * i)
+            for i in range(12)
+        )
+        tier.release()
+    finally:
+        fake.close()
+
+
+def test_without_a_batched_api_each_descriptor_is_its_own_call() -> None:
+    fake = FakeRuntime(batched=False)
+    try:
+        layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+        tier = pinned_host_tier(fake, layout, 8)
+        store, _ = make_device_handlers(
+            fake, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+        )
+        with SyncOffloadingEngine([store]) as engine:
+            engine.wait([engine.submit(TransferSpec(gpu_blocks([1, 5]), cpu_blocks([0, 3])))])
+        # 2 blocks x 2 layers x (K, V), nothing adjacent on both sides
+        assert [c.count for c in fake.batch_calls] == [1] * 8
+        assert tier.memory[3].numpy().tobytes() == cache_block_bytes(layout, 5)
+        tier.release()
+    finally:
+        fake.close()
+
+
+def test_merge_runs_merges_only_what_continues_on_both_sides() -> None:
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    dst, src, sizes = merge_runs(u(100, 110, 200, 210), u(0, 10, 20, 30), u(10, 10, 10, 10))
+    assert dst.tolist() == [100, 200] and src.tolist() == [0, 20] and sizes.tolist() == [20, 20]
+    dst, src, sizes = merge_runs(u(0, 10), u(0, 50), u(10, 10))
+    assert sizes.tolist() == [10, 10]
+
+
+def test_pinning_is_chunked_and_released() -> None:
+    fake = FakeRuntime(pin_chunk_bytes=3 * 1024)
+    try:
+        layout = build_layout(
+            "mla", fake.empty, num_blocks=4, num_layers=1, kv_heads=1, head_dim=32
+        )
+        tier = pinned_host_tier(fake, layout, 6)  # 6 rows of 1 KiB: two chunks of 3 rows
+        assert len(fake.pin_calls) == 2
+        assert all(size % layout.slot_bytes == 0 for _, size in fake.pin_calls)
+        assert fake.is_pinned(tier.memory)
+        tier.release()
+        assert len(fake.unpin_calls) == 2
+        tier.release()  # idempotent
+        assert len(fake.unpin_calls) == 2
+    finally:
+        fake.close()
+
+
+def test_handler_media_follow_the_runtime(fake: FakeRuntime) -> None:
+    npu = FakeRuntime(Medium.NPU)
+    try:
+        layout = build_layout("separate-kv", npu.empty, num_blocks=4)
+        tier = pinned_host_tier(npu, layout, 2)
+        store, load = make_device_handlers(npu, layout, tier)
+        assert store.pair == (Medium.NPU, Medium.CPU)
+        assert load.pair == (Medium.CPU, Medium.NPU)
+        tier.release()
+    finally:
+        npu.close()
