@@ -232,6 +232,17 @@ class KVLayout:
             tuple(int(x) for x in np.cumsum([0] + [r.size for r in g])[:-1]) for g in self.groups
         )
         self._tables: dict[int, RegionTables] = {}
+        # groups that share a tensor (hybrid models) share their blocks' memory: the
+        # same id in two of them is one destination. One class label per group.
+        label = list(range(len(self.groups)))
+        owner: dict[int, int] = {}
+        for g, regions in enumerate(self.groups):
+            for r in regions:
+                first = owner.setdefault(r.tensor, g)
+                if label[first] != label[g]:
+                    old, new = label[g], label[first]
+                    label = [new if x == old else x for x in label]
+        self.group_aliases: tuple[int, ...] = tuple(label)
 
     @classmethod
     def from_block_tensors(
@@ -393,6 +404,50 @@ def expand_tier_slots(tier_ids: BlockIds, factor: int, skip: int, count: int) ->
         return tier_ids[:count]
     slots = (tier_ids[:, None] * factor + np.arange(factor, dtype=np.int64)[None, :]).ravel()
     return slots[skip : skip + count]
+
+
+def _first_repeat(ids: BlockIds) -> int | None:
+    if ids.size < 2:
+        return None
+    ordered = np.sort(ids)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[same[0]]) if same.size else None
+
+
+def check_destinations(
+    mapping: Sequence[GroupMapping], *, store: bool, aliases: Sequence[int], factor: int = 1
+) -> None:
+    """Refuse a job that writes one destination twice, with :class:`InvalidBlockIdsError`.
+
+    Two writes to one place in one job have no defined order (workers or a device may
+    run them at once and tear the block), so they are refused at submit. A store writes
+    tier slots, which every KV group shares; a load writes cache blocks, which groups
+    that share a tensor (``aliases``, :attr:`KVLayout.group_aliases`) share too. Sources
+    may repeat: reading a block twice is harmless.
+    """
+    if store:
+        parts = [m.slots for m in mapping]
+        if sum(p.size for p in parts) < 2:
+            return
+        slot = _first_repeat(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        if slot is not None:
+            where = f"tier block {slot // factor}"
+            if factor > 1:
+                where += f" (slot {slot % factor})"
+            raise InvalidBlockIdsError(
+                f"the store writes {where} twice; destinations must be distinct within a job"
+            )
+        return
+    by_class: dict[int, list[BlockIds]] = {}
+    for m in mapping:
+        by_class.setdefault(aliases[m.group], []).append(m.cache_ids)
+    for parts in by_class.values():
+        block = _first_repeat(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        if block is not None:
+            raise InvalidBlockIdsError(
+                f"the load writes cache block {block} twice; destinations must be distinct "
+                "within a job (KV groups that share a tensor share their blocks)"
+            )
 
 
 def map_blocks(

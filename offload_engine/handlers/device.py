@@ -63,6 +63,7 @@ from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     byte_view,
+    check_destinations,
     chunk_descriptors,
     map_blocks,
     slot_descriptors,
@@ -355,6 +356,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             num_cache_blocks=self.layout.num_blocks,
             num_tier_blocks=self.tier.num_blocks,
             num_groups=len(self.layout.groups),
+        )
+        check_destinations(
+            groups, store=self.store, aliases=self.layout.group_aliases, factor=self.tier.factor
         )
         nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in groups)
         strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto

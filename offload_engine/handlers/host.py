@@ -19,7 +19,7 @@ import torch
 from offload_engine.errors import InvalidTransferError, LayoutError
 from offload_engine.handler import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.layout import KVLayout, byte_view, map_blocks
+from offload_engine.layout import KVLayout, byte_view, check_destinations, map_blocks
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     CacheBlocks,
@@ -101,9 +101,13 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
             num_tier_blocks=self.tier.num_blocks,
             num_groups=len(self.layout.groups),
         )
+        store = direction is Direction.STORE
+        check_destinations(
+            mapping, store=store, aliases=self.layout.group_aliases, factor=self.tier.factor
+        )
         groups = tuple((m.group, torch.tensor(m.cache_ids), torch.tensor(m.slots)) for m in mapping)
         nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in mapping)
-        return HostPlan(direction is Direction.STORE, groups, nbytes)
+        return HostPlan(store, groups, nbytes)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
