@@ -7,10 +7,14 @@ complete, and nothing hangs: every wait is bounded and the close is bounded.
 from __future__ import annotations
 
 import math
+import threading
+import time
 
 import pytest
 
 from offload_engine import (
+    EngineBrokenError,
+    JobCancelledError,
     Medium,
     OffloadingQueueManager,
     SyncOffloadingEngine,
@@ -34,20 +38,31 @@ class ScriptedPool(ThreadPoolHandler[int]):
     src = Medium.GPU
     dst = Medium.CPU
 
-    def __init__(self, script: dict[int, object], *, workers: int = 1) -> None:
-        super().__init__(workers=workers, thread_name="offload-engine-test-pool")
+    def __init__(
+        self, script: dict[int, object], *, workers: int = 1, close_timeout: float = 30.0
+    ) -> None:
+        super().__init__(
+            workers=workers, thread_name="offload-engine-test-pool", close_timeout=close_timeout
+        )
         self.script = script
+        self.gate = threading.Event()  # jobs scripted as GATED wait for it
+        self.entered = threading.Event()
 
     def prepare(self, spec: TransferSpec) -> int:
         return 2
 
     def execute(self, job: LaunchedJob[int]) -> int:
         action = self.script.get(job.job_id, 2)
+        if action is GATED:
+            self.entered.set()
+            self.gate.wait(2 * BOUND)
+            return 2
         if isinstance(action, BaseException):
             raise action
         return action  # type: ignore[return-value]
 
 
+GATED = object()  # a script entry: the job waits in its worker until the gate opens
 BAD_BYTE_COUNTS: list[object] = [None, "x", -5, math.nan, math.inf, object()]
 
 
@@ -132,3 +147,26 @@ async def test_async_with_keeps_the_uncollected_results_when_a_handler_fails_to_
             await mgr2.aclose()
     # the second aclose in __aexit__ must not overwrite what the failed one kept
     assert [r.job_id for r in mgr2.leftover_results] == [j]
+
+
+def test_close_does_not_hang_on_a_worker_stuck_in_a_job() -> None:
+    """Regression: ``close(timeout=...)`` abandoned a job stuck in its worker, then waited
+    for that worker to exit forever (or as long as the job took)."""
+    pool = ScriptedPool({0: GATED}, workers=2, close_timeout=0.2)
+    engine = SyncOffloadingEngine([pool])
+    ids = [engine.submit_nowait(STORE, job_id=j) for j in range(4)]
+    assert pool.entered.wait(BOUND)
+    workers = list(pool._threads)
+    t0 = time.monotonic()
+    with pytest.raises(EngineBrokenError, match="still inside a job"):
+        engine.close(timeout=0.05)
+    assert time.monotonic() - t0 < BOUND / 2
+    assert engine.closed
+    by_id = {r.job_id: r for r in engine.leftover_results}
+    assert sorted(by_id) == ids
+    assert isinstance(by_id[0].error, JobCancelledError) and "abandoned" in str(by_id[0].error)
+    assert all(by_id[j].success for j in ids[1:])  # the other worker ran the rest
+    pool.gate.set()  # the stuck copy returns; its late report is ignored; the worker exits
+    for t in workers:
+        t.join(BOUND)
+    assert not any(t.is_alive() for t in workers)

@@ -52,8 +52,9 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         *,
         workers: int = 1,
         thread_name: str = "offload-engine-host",
+        close_timeout: float = 30.0,
     ) -> None:
-        super().__init__(workers=workers, thread_name=thread_name)
+        super().__init__(workers=workers, thread_name=thread_name, close_timeout=close_timeout)
         if layout.device.type != "cpu":
             raise LayoutError(
                 f"HostCopyHandler needs a KV cache in host memory; layout {layout.name} is on "
