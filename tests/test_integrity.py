@@ -374,7 +374,7 @@ def test_concurrent_round_trips_arrive_intact_long(
     if handler == "host" and strategy is not Strategy.DMA:
         pytest.skip("the host handler has one strategy")
     rig = make_rig(
-        handler, kind, num_blocks=224, tier_blocks=96, factor=factor, workers=3, strategy=strategy
+        handler, kind, num_blocks=224, tier_blocks=160, factor=factor, workers=3, strategy=strategy
     )
     try:
         tally = round_trips(rig, threads=6, rounds=30, per_job=4, depth=3, seed=factor)
