@@ -303,7 +303,11 @@ class OffloadingQueueManager:
         except AttributeError as exc:
             raise HandlerRegistrationError(f"{type(handler).__name__} lacks src/dst media") from exc
         if not all(isinstance(m, Medium) for m in pair):
-            raise HandlerRegistrationError(f"{handler!r}: src and dst must be Medium members")
+            # not {handler!r}: a handler's repr formats its media, which are the problem
+            raise HandlerRegistrationError(
+                f"{type(handler).__name__}: src and dst must be Medium members, "
+                f"got {pair[0]!r} -> {pair[1]!r}"
+            )
         if isinstance(handler.max_inflight, bool) or not (
             isinstance(handler.max_inflight, int) and handler.max_inflight >= 1
         ):

@@ -15,6 +15,7 @@ import pytest
 from offload_engine import (
     EngineClosedError,
     EngineNotStartedError,
+    HandlerRegistrationError,
     OffloadingQueueManager,
     SyncOffloadingEngine,
     TransferSpec,
@@ -109,3 +110,16 @@ async def test_calls_in_the_wrong_state_get_state_errors() -> None:
         await mgr.submit(STORE)
     with pytest.raises(EngineClosedError):
         await mgr.wait([0])
+
+
+@pytest.mark.parametrize("attr", ["src", "dst"])
+@pytest.mark.parametrize("bad", [None, "GPU", 3])
+def test_a_handler_without_media_is_refused_with_a_registration_error(
+    attr: str, bad: object
+) -> None:
+    """Regression: building the HandlerRegistrationError's message formatted the handler's
+    repr, which formats its media, so an AttributeError escaped instead."""
+    handler = FakeHandler()
+    setattr(handler, attr, bad)
+    with pytest.raises(HandlerRegistrationError, match="must be Medium members"):
+        OffloadingQueueManager([handler])
