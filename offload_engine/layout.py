@@ -69,8 +69,22 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _as_tensors(values: object, what: str) -> list[torch.Tensor]:
+    """``values`` as a list of tensors; TypeError for anything else."""
+    import torch
+
+    if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(values, Sequence):
+        raise TypeError(f"{what} takes a sequence of tensors, got {type(values).__name__}")
+    out = list(values)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: item {i} is a {type(t).__name__}, not a torch.Tensor")
+    return out
+
+
 def _check_uniform(layers: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """All per-layer tensors of a layout must agree in shape, dtype and device."""
+    layers = _as_tensors(layers, what)
     if not layers:
         raise LayoutError(f"{what} needs at least one tensor")
     first = layers[0]
@@ -188,8 +202,20 @@ class KVLayout:
         *,
         name: str = "custom",
     ) -> None:
+        tensors = _as_tensors(tensors, "KVLayout")
         if not tensors:
             raise LayoutError("a layout needs at least one tensor")
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise TypeError(f"groups must be a sequence of region lists, got {groups!r}")
+        for g, regions in enumerate(groups):
+            if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
+                raise TypeError(f"group {g} must be a sequence of Regions, got {regions!r}")
+            for r in regions:
+                if not isinstance(r, Region) or not all(
+                    isinstance(v, int) and not isinstance(v, bool)
+                    for v in (r.tensor, r.offset, r.stride, r.size)
+                ):
+                    raise TypeError(f"group {g}: {r!r} is not a Region of ints")
         if not groups or any(not g for g in groups):
             raise LayoutError("a layout needs at least one group, each with a region")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -250,6 +276,7 @@ class KVLayout:
     ) -> KVLayout:
         """One group; each tensor has ``num_blocks`` as its leading dimension and
         each block's bytes contiguous (vLLM's canonical ``(num_blocks, page)`` views)."""
+        tensors = _as_tensors(tensors, "from_block_tensors")
         if not tensors:
             raise LayoutError("from_block_tensors needs at least one tensor")
         num_blocks = int(tensors[0].shape[0]) if tensors[0].dim() else 0
@@ -319,6 +346,10 @@ class KVLayout:
     def cross_layer(cls, tensor: torch.Tensor) -> KVLayout:
         """One tensor ``(num_blocks, layers, ...)`` holding each block contiguously
         across all layers."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"cross_layer takes one tensor, got {type(tensor).__name__}")
         return cls.from_block_tensors([tensor], name="cross-layer")
 
     @classmethod
@@ -338,6 +369,11 @@ class KVLayout:
     def combine(cls, groups: Sequence[KVLayout], *, name: str = "groups") -> KVLayout:
         """One layout with a KV group per given single-group layout (hybrid models).
         The groups share ``num_blocks``; a tensor may appear in several groups."""
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise TypeError(f"combine takes a sequence of KVLayouts, got {type(groups).__name__}")
+        for k, layout in enumerate(groups):
+            if not isinstance(layout, KVLayout):
+                raise TypeError(f"combine: item {k} is a {type(layout).__name__}, not a KVLayout")
         if not groups:
             raise LayoutError("combine needs at least one layout")
         num_blocks = groups[0].num_blocks

@@ -40,6 +40,8 @@ class HostTier:
         rows = num_blocks * factor
         if memory is None:
             memory = torch.empty((rows, slot_bytes), dtype=torch.uint8)
+        elif not isinstance(memory, torch.Tensor):
+            raise TypeError(f"tier memory must be a torch.Tensor, got {type(memory).__name__}")
         elif (
             memory.dtype != torch.uint8
             or tuple(memory.shape) != (rows, slot_bytes)
@@ -60,6 +62,8 @@ class HostTier:
     @classmethod
     def for_layout(cls, layout: KVLayout, num_blocks: int, *, factor: int = 1) -> HostTier:
         """A pageable tier sized for ``layout``'s blocks."""
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"for_layout takes a KVLayout, got {type(layout).__name__}")
         return cls(num_blocks, layout.slot_bytes, factor=factor)
 
     @property
