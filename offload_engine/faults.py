@@ -244,6 +244,18 @@ class Ledger:
         self._outcomes: Counter[str] = Counter()
         self._problems: list[str] = []
         self._max_problems = max_problems
+        # ids whose jobs all got their results, newest last (bounded): a later result for
+        # one of them that no submission claims is a duplicate, not an unknown job
+        self._done: dict[int, None] = {}
+        self._done_cap = 1 << 16
+
+    def _balanced_locked(self, job_id: int) -> None:
+        del self._open[job_id]
+        done = self._done
+        done.pop(job_id, None)
+        done[job_id] = None
+        if len(done) > self._done_cap:
+            del done[next(iter(done))]
 
     def _problem_locked(self, text: str) -> None:
         self._wrong += 1
@@ -272,7 +284,7 @@ class Ledger:
             for result in early:
                 self._check_locked(entry, result)
             if entry.accepted == entry.results:
-                del self._open[job_id]
+                self._balanced_locked(job_id)
 
     def collected(self, results: Iterable[TransferResult]) -> int:
         """Record results; returns how many."""
@@ -291,7 +303,7 @@ class Ledger:
                 entry.results += 1
                 self._check_locked(entry, result)
                 if entry.accepted == entry.results:
-                    del self._open[result.job_id]
+                    self._balanced_locked(result.job_id)
         return n
 
     def cancel_confirmed(self, job_id: int) -> None:
@@ -314,7 +326,10 @@ class Ledger:
             lost = duplicates = unexpected = 0
             problems = list(self._problems)
             for jid, e in self._open.items():
-                if e.accepted == 0:
+                if e.accepted == 0 and jid in self._done:
+                    duplicates += e.results
+                    problems.append(f"job {jid}: {e.results} more result(s) after its last")
+                elif e.accepted == 0:
                     unexpected += e.results
                     problems.append(f"result for job {jid}, which was never accepted")
                 elif e.results > e.accepted:

@@ -533,3 +533,39 @@ def test_a_hung_device_copy_times_out_and_close_does_not_hang(
     for t in threads:
         t.join(BOUND)
     assert not any(t.is_alive() for t in threads)
+
+
+# --------------------------------------------------------------------------- the kit itself
+
+
+def test_the_ledger_catches_lost_duplicate_unexpected_and_impossible_results() -> None:
+    def ok(jid: int) -> TransferResult:
+        return TransferResult(jid, True, PLAN.nbytes, 0.0)
+
+    def failed(jid: int, error: BaseException) -> TransferResult:
+        return TransferResult(jid, False, 0, 0.0, error)
+
+    ledger = Ledger()
+    ledger.collected([ok(1)])  # a result recorded before its submission: fine
+    for jid in (1, 2, 3, 4, 5):
+        ledger.accepted(jid, Fault.OK, nbytes=PLAN.nbytes)
+    ledger.accepted(6, Fault.LOST, nbytes=PLAN.nbytes)
+    ledger.accepted(7, Fault.FAIL, nbytes=PLAN.nbytes)
+    ledger.cancel_confirmed(5)
+    ledger.collected([ok(2), ok(3), ok(3)])  # 3 twice
+    ledger.collected([failed(5, JobCancelledError("job 5 cancelled while queued"))])
+    ledger.collected([ok(6)])  # a lost job cannot succeed
+    ledger.collected([failed(7, JobTimeoutError("job 7"))])  # no timeout was given
+    ledger.collected([ok(99)])  # never accepted
+    # 4 never gets a result
+    report = ledger.report()
+    assert (report.jobs, report.results) == (7, 8)
+    assert (report.lost, report.duplicates, report.unexpected, report.wrong) == (1, 1, 1, 2)
+    assert report.cancels_confirmed == report.cancelled_while_queued == 1
+    assert not report.clean
+    clean = Ledger()
+    clean.accepted(1, Fault.FAIL, timed=True, nbytes=2)
+    clean.collected([failed(1, JobTimeoutError("job 1"))])
+    clean.accepted(1, Fault.FAIL, timed=True, nbytes=2)  # an id reused after collection
+    clean.collected([failed(1, TransferError("job 1"))])
+    assert clean.report().clean and clean.open_count == 0
