@@ -247,7 +247,7 @@ class Ledger:
         # ids whose jobs all got their results, newest last (bounded): a later result for
         # one of them that no submission claims is a duplicate, not an unknown job
         self._done: dict[int, None] = {}
-        self._done_cap = 1 << 16
+        self._done_cap = 1 << 14
 
     def _balanced_locked(self, job_id: int) -> None:
         del self._open[job_id]
