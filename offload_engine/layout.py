@@ -27,18 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
+import torch
 
 from offload_engine.errors import BlockCountMismatchError, InvalidBlockIdsError, LayoutError
 from offload_engine.vocabulary import BlockIds, CacheBlocks, TierBlocks
 
 U64 = npt.NDArray[np.uint64]
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -61,8 +58,6 @@ def tensor_byte_span(t: torch.Tensor) -> int:
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 tensor over ``t``'s bytes (from its data pointer to its span)."""
-    import torch
-
     esz = t.element_size()
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(
         t.untyped_storage(), t.storage_offset() * esz, (tensor_byte_span(t),), (1,)
@@ -411,6 +406,23 @@ class KVLayout:
             )
             self._tables[group] = cached
         return cached
+
+    def region_views(self, group: int) -> tuple[torch.Tensor, ...]:
+        """Each region of ``group`` as a ``(num_blocks, size)`` strided byte view.
+
+        ``as_strided`` takes an offset into the whole storage, so the tensor's own
+        storage offset is added: a KV tensor may be a view that starts inside a
+        larger allocation (vLLM carves every layer out of one buffer).
+        """
+        out = []
+        for r in self.groups[group]:
+            base = byte_view(self.tensors[r.tensor])
+            out.append(
+                torch.as_strided(
+                    base, (self.num_blocks, r.size), (r.stride, 1), base.storage_offset() + r.offset
+                )
+            )
+        return tuple(out)
 
     @property
     def bytes_per_block(self) -> int:

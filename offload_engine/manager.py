@@ -57,7 +57,7 @@ from offload_engine.errors import (
 )
 from offload_engine.handler import LoopCaller, TransferHandler
 from offload_engine.stats import EngineStats, HandlerStats
-from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
+from offload_engine.vocabulary import CacheBlocks, Medium, TransferResult, TransferSpec
 
 _QUEUED: Final = 0
 _INFLIGHT: Final = 1
@@ -157,17 +157,21 @@ class _Route:
 
     __slots__ = (
         "abandoned",
+        "bytes_loaded",
         "bytes_moved",
+        "bytes_stored",
         "cancelled",
         "capacity",
         "failed",
         "handler",
         "inflight",
         "label",
+        "loads_succeeded",
         "max_inflight",
         "ordered",
         "queue",
         "space",
+        "stores_succeeded",
         "submitted",
         "succeeded",
         "timed_out",
@@ -186,6 +190,9 @@ class _Route:
         self.space: anyio.Event | None = None  # set while a task awaits room
         self.submitted = self.succeeded = self.failed = 0
         self.cancelled = self.timed_out = self.abandoned = self.bytes_moved = 0
+        # successful jobs by direction (a handler may serve both, e.g. CPU<->CPU)
+        self.stores_succeeded = self.loads_succeeded = 0
+        self.bytes_stored = self.bytes_loaded = 0
 
     @property
     def count(self) -> int:
@@ -204,6 +211,10 @@ class _Route:
             abandoned=self.abandoned,
             bytes_moved=self.bytes_moved,
             queued=len(self.queue),
+            stores_succeeded=self.stores_succeeded,
+            loads_succeeded=self.loads_succeeded,
+            bytes_stored=self.bytes_stored,
+            bytes_loaded=self.bytes_loaded,
             in_flight=len(self.inflight),
             capacity=self.capacity,
         )
@@ -886,6 +897,14 @@ class OffloadingQueueManager:
         if success:
             route.succeeded += 1
             route.bytes_moved += nbytes
+            src_cache = isinstance(job.spec.src, CacheBlocks)
+            if src_cache != isinstance(job.spec.dst, CacheBlocks):
+                if src_cache:
+                    route.stores_succeeded += 1
+                    route.bytes_stored += nbytes
+                else:
+                    route.loads_succeeded += 1
+                    route.bytes_loaded += nbytes
         else:
             route.failed += 1
         self._store.post_locked(

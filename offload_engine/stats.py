@@ -15,6 +15,12 @@ class HandlerStats:
     ``failed`` includes ``cancelled`` and ``timed_out``. ``abandoned`` counts
     in-flight jobs that got a failed result (timeout, close) while the handler
     was still working on them.
+
+    A handler may serve both directions of its medium pair (the host handler
+    serves CPU->CPU stores and loads), so successful jobs are also counted by
+    direction: ``stores_succeeded``/``bytes_stored`` for KV cache -> tier,
+    ``loads_succeeded``/``bytes_loaded`` for tier -> KV cache. Tier-to-tier
+    copies count in neither.
     """
 
     src: Medium
@@ -30,6 +36,10 @@ class HandlerStats:
     queued: int
     in_flight: int
     capacity: int
+    stores_succeeded: int = 0
+    loads_succeeded: int = 0
+    bytes_stored: int = 0
+    bytes_loaded: int = 0
 
     @property
     def pair(self) -> tuple[Medium, Medium]:
@@ -65,3 +75,19 @@ class EngineStats:
     @property
     def bytes_moved(self) -> int:
         return sum(h.bytes_moved for h in self.handlers)
+
+    @property
+    def stores_succeeded(self) -> int:
+        return sum(h.stores_succeeded for h in self.handlers)
+
+    @property
+    def loads_succeeded(self) -> int:
+        return sum(h.loads_succeeded for h in self.handlers)
+
+    @property
+    def bytes_stored(self) -> int:
+        return sum(h.bytes_stored for h in self.handlers)
+
+    @property
+    def bytes_loaded(self) -> int:
+        return sum(h.bytes_loaded for h in self.handlers)

@@ -10,11 +10,13 @@ and releases it at close.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from offload_engine.errors import ConfigError, LayoutError
-from offload_engine.layout import KVLayout
+from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
+from offload_engine.layout import GroupMapping, KVLayout, check_destinations, map_blocks
+from offload_engine.vocabulary import CacheBlocks, Direction, TierBlocks, TransferSpec
 
 
 class HostTier:
@@ -106,3 +108,57 @@ class HostTier:
             f"<HostTier blocks={self.num_blocks} factor={self.factor} "
             f"slot_bytes={self.slot_bytes} {state}>"
         )
+
+
+@dataclass(frozen=True)
+class TierTransfer:
+    """A job between a KV layout and a host tier, mapped at submit."""
+
+    direction: Direction
+    groups: list[GroupMapping]
+    nbytes: int
+
+
+def map_transfer(
+    spec: TransferSpec,
+    layout: KVLayout,
+    tier: HostTier,
+    *,
+    who: str,
+    expect: Direction | None = None,
+) -> TierTransfer:
+    """Check that ``spec`` moves blocks between the KV cache and the tier (the
+    ``expect``-ed way, if given), and pair every cache block with its tier slot.
+    A job that writes one destination twice is refused (:func:`check_destinations`).
+
+    Raises :class:`InvalidTransferError`, :class:`BlockCountMismatchError`,
+    :class:`InvalidBlockIdsError` or, for a released tier, :class:`LayoutError`.
+    """
+    direction = spec.direction
+    if direction is Direction.COPY or (expect is not None and direction is not expect):
+        want = f"a {expect.value}" if expect is not None else "a store or a load"
+        raise InvalidTransferError(
+            f"{who} needs {want} between a KV cache and a tier, got "
+            f"{type(spec.src).__name__} -> {type(spec.dst).__name__}"
+        )
+    cache, blocks = (spec.src, spec.dst) if direction is Direction.STORE else (spec.dst, spec.src)
+    if not isinstance(cache, CacheBlocks) or not isinstance(blocks, TierBlocks):
+        raise InvalidTransferError(f"{who} needs CacheBlocks and TierBlocks, got {spec!r}")
+    if tier.released:
+        raise LayoutError(f"{who}: the host tier has been released")
+    groups = map_blocks(
+        cache,
+        blocks,
+        factor=tier.factor,
+        num_cache_blocks=layout.num_blocks,
+        num_tier_blocks=tier.num_blocks,
+        num_groups=len(layout.groups),
+    )
+    check_destinations(
+        groups,
+        store=direction is Direction.STORE,
+        aliases=layout.group_aliases,
+        factor=tier.factor,
+    )
+    nbytes = sum(int(m.cache_ids.size) * layout.group_bytes[m.group] for m in groups)
+    return TierTransfer(direction, groups, nbytes)

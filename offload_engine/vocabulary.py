@@ -33,6 +33,7 @@ BlockIds: TypeAlias = npt.NDArray[np.int64]
 BlockIdsLike: TypeAlias = "Sequence[int] | npt.NDArray[np.integer]"
 
 _INT64_MAX = np.iinfo(np.int64).max
+_FAST_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
 
 class Medium(enum.Enum):
@@ -64,6 +65,12 @@ def as_block_ids(values: object, *, what: str = "block_ids") -> BlockIds:
     :class:`InvalidBlockIdsError`. The result never aliases a writable input.
     """
     if isinstance(values, np.ndarray):
+        if values.ndim == 1 and values.dtype in _FAST_DTYPES:  # the common case, made cheap
+            out = values.astype(np.int64)  # always a fresh array
+            if out.size and out.min() < 0:
+                raise InvalidBlockIdsError(f"{what} must be non-negative, got min {int(out.min())}")
+            out.flags.writeable = False
+            return out
         arr = values
     else:
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):

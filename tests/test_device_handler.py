@@ -410,3 +410,22 @@ def test_handler_media_follow_the_runtime(fake: FakeRuntime) -> None:
         tier.release()
     finally:
         npu.close()
+
+
+@pytest.mark.parametrize(("batched", "sets"), [(True, 1), (False, 4)])
+def test_one_stream_set_with_batched_copies_a_pool_without(batched: bool, sets: int) -> None:
+    fake = FakeRuntime(batched=batched)
+    try:
+        layout = build_layout("flash-attention", fake.empty, num_blocks=16)
+        tier = pinned_host_tier(fake, layout, 16)
+        store, _ = make_device_handlers(
+            fake, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+        )
+        with SyncOffloadingEngine([store]) as engine:
+            engine.wait(
+                [engine.submit(TransferSpec(gpu_blocks([b]), cpu_blocks([b]))) for b in range(8)]
+            )
+        assert len({c.stream for c in fake.batch_calls}) == sets
+        tier.release()
+    finally:
+        fake.close()

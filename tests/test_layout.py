@@ -15,6 +15,7 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.layout import byte_view, map_blocks, tensor_byte_span
+from offload_engine.testing import build_layout, cache_block_bytes
 
 
 def reference_slots(
@@ -175,3 +176,46 @@ def test_byte_span_uses_shape_and_strides_not_storage_size() -> None:
     with pytest.raises(LayoutError):
         KVLayout([view], [[Region(0, 0, 160, 128)]], 5)
     assert layout.slot_bytes == 128
+
+
+def test_region_views_of_tensors_carved_from_one_buffer() -> None:
+    # vLLM allocates one buffer and carves every layer out of it
+    buf = torch.arange(3 * 2 * 4 * 8, dtype=torch.float16).view(torch.uint8)
+    layers = [buf.view(torch.float16)[i * 64 : (i + 1) * 64].view(2, 4, 8) for i in range(3)]
+    layout = KVLayout.flash_attention(layers)
+    for g in range(len(layout.groups)):
+        views = layout.region_views(g)
+        for block in range(4):
+            got = b"".join(v[block].numpy().tobytes() for v in views)
+            assert got == cache_block_bytes(layout, block)
+
+
+def test_torch_block_copy_gathers_and_scatters_like_the_kernel() -> None:
+    from offload_engine.runtimes.base import BlockCopy, torch_block_copy
+
+    layout = build_layout("flash-attention", lambda shape, dtype: torch.empty(shape, dtype=dtype))
+    staging = torch.zeros(3, layout.slot_bytes, dtype=torch.uint8)
+    ids = torch.tensor([5, 0, 9])
+    copy = BlockCopy(
+        region_base=torch.empty(0),
+        region_stride=torch.empty(0),
+        region_size=torch.empty(0),
+        slot_offset=torch.empty(0),
+        max_region_size=0,
+        cache_ids=ids,
+        slot_ids=None,
+        count=3,
+        slot_base=staging.data_ptr(),
+        slot_bytes=layout.slot_bytes,
+        to_slots=True,
+        cache_views=layout.region_views(0),
+        slot_view=staging,
+        slot_offsets=layout.slot_offsets[0],
+    )
+    torch_block_copy(copy)
+    for row, block in enumerate([5, 0, 9]):
+        assert staging[row].numpy().tobytes() == cache_block_bytes(layout, block)
+    before = cache_block_bytes(layout, 5)
+    back = BlockCopy(**{**copy.__dict__, "cache_ids": torch.tensor([1, 2, 3]), "to_slots": False})
+    torch_block_copy(back)
+    assert cache_block_bytes(layout, 1) == before

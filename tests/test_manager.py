@@ -445,3 +445,22 @@ async def test_stats_and_repr_show_state() -> None:
         with pytest.raises(KeyError):
             s2.for_pair(Medium.NPU, Medium.CPU)
         await mgr.wait(ids)
+
+
+async def test_a_started_manager_that_is_never_closed_warns() -> None:
+    mgr = OffloadingQueueManager([FakeHandler()])
+    async with mgr:
+        with pytest.warns(ResourceWarning, match="never closed"):
+            mgr.__del__()
+    mgr.__del__()  # closed: silent (any warning would fail under filterwarnings=error)
+    OffloadingQueueManager([FakeHandler()]).__del__()  # never started: silent
+
+
+async def test_no_engine_task_outlives_close() -> None:
+    before = len(anyio.get_running_tasks())
+    fake = FakeHandler(latency=0.001)
+    async with OffloadingQueueManager([fake, FakeHandler(Medium.CPU, Medium.GPU)]) as mgr:
+        # one task per handler, the timer, and the fake's own timer task
+        assert len(anyio.get_running_tasks()) == before + 4
+        await mgr.wait([mgr.submit_nowait(STORE, timeout=5)])
+    assert len(anyio.get_running_tasks()) == before

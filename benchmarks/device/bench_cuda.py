@@ -102,6 +102,8 @@ def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict
 
 
 class Bench:
+    streams: int | None = None
+
     def __init__(self, runtime: CudaRuntime, tokens: int, num_blocks: int) -> None:
         self.runtime = runtime
         self.tokens = tokens
@@ -115,9 +117,15 @@ class Bench:
         self.block_bytes = self.layout.slot_bytes
 
     def engine(
-        self, strategy: Strategy
+        self, strategy: Strategy, buffers: int = 2, staging: int = 256 << 20
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
-        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=256 << 20, max_inflight=8)
+        cfg = DeviceHandlerConfig(
+            strategy=strategy,
+            staging_bytes=staging,
+            staging_buffers=buffers,
+            max_inflight=8,
+            streams=self.streams,
+        )
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
 
@@ -154,6 +162,8 @@ def jobs_for(per_job: int, block_bytes: int, target_bytes: int) -> int:
 def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     runtime = CudaRuntime()
     for tokens, num_blocks in ((16, 1536), (64, 1152)):
+        if tokens not in args.tokens:
+            continue
         bench = Bench(runtime, tokens, num_blocks)
         target = (1 << 30) if args.quick else (4 << 30)
         ceiling = contiguous_ceiling(runtime, 1 << 30)
@@ -223,10 +233,16 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     alone = statistics.median(gemm_seconds(count) for _ in range(3))
     tflops = 2 * n**3 * count / alone / 1e12
     print(f"GEMM alone: {alone * 1e3:.1f} ms for {count} ({tflops:.0f} TFLOP/s)", flush=True)
-    variants = [(Strategy.DMA, 3), (Strategy.STAGED, 2), (Strategy.STAGED, 3), (Strategy.STAGED, 4)]
-    variants.append((Strategy.KERNEL, 3))
-    for strategy, buffers in variants:
-        engine, _, _ = bench.engine(strategy, buffers)
+    mib = 1 << 20
+    variants = [
+        (Strategy.DMA, 2, 256 * mib),
+        (Strategy.STAGED, 2, 256 * mib),
+        (Strategy.STAGED, 3, 256 * mib),
+        (Strategy.STAGED, 2, 512 * mib),
+        (Strategy.KERNEL, 2, 256 * mib),
+    ]
+    for strategy, buffers, staging in variants:
+        engine, _, _ = bench.engine(strategy, buffers, staging)
         try:
             for case in ("store", "load"):
                 specs = bench.specs(case, 512, 2)
@@ -252,6 +268,7 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                     "pass": "gemm",
                     "strategy": strategy.value,
                     "buffers": buffers,
+                    "staging_mib": staging // mib,
                     "case": case,
                     "gbps": gbps,
                     "ratio": gbps / ceiling[case],
@@ -259,7 +276,8 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                 }
                 rows.append(row)
                 print(
-                    f"  {strategy.value:7} x{buffers} {case:5} with GEMM: {gbps:6.1f} GB/s ratio "
+                    f"  {strategy.value:7} {staging // mib}MiB/{buffers} {case:5} with GEMM: "
+                    f"{gbps:6.1f} GB/s ratio "
                     f"{row['ratio']:.3f}, GEMM slowdown {row['gemm_slowdown'] * 100:+.1f}%",
                     flush=True,
                 )
@@ -320,7 +338,12 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer bytes per measurement")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--passes", default="bandwidth,gemm,cpu")
+    parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
+    parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     args = parser.parse_args()
+    args.tokens = [int(t) for t in args.tokens.split(",")]
+    if args.streams is not None:
+        Bench.streams = args.streams
     rows: list[dict[str, Any]] = []
     passes = args.passes.split(",")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {date.today()}", flush=True)
@@ -345,7 +368,7 @@ def main() -> int:
     for r in rows:
         if r["pass"] == "gemm":
             slow = r["gemm_slowdown"] * 100
-            what = f"{r['strategy']:7} x{r['buffers']} {r['case']:5}"
+            what = f"{r['strategy']:7} {r['staging_mib']}MiB/{r['buffers']} {r['case']:5}"
             print(f"  gemm {what} {r['ratio']:.3f} slowdown {slow:+.1f}%")
     for r in rows:
         if r["pass"] == "cpu" and r["blocks_per_job"] == 512:

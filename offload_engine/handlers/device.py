@@ -24,11 +24,17 @@ Correctness rules:
   event is recorded on the caller's current stream; the job's first operation
   waits on it, so a store never reads blocks the model is still writing and a
   load never races pending writes (such as zeroing) to its destination blocks.
-* Jobs use a pool of streams (a single stream's queue degrades past ~1000
-  entries). A job's writes wait for the previous job's writes, so the jobs of
-  one handler take effect in submission order (and finish in that order); the
-  other half of a staged job (a store's gather, a load's DMA into staging)
-  runs ahead as far as the staging buffers allow.
+* Each handler has its own streams: a high-priority one for device-side
+  copies and two for DMA. A single stream's queue degrades past ~1000 entries
+  (vLLM #29013); with the batched driver call a job adds a handful of entries
+  and ``max_inflight`` bounds the jobs queued, so one set suffices. Where
+  every copy is its own driver call (no batched API), jobs rotate over a pool
+  of four sets instead. (Rotating sets on the H100 made staged loads under a
+  concurrent GEMM collapse to 0.18 of the ceiling in some buffer counts; one
+  set did not.) A job's writes wait for the previous job's writes, so the jobs
+  of one handler take effect in submission order (and finish in that order);
+  the other half of a staged job (a store's gather, a load's DMA into
+  staging) runs ahead as far as the staging buffers allow.
 * Device-side copies go on a high-priority stream, so a concurrent GEMM does
   not hold up the pipeline behind them.
 * ``launch`` only queues the job. A launcher thread enqueues its device work
@@ -55,26 +61,20 @@ from offload_engine._loop import ThreadSignal
 from offload_engine.errors import (
     ConfigError,
     EngineBrokenError,
-    InvalidTransferError,
     LayoutError,
 )
 from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import (
     GroupMapping,
     KVLayout,
-    byte_view,
-    check_destinations,
     chunk_descriptors,
-    map_blocks,
     slot_descriptors,
 )
 from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime
-from offload_engine.tier import HostTier
+from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
-    CacheBlocks,
     Direction,
     Medium,
-    TierBlocks,
     TransferSpec,
 )
 
@@ -97,17 +97,18 @@ class DeviceHandlerConfig:
     pieces can be gathered ahead of the copy engine, which hides gathers that
     wait for SMs a concurrent GEMM holds. ``dma_min_chunk_bytes``: ``AUTO`` picks
     ``dma`` when every region of a block is at least this large, else
-    ``staged`` when there is staging memory. ``streams``: size of the stream
-    pool. ``max_inflight``: jobs launched and not yet finished.
+    ``staged`` when there is staging memory. ``streams``: stream sets jobs
+    rotate over (``None``: one with a batched copy API, four without).
+    ``max_inflight``: jobs launched and not yet finished.
     ``close_timeout``: how long close waits for device work already abandoned
     by the engine before reporting the device broken.
     """
 
     strategy: Strategy = Strategy.AUTO
     staging_bytes: int = 256 << 20
-    staging_buffers: int = 3
+    staging_buffers: int = 2
     dma_min_chunk_bytes: int = 512 << 10
-    streams: int = 4
+    streams: int | None = None
     max_inflight: int = 16
     close_timeout: float = 30.0
 
@@ -118,7 +119,11 @@ class DeviceHandlerConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
-        for key in ("streams", "max_inflight", "staging_buffers"):
+        if self.streams is not None and (
+            isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1
+        ):
+            raise ConfigError(f"streams must be None or an int >= 1, got {self.streams!r}")
+        for key in ("max_inflight", "staging_buffers"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{key} must be an int >= 1, got {value!r}")
@@ -262,9 +267,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # engines busy across the per-copy setup of scattered slots
         self._pool = [
             (rt.new_stream(priority=-1), (rt.new_stream(), rt.new_stream()))
-            for _ in range(self.config.streams)
+            for _ in range(self._stream_sets())
         ]
         self._seq = 0
+        self._pieces = 0  # staged pieces so far; their DMAs alternate between two streams
         # the event after which the previous job's writes (its effect) are done
         self._last_effect: Any = None
         self._staging = (
@@ -281,16 +287,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             base, stride, size, offset = (rt.upload(setup, a.view(np.int64)) for a in arrays)
             self._tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
-        bases = [byte_view(t) for t in self.layout.tensors]
-        self._views = [
-            tuple(
-                torch.as_strided(
-                    bases[r.tensor], (self.layout.num_blocks, r.size), (r.stride, 1), r.offset
-                )
-                for r in regions
-            )
-            for regions in self.layout.groups
-        ]
+        self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
@@ -308,6 +305,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         for t in self._threads:
             t.start()
         self._started = True
+
+    def _stream_sets(self) -> int:
+        if self.config.streams is not None:
+            return self.config.streams
+        return 1 if getattr(self.runtime, "batched", True) else 4
 
     async def aclose(self) -> None:
         if not self._started:
@@ -346,30 +348,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ submit
 
     def prepare(self, spec: TransferSpec) -> DevicePlan:
-        if self.store:
-            cache, tier = spec.src, spec.dst
-        else:
-            cache, tier = spec.dst, spec.src
-        if not isinstance(cache, CacheBlocks) or not isinstance(tier, TierBlocks):
-            want = "CacheBlocks -> TierBlocks" if self.store else "TierBlocks -> CacheBlocks"
-            raise InvalidTransferError(
-                f"{self.name} needs {want}, got {type(spec.src).__name__} -> "
-                f"{type(spec.dst).__name__}"
-            )
-        if self.tier.released:
-            raise LayoutError(f"{self.name}: the host tier has been released")
-        groups = map_blocks(
-            cache,
-            tier,
-            factor=self.tier.factor,
-            num_cache_blocks=self.layout.num_blocks,
-            num_tier_blocks=self.tier.num_blocks,
-            num_groups=len(self.layout.groups),
-        )
-        check_destinations(
-            groups, store=self.store, aliases=self.layout.group_aliases, factor=self.tier.factor
-        )
-        nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in groups)
+        job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
+        groups, nbytes = job.groups, job.nbytes
         strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto
         ready = self._event()
         self.runtime.record(ready, self.runtime.current_stream())
@@ -495,7 +475,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
-                dma = dmas[b % 2]
+                self._pieces += 1
+                dma = dmas[self._pieces % 2]
                 first, second = (sm, dma) if self.store else (dma, sm)
                 buffer = staging.buffers[b]
                 dst, src, sizes = slot_descriptors(
@@ -521,7 +502,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 else:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 staging.free[b] = end = self._mark(plan, second)
-                last[b % 2] = end
+                last[self._pieces % 2] = end
         if self.store and len(last) == 2:  # join both DMA streams into one end event
             rt.wait_event(dmas[0], last[1])
             end = self._mark(plan, dmas[0])

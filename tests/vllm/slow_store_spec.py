@@ -1,0 +1,36 @@
+"""An EngineOffloadingSpec whose stores take a while, to drive vLLM's flush path.
+
+On this CPU machine a store of a few blocks finishes within the step that
+submitted it, so vLLM never finds a store still pending when it preempts a
+request or reuses a block, and never calls the worker's ``wait``. Real
+accelerators do. This spec (test-only) delays every store on the engine's
+worker thread by ``STORE_DELAY_S``, as a slow link would; nothing waits on the
+delay in the test itself.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from connectors.vllm.spec import EngineOffloadingSpec
+from offload_engine.handlers.host import HostCopyHandler
+
+STORE_DELAY_S = 0.1
+
+
+class SlowStoreEngineOffloadingSpec(EngineOffloadingSpec):
+    def get_worker(self, kv_caches: Any) -> Any:
+        worker = super().get_worker(kv_caches)
+        for handler in worker.bridge.engine.manager.handlers:
+            if isinstance(handler, HostCopyHandler) and not hasattr(handler, "_slowed"):
+                copy = handler.execute
+
+                def slow_execute(job: Any, copy: Any = copy) -> int:
+                    if job.prepared.store:
+                        time.sleep(STORE_DELAY_S)
+                    return int(copy(job))
+
+                handler.execute = slow_execute  # type: ignore[method-assign]
+                handler._slowed = True  # type: ignore[attr-defined]
+        return worker

@@ -1,0 +1,124 @@
+"""End to end: real vLLM (CPU backend) with EngineOffloadingSpec vs without.
+
+Each run is its own process (``e2e_runner.py``): vLLM spawns processes and
+emits warnings of its own, which stay out of pytest's ``filterwarnings =
+error``. The KV cache holds 16 blocks of 32 tokens, so the prompts' prefix
+blocks are evicted between the two rounds and, with offloading, come back
+from the engine's host tier. Token ids must not change; vLLM must count
+external prefix-cache hits; the engine (in vLLM's worker process) must count
+loads, which it writes to ``stats_path`` at shutdown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base")
+
+pytestmark = pytest.mark.vllm
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RUNNER = HERE / "e2e_runner.py"
+SCENARIO = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8", "--rounds", "2"]
+
+
+def run_vllm(out_dir: Path, name: str, model_dir: Path, *args: str) -> dict[str, Any]:
+    out = out_dir / f"{name}.json"
+    log = out_dir / f"{name}.log"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), str(HERE), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, str(RUNNER), "--model-dir", str(model_dir), "--out", str(out)]
+    with log.open("w") as f:
+        proc = subprocess.run(
+            [*cmd, *SCENARIO, *args],
+            cwd=ROOT,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=600,
+            check=False,
+        )
+    if proc.returncode != 0:
+        pytest.fail(f"vLLM run {name!r} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+    return dict(json.loads(out.read_text()), log=str(log))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-e2e")
+
+
+@pytest.fixture(scope="module")
+def baseline(workdir: Path) -> dict[str, Any]:
+    # builds the tiny model into workdir/model on first use
+    return run_vllm(workdir, "baseline", workdir / "model")
+
+
+@pytest.mark.parametrize(
+    ("variant", "args"),
+    [
+        ("chunk1", ["--blocks-per-chunk", "1"]),
+        (
+            # stores slowed down on the engine's worker thread, so vLLM finds stores
+            # pending when it reuses blocks and flushes them through worker.wait()
+            "chunk2-slow-stores",
+            [
+                "--blocks-per-chunk",
+                "2",
+                "--spec-module",
+                "slow_store_spec",
+                "--spec-name",
+                "SlowStoreEngineOffloadingSpec",
+            ],
+        ),
+    ],
+)
+def test_offloaded_prefixes_come_back_with_identical_tokens(
+    workdir: Path, baseline: dict[str, Any], variant: str, args: list[str]
+) -> None:
+    stats_path = workdir / f"{variant}-engine-stats.json"
+    run = run_vllm(
+        workdir,
+        variant,
+        workdir / "model",
+        "--offload",
+        "--stats-path",
+        str(stats_path),
+        *args,
+    )
+    # greedy token ids are identical with and without offloading, in every round
+    assert run["rounds"] == baseline["rounds"]
+    assert len(run["rounds"]) == 2 and all(len(r) == 12 for r in run["rounds"])
+
+    # the second round's prefixes were not in vLLM's own cache ...
+    assert baseline["metrics"]["vllm:prefix_cache_hits"] == 0
+    assert baseline["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    # ... so with offloading they came from the tier
+    assert run["metrics"]["vllm:external_prefix_cache_hits"] > 0
+
+    # the engine's own counters, written by vLLM's worker process at shutdown
+    assert stats_path.exists(), f"no engine stats; log: {run['log']}"
+    stats = json.loads(stats_path.read_text())
+    engine, adapter = stats["engine"], stats["adapter"]
+    assert engine["state"] == "closed"
+    assert engine["loads_succeeded"] > 0 and engine["bytes_loaded"] > 0
+    assert engine["stores_succeeded"] > 0 and engine["bytes_stored"] > 0
+    [handler] = engine["handlers"]
+    assert handler["handler"] == "HostCopyHandler[CPU->CPU]"
+    assert handler["failed"] == 0
+    assert adapter["submits_refused"] == 0 and adapter["failures_delivered"] == 0
+    submitted = adapter["stores_submitted"] + adapter["loads_submitted"]
+    assert adapter["results_delivered"] + adapter["undelivered_at_shutdown"] == submitted
+    assert adapter["live_jobs"] == 0
+    # vLLM's own offload metrics agree with the engine on what was loaded
+    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
+    if variant == "chunk2-slow-stores":
+        assert adapter["waited_jobs"] > 0, "vLLM never flushed a pending store"
