@@ -457,6 +457,8 @@ def expand_tier_slots(tier_ids: BlockIds, factor: int, skip: int, count: int) ->
 def _first_repeat(ids: BlockIds) -> int | None:
     if ids.size < 2:
         return None
+    if ids.size <= 64 and len(set(ids.tolist())) == ids.size:
+        return None  # the common case, and a set is cheaper than a sort at this size
     ordered = np.sort(ids)
     same = np.flatnonzero(ordered[1:] == ordered[:-1])
     return int(ordered[same[0]]) if same.size else None
