@@ -23,6 +23,8 @@ asks into at most one pending callback).
 from __future__ import annotations
 
 import itertools
+import math
+import numbers
 import threading
 import time
 from collections.abc import Iterable
@@ -46,6 +48,23 @@ def check_job_id(job_id: object) -> int:
     if not 0 <= job_id <= _INT64_MAX:
         raise ValueError(f"job ids lie in [0, 2**63), got {job_id}")
     return job_id
+
+
+def check_wait_timeout(timeout: object, *, what: str = "timeout") -> float | None:
+    """Return a bound on a wait (``None``: no bound), or raise a typed error.
+
+    A real number, ``inf`` included; zero or less means "do not wait". NaN is
+    refused (it compared false with every deadline, so a wait never ended),
+    and so are bools and non-numbers.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None, got {timeout!r}")
+    value = float(timeout)
+    if math.isnan(value):
+        raise ValueError(f"{what} must be a number of seconds or None, got NaN")
+    return value
 
 
 class CompletionStore:
@@ -157,6 +176,7 @@ class CompletionStore:
 
     async def wait(self, ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
         """Await the results of ``ids``; returned in the order of ``ids``."""
+        timeout = check_wait_timeout(timeout)
         with self._lock:
             wanted = self._claim_locked(ids)
             done = self._take_if_ready_locked(wanted)
@@ -181,6 +201,7 @@ class CompletionStore:
         self, ids: Iterable[int], timeout: float | None = None
     ) -> list[TransferResult]:
         """Block the calling thread until the results of ``ids`` are in."""
+        timeout = check_wait_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             wanted = self._claim_locked(ids)

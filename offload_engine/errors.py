@@ -55,7 +55,8 @@ class InvalidTransferError(OffloadError, ValueError):
 
 
 class InvalidBlockIdsError(InvalidTransferError):
-    """Block ids are not a 1-D array of non-negative integers, or lie outside a pool."""
+    """Block ids are not a 1-D array of non-negative integers, lie outside a pool, or
+    name one destination twice within a job."""
 
 
 class BlockCountMismatchError(InvalidTransferError):

@@ -23,6 +23,7 @@ from typing import Any, Literal
 import anyio
 
 from offload_engine._loop import LoopBridge
+from offload_engine.completions import check_wait_timeout
 from offload_engine.errors import EngineBrokenError, EngineClosedError, WrongThreadError
 from offload_engine.handler import TransferHandler
 from offload_engine.manager import OffloadingQueueManager
@@ -120,6 +121,8 @@ class SyncOffloadingEngine:
         )
         self._close_lock = threading.Lock()
         self._closed = False
+        #: results nobody collected, when ``with`` closed the engine or close() raised
+        self.leftover_results: tuple[TransferResult, ...] = ()
         self._host = _LoopThread(self._manager, backend, thread_name)
 
     def _check(self) -> None:
@@ -186,14 +189,23 @@ class SyncOffloadingEngine:
     ) -> list[TransferResult]:
         """Finish (or, with ``cancel_queued``, cancel) queued jobs, await in-flight
         ones for at most ``timeout`` s, stop the loop thread, and return the
-        results nobody collected. Idempotent: later calls return ``[]``."""
+        results nobody collected. Idempotent: later calls return ``[]``.
+
+        If a handler fails to close, the engine still ends closed and this
+        raises that error; the results nobody collected are then in
+        :attr:`leftover_results`."""
         if self._host.in_loop_thread():
             raise WrongThreadError("close() cannot run on the engine's own loop thread")
+        timeout = check_wait_timeout(timeout)
         with self._close_lock:
             if self._closed:
                 return []
             self._closed = True
-            return self._host.close(cancel_queued=cancel_queued, timeout=timeout)
+            try:
+                return self._host.close(cancel_queued=cancel_queued, timeout=timeout)
+            except Exception:
+                self.leftover_results = self._manager.leftover_results
+                raise
 
     def __enter__(self) -> SyncOffloadingEngine:
         return self

@@ -64,8 +64,22 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     )
 
 
+def _as_tensors(values: object, what: str) -> list[torch.Tensor]:
+    """``values`` as a list of tensors; TypeError for anything else."""
+    import torch
+
+    if isinstance(values, (str, bytes, torch.Tensor)) or not isinstance(values, Sequence):
+        raise TypeError(f"{what} takes a sequence of tensors, got {type(values).__name__}")
+    out = list(values)
+    for i, t in enumerate(out):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what}: item {i} is a {type(t).__name__}, not a torch.Tensor")
+    return out
+
+
 def _check_uniform(layers: Sequence[torch.Tensor], what: str) -> torch.Tensor:
     """All per-layer tensors of a layout must agree in shape, dtype and device."""
+    layers = _as_tensors(layers, what)
     if not layers:
         raise LayoutError(f"{what} needs at least one tensor")
     first = layers[0]
@@ -183,8 +197,20 @@ class KVLayout:
         *,
         name: str = "custom",
     ) -> None:
+        tensors = _as_tensors(tensors, "KVLayout")
         if not tensors:
             raise LayoutError("a layout needs at least one tensor")
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise TypeError(f"groups must be a sequence of region lists, got {groups!r}")
+        for g, regions in enumerate(groups):
+            if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
+                raise TypeError(f"group {g} must be a sequence of Regions, got {regions!r}")
+            for r in regions:
+                if not isinstance(r, Region) or not all(
+                    isinstance(v, int) and not isinstance(v, bool)
+                    for v in (r.tensor, r.offset, r.stride, r.size)
+                ):
+                    raise TypeError(f"group {g}: {r!r} is not a Region of ints")
         if not groups or any(not g for g in groups):
             raise LayoutError("a layout needs at least one group, each with a region")
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
@@ -227,6 +253,17 @@ class KVLayout:
             tuple(int(x) for x in np.cumsum([0] + [r.size for r in g])[:-1]) for g in self.groups
         )
         self._tables: dict[int, RegionTables] = {}
+        # groups that share a tensor (hybrid models) share their blocks' memory: the
+        # same id in two of them is one destination. One class label per group.
+        label = list(range(len(self.groups)))
+        owner: dict[int, int] = {}
+        for g, regions in enumerate(self.groups):
+            for r in regions:
+                first = owner.setdefault(r.tensor, g)
+                if label[first] != label[g]:
+                    old, new = label[g], label[first]
+                    label = [new if x == old else x for x in label]
+        self.group_aliases: tuple[int, ...] = tuple(label)
 
     @classmethod
     def from_block_tensors(
@@ -234,6 +271,7 @@ class KVLayout:
     ) -> KVLayout:
         """One group; each tensor has ``num_blocks`` as its leading dimension and
         each block's bytes contiguous (vLLM's canonical ``(num_blocks, page)`` views)."""
+        tensors = _as_tensors(tensors, "from_block_tensors")
         if not tensors:
             raise LayoutError("from_block_tensors needs at least one tensor")
         num_blocks = int(tensors[0].shape[0]) if tensors[0].dim() else 0
@@ -303,6 +341,10 @@ class KVLayout:
     def cross_layer(cls, tensor: torch.Tensor) -> KVLayout:
         """One tensor ``(num_blocks, layers, ...)`` holding each block contiguously
         across all layers."""
+        import torch
+
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"cross_layer takes one tensor, got {type(tensor).__name__}")
         return cls.from_block_tensors([tensor], name="cross-layer")
 
     @classmethod
@@ -322,6 +364,11 @@ class KVLayout:
     def combine(cls, groups: Sequence[KVLayout], *, name: str = "groups") -> KVLayout:
         """One layout with a KV group per given single-group layout (hybrid models).
         The groups share ``num_blocks``; a tensor may appear in several groups."""
+        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+            raise TypeError(f"combine takes a sequence of KVLayouts, got {type(groups).__name__}")
+        for k, layout in enumerate(groups):
+            if not isinstance(layout, KVLayout):
+                raise TypeError(f"combine: item {k} is a {type(layout).__name__}, not a KVLayout")
         if not groups:
             raise LayoutError("combine needs at least one layout")
         num_blocks = groups[0].num_blocks
@@ -405,6 +452,52 @@ def expand_tier_slots(tier_ids: BlockIds, factor: int, skip: int, count: int) ->
         return tier_ids[:count]
     slots = (tier_ids[:, None] * factor + np.arange(factor, dtype=np.int64)[None, :]).ravel()
     return slots[skip : skip + count]
+
+
+def _first_repeat(ids: BlockIds) -> int | None:
+    if ids.size < 2:
+        return None
+    if ids.size <= 64 and len(set(ids.tolist())) == ids.size:
+        return None  # the common case, and a set is cheaper than a sort at this size
+    ordered = np.sort(ids)
+    same = np.flatnonzero(ordered[1:] == ordered[:-1])
+    return int(ordered[same[0]]) if same.size else None
+
+
+def check_destinations(
+    mapping: Sequence[GroupMapping], *, store: bool, aliases: Sequence[int], factor: int = 1
+) -> None:
+    """Refuse a job that writes one destination twice, with :class:`InvalidBlockIdsError`.
+
+    Two writes to one place in one job have no defined order (workers or a device may
+    run them at once and tear the block), so they are refused at submit. A store writes
+    tier slots, which every KV group shares; a load writes cache blocks, which groups
+    that share a tensor (``aliases``, :attr:`KVLayout.group_aliases`) share too. Sources
+    may repeat: reading a block twice is harmless.
+    """
+    if store:
+        parts = [m.slots for m in mapping]
+        if sum(p.size for p in parts) < 2:
+            return
+        slot = _first_repeat(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        if slot is not None:
+            where = f"tier block {slot // factor}"
+            if factor > 1:
+                where += f" (slot {slot % factor})"
+            raise InvalidBlockIdsError(
+                f"the store writes {where} twice; destinations must be distinct within a job"
+            )
+        return
+    by_class: dict[int, list[BlockIds]] = {}
+    for m in mapping:
+        by_class.setdefault(aliases[m.group], []).append(m.cache_ids)
+    for parts in by_class.values():
+        block = _first_repeat(np.concatenate(parts) if len(parts) > 1 else parts[0])
+        if block is not None:
+            raise InvalidBlockIdsError(
+                f"the load writes cache block {block} twice; destinations must be distinct "
+                "within a job (KV groups that share a tensor share their blocks)"
+            )
 
 
 def map_blocks(

@@ -42,7 +42,7 @@ import anyio
 import anyio.lowlevel
 
 from offload_engine._loop import LoopBridge
-from offload_engine.completions import CompletionStore, check_job_id
+from offload_engine.completions import CompletionStore, check_job_id, check_wait_timeout
 from offload_engine.errors import (
     EngineClosedError,
     EngineNotStartedError,
@@ -117,9 +117,27 @@ class _Job:
         return self.outcome is not None
 
     def succeed(self, nbytes: int, seconds: float | None = None) -> None:
-        self._mgr._report(self, True, int(nbytes), seconds, None)
+        # A malformed report is the handler's bug, but raising here would kill the
+        # reporting thread (a worker, a watcher) and leave the job without a result.
+        # It fails the job instead, with an error that names the bad value.
+        try:
+            count = int(nbytes)
+            secs = None if seconds is None else float(seconds)
+            if count < 0 or (secs is not None and not secs >= 0):
+                raise ValueError("byte counts and durations are non-negative")
+        except (TypeError, ValueError, OverflowError) as exc:
+            bad = TransferError(
+                f"job {self.job_id}: {self.route.handler.name} reported success with an invalid "
+                f"byte count or duration (nbytes={nbytes!r}, seconds={seconds!r})"
+            )
+            bad.__cause__ = exc
+            self._mgr._report(self, False, 0, None, bad)
+            return
+        self._mgr._report(self, True, count, secs, None)
 
     def fail(self, error: BaseException) -> None:
+        if not isinstance(error, BaseException):
+            error = TypeError(f"the handler reported a failure that is not an exception: {error!r}")
         if isinstance(error, TransferError):
             wrapped: BaseException = error
         else:
@@ -277,7 +295,8 @@ class OffloadingQueueManager:
         self._timer_next = math.inf
         self._idle: anyio.Event | None = None
         self._closed_event: anyio.Event | None = None
-        #: results nobody collected when ``async with`` closed the engine
+        #: results nobody collected when ``async with`` closed the engine, or when
+        #: :meth:`aclose` raised a handler's close error
         self.leftover_results: tuple[TransferResult, ...] = ()
         for handler in handlers:
             self.register(handler)
@@ -295,7 +314,11 @@ class OffloadingQueueManager:
         except AttributeError as exc:
             raise HandlerRegistrationError(f"{type(handler).__name__} lacks src/dst media") from exc
         if not all(isinstance(m, Medium) for m in pair):
-            raise HandlerRegistrationError(f"{handler!r}: src and dst must be Medium members")
+            # not {handler!r}: a handler's repr formats its media, which are the problem
+            raise HandlerRegistrationError(
+                f"{type(handler).__name__}: src and dst must be Medium members, "
+                f"got {pair[0]!r} -> {pair[1]!r}"
+            )
         if isinstance(handler.max_inflight, bool) or not (
             isinstance(handler.max_inflight, int) and handler.max_inflight >= 1
         ):
@@ -362,7 +385,10 @@ class OffloadingQueueManager:
         tb: TracebackType | None,
     ) -> bool | None:
         try:
-            self.leftover_results = tuple(await self.aclose(cancel_queued=exc is not None))
+            closed_before = self._state in (_CLOSING, _CLOSED)
+            results = await self.aclose(cancel_queued=exc is not None)
+            if not closed_before:  # keep what an earlier, failed aclose left there
+                self.leftover_results = tuple(results)
         finally:
             # Our tasks have stopped in aclose, so the group exits at once. It is
             # given no exception: the body's own exception propagates unwrapped.
@@ -382,7 +408,14 @@ class OffloadingQueueManager:
         failed result (abandoned). Returns every result nobody collected yet
         (results claimed by a running ``wait`` go to that waiter). Idempotent:
         a second call waits for the first and returns ``[]``.
+
+        If a handler fails to close, the engine still ends closed and this
+        raises the first such error; the results nobody collected are then
+        kept in :attr:`leftover_results` rather than lost.
         """
+        # checked before anything changes: a bad value must not close the engine and
+        # then lose the results it was about to return
+        timeout = check_wait_timeout(timeout)
         with self._lock:
             state = self._state
             if state == _CLOSED:
@@ -419,6 +452,7 @@ class OffloadingQueueManager:
                     self._closed_event = None
                 self._flush()
         if errors:
+            self.leftover_results = tuple(leftovers)
             raise errors[0]
         return leftovers
 
@@ -749,6 +783,7 @@ class OffloadingQueueManager:
         """
         if self._on_loop():
             raise WrongThreadError("submit_blocking would deadlock on the engine's loop thread")
+        wait_timeout = check_wait_timeout(wait_timeout, what="wait_timeout")
         route, prepared, timeout = self._prepare(spec, job_id, timeout)
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         with self._lock:
@@ -773,6 +808,10 @@ class OffloadingQueueManager:
         result; False if it is already in flight or finished. Any thread."""
         check_job_id(job_id)
         with self._lock:
+            if self._state == _NEW:
+                raise EngineNotStartedError("enter the engine ('async with') first")
+            if self._state == _CLOSED:
+                raise EngineClosedError("the engine is closed; it has no jobs to cancel")
             job = self._jobs.get(job_id)
             if job is None:
                 if self._store.is_live_locked(job_id):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
-from offload_engine.layout import GroupMapping, KVLayout, map_blocks
+from offload_engine.layout import GroupMapping, KVLayout, check_destinations, map_blocks
 from offload_engine.vocabulary import CacheBlocks, Direction, TierBlocks, TransferSpec
 
 
@@ -42,6 +42,8 @@ class HostTier:
         rows = num_blocks * factor
         if memory is None:
             memory = torch.empty((rows, slot_bytes), dtype=torch.uint8)
+        elif not isinstance(memory, torch.Tensor):
+            raise TypeError(f"tier memory must be a torch.Tensor, got {type(memory).__name__}")
         elif (
             memory.dtype != torch.uint8
             or tuple(memory.shape) != (rows, slot_bytes)
@@ -62,6 +64,8 @@ class HostTier:
     @classmethod
     def for_layout(cls, layout: KVLayout, num_blocks: int, *, factor: int = 1) -> HostTier:
         """A pageable tier sized for ``layout``'s blocks."""
+        if not isinstance(layout, KVLayout):
+            raise TypeError(f"for_layout takes a KVLayout, got {type(layout).__name__}")
         return cls(num_blocks, layout.slot_bytes, factor=factor)
 
     @property
@@ -131,6 +135,7 @@ def map_transfer(
 ) -> TierTransfer:
     """Check that ``spec`` moves blocks between the KV cache and the tier (the
     ``expect``-ed way, if given), and pair every cache block with its tier slot.
+    A job that writes one destination twice is refused (:func:`check_destinations`).
 
     Raises :class:`InvalidTransferError`, :class:`BlockCountMismatchError`,
     :class:`InvalidBlockIdsError` or, for a released tier, :class:`LayoutError`.
@@ -154,6 +159,12 @@ def map_transfer(
         num_cache_blocks=layout.num_blocks,
         num_tier_blocks=tier.num_blocks,
         num_groups=len(layout.groups),
+    )
+    check_destinations(
+        groups,
+        store=direction is Direction.STORE,
+        aliases=layout.group_aliases,
+        factor=tier.factor,
     )
     nbytes = sum(int(m.cache_ids.size) * layout.group_bytes[m.group] for m in groups)
     return TierTransfer(direction, groups, nbytes)

@@ -178,6 +178,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         direction: Direction,
         config: DeviceHandlerConfig | None = None,
     ) -> None:
+        for value, cls, what in (
+            (runtime, DeviceRuntime, "runtime"),
+            (layout, KVLayout, "layout"),
+            (tier, HostTier, "tier"),
+        ):
+            if not isinstance(value, cls):
+                raise TypeError(f"{what} must be a {cls.__name__}, got {type(value).__name__}")
+        if config is not None and not isinstance(config, DeviceHandlerConfig):
+            raise TypeError(f"config must be a DeviceHandlerConfig, got {type(config).__name__}")
         config = config or DeviceHandlerConfig()
         if direction not in (Direction.STORE, Direction.LOAD):
             raise ConfigError(f"a device handler stores or loads, got {direction}")
@@ -528,6 +537,14 @@ def pinned_host_tier(
 ) -> HostTier:
     """A host tier for ``layout``, allocated plainly (no power-of-two rounding) and
     registered with the runtime in chunks; ``tier.release()`` unregisters it."""
+    if not isinstance(runtime, DeviceRuntime) or not isinstance(layout, KVLayout):
+        raise TypeError(
+            f"pinned_host_tier takes a DeviceRuntime and a KVLayout, got "
+            f"{type(runtime).__name__} and {type(layout).__name__}"
+        )
+    for key, value in (("num_blocks", num_blocks), ("factor", factor)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"pinned_host_tier {key} must be a positive int, got {value!r}")
     rows = num_blocks * factor
     memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
     unpin = runtime.pin_host(memory)

@@ -50,8 +50,14 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         *,
         workers: int = 1,
         thread_name: str = "offload-engine-host",
+        close_timeout: float = 30.0,
     ) -> None:
-        super().__init__(workers=workers, thread_name=thread_name)
+        if not isinstance(layout, KVLayout) or not isinstance(tier, HostTier):
+            raise TypeError(
+                f"HostCopyHandler takes a KVLayout and a HostTier, got "
+                f"{type(layout).__name__} and {type(tier).__name__}"
+            )
+        super().__init__(workers=workers, thread_name=thread_name, close_timeout=close_timeout)
         if layout.device.type != "cpu":
             raise LayoutError(
                 f"HostCopyHandler needs a KV cache in host memory; layout {layout.name} is on "

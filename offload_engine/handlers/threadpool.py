@@ -5,6 +5,12 @@ and returns. A worker thread runs :meth:`ThreadPoolHandler.execute` and reports
 through ``job.succeed``/``job.fail``, which are thread-safe. Closing enqueues
 one stop marker per worker and awaits, without blocking the loop, a signal the
 last exiting worker raises; the threads are then joined.
+
+A worker stuck inside a job (a transfer that never returns) cannot be stopped.
+The engine has given that job its result already (timed out, or abandoned at
+close), so close waits for the workers at most ``close_timeout`` seconds, then
+raises :class:`~offload_engine.EngineBrokenError` instead of hanging; the stuck
+worker exits by itself once its job returns.
 """
 
 from __future__ import annotations
@@ -14,8 +20,10 @@ import queue
 import threading
 from typing import TypeVar
 
+import anyio
+
 from offload_engine._loop import ThreadSignal
-from offload_engine.errors import ConfigError
+from offload_engine.errors import ConfigError, EngineBrokenError
 from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
 
 P = TypeVar("P")
@@ -31,10 +39,23 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
     results in launch order.
     """
 
-    def __init__(self, *, workers: int = 1, thread_name: str = "offload-engine-worker") -> None:
+    def __init__(
+        self,
+        *,
+        workers: int = 1,
+        thread_name: str = "offload-engine-worker",
+        close_timeout: float = 30.0,
+    ) -> None:
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
             raise ConfigError(f"workers must be a positive int, got {workers!r}")
+        if (
+            isinstance(close_timeout, bool)
+            or not isinstance(close_timeout, (int, float))
+            or not close_timeout > 0
+        ):
+            raise ConfigError(f"close_timeout must be a positive number, got {close_timeout!r}")
         self.workers = workers
+        self.close_timeout = float(close_timeout)
         self.max_inflight = 2 * workers  # one running and one waiting per worker
         self._thread_name = thread_name
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -69,11 +90,11 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
                 if job.resolved:  # timed out or abandoned while waiting
                     continue
                 try:
-                    nbytes = self.execute(job)
+                    job.succeed(self.execute(job))
                 except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    # also covers a report that raised: the worker must outlive any job
+                    # (a report that was recorded makes this later fail() a no-op)
                     job.fail(exc)
-                else:
-                    job.succeed(nbytes)
         finally:
             with self._alive_lock:
                 self._alive -= 1
@@ -87,7 +108,15 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
         for _ in self._threads:
             self._queue.put(_STOP)
         if self._all_exited is not None:
-            await self._all_exited.wait()
+            with anyio.move_on_after(self.close_timeout):
+                await self._all_exited.wait()
+            if not self._all_exited.is_set():
+                stuck = [t.name for t in self._threads if t.is_alive()]
+                self._threads.clear()
+                raise EngineBrokenError(
+                    f"{self.name}: worker(s) {', '.join(stuck)} still inside a job "
+                    f"{self.close_timeout}s after close; they exit when it returns"
+                )
         for t in self._threads:
             t.join()
         self._threads.clear()
