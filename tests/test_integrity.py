@@ -61,6 +61,10 @@ def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
+def cuda_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype, device="cuda")
+
+
 @dataclass
 class Rig:
     """A layout, a tier and the handlers that move blocks between them."""
@@ -112,6 +116,16 @@ def make_rig(
         return Rig(
             handler, layout, tier, [HostCopyHandler(layout, tier, workers=workers)], Medium.CPU
         )
+    if handler == "cuda":  # the same rig on a real GPU
+        from offload_engine.runtimes.cuda import CudaRuntime
+
+        cuda = CudaRuntime()
+        layout = build_layout(layout_kind, cuda_empty, num_blocks=num_blocks, seed=seed)
+        tier = pinned_host_tier(cuda, layout, tier_blocks, factor=factor)
+        tier.memory.fill_(POISON)
+        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=6 * layout.slot_bytes)
+        store, load = make_device_handlers(cuda, layout, tier, cfg)
+        return Rig(handler, layout, tier, [store, load], Medium.GPU)
     runtime = FakeRuntime()
     layout = build_layout(layout_kind, runtime.empty, num_blocks=num_blocks, seed=seed)
     tier = pinned_host_tier(runtime, layout, tier_blocks, factor=factor)
@@ -355,6 +369,22 @@ def test_concurrent_round_trips_arrive_intact(
     rig = make_rig(
         handler, kind, num_blocks=80, tier_blocks=48, factor=factor, workers=3, strategy=strategy
     )
+    try:
+        tally = round_trips(rig, seed=factor)
+    finally:
+        rig.close()
+    assert tally.corrupt == []
+    assert tally.jobs == 4 * 6 * 2 * 2 and tally.blocks_checked > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+@pytest.mark.parametrize(("kind", "factor"), [("flash-attention", 1), ("groups", 2), ("mla", 4)])
+def test_concurrent_round_trips_arrive_intact_on_the_gpu(
+    kind: str, factor: int, strategy: Strategy
+) -> None:
+    rig = make_rig("cuda", kind, num_blocks=80, tier_blocks=48, factor=factor, strategy=strategy)
     try:
         tally = round_trips(rig, seed=factor)
     finally:
