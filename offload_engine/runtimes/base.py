@@ -196,6 +196,24 @@ class DeviceRuntime(abc.ABC):
         return f"<{type(self).__name__} {self.name} {self.device}>"
 
 
+class TorchStyleEvents:
+    """The event half of the seam for runtimes whose streams and events follow
+    torch.cuda's API (``Event.record/query/synchronize``, ``Stream.wait_event``):
+    CUDA and torch_npu."""
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+
 def pin_chunks(
     total: int, row_bytes: int, limit: int = MAX_PIN_CHUNK_BYTES
 ) -> Iterator[tuple[int, int]]:

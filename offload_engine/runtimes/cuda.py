@@ -34,6 +34,7 @@ from offload_engine.runtimes.base import (
     BlockCopy,
     CopyKind,
     DeviceRuntime,
+    TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
 )
@@ -116,7 +117,7 @@ class _Driver:
             )
 
 
-class CudaRuntime(DeviceRuntime):
+class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     """One CUDA device through torch.cuda and the driver."""
 
     name = "cuda"
@@ -190,18 +191,6 @@ class CudaRuntime(DeviceRuntime):
 
     def new_event(self) -> torch.cuda.Event:
         return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-
-    def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def synchronize(self, event: Any) -> None:
-        event.synchronize()
 
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)

@@ -71,17 +71,18 @@ class FakeEvent:
             self._cond.wait_for(lambda: self.completed >= generation)
 
 
-class FakeStream:
-    """A FIFO of operations run by one thread."""
+class SerialStream:
+    """A FIFO of operations run in order by one thread (the fakes' streams).
 
-    _ids = itertools.count()
+    An operation that raises leaves its error pending on the stream; the next
+    event recorded there carries it, as an asynchronous device error would.
+    """
 
-    def __init__(self, runtime: FakeRuntime) -> None:
-        self.runtime = runtime
-        self.name = f"offload-engine-fake-stream-{next(self._ids)}"
+    def __init__(self, name: str) -> None:
+        self.name = name
         self._ops: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.pending_error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def enqueue(self, op: Callable[[], None]) -> None:
@@ -105,7 +106,17 @@ class FakeStream:
         return error
 
     def __repr__(self) -> str:
-        return f"<FakeStream {self.name}>"
+        return f"<{type(self).__name__} {self.name}>"
+
+
+class FakeStream(SerialStream):
+    """A stream of the fake CUDA-like runtime."""
+
+    _ids = itertools.count()
+
+    def __init__(self, runtime: FakeRuntime) -> None:
+        self.runtime = runtime
+        super().__init__(f"offload-engine-fake-stream-{next(self._ids)}")
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import itertools
-import queue
 import threading
 import types
 from collections.abc import Callable, Iterator
@@ -52,6 +51,7 @@ import numpy as np
 import torch
 
 from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES
+from offload_engine.runtimes.fake import SerialStream
 from offload_engine.runtimes.npu import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
@@ -75,7 +75,6 @@ ACL_ERROR_INVALID_PARAM = 100000
 ACL_ERROR_RT_PARAM_INVALID = 107000
 ACL_ERROR_RT_CONTEXT_NULL = 107002
 
-_STOP = object()
 _RECENT_ADDRESS = ctypes.CFUNCTYPE(ctypes.c_void_p)  # aclGetRecentErrMsg's ABI: returns a pointer
 
 
@@ -86,18 +85,14 @@ class FakeNpuError(RuntimeError):
 # --------------------------------------------------------------------------- streams
 
 
-class FakeNpuStream:
+class FakeNpuStream(SerialStream):
     """``torch.npu.Stream``: one thread running its work in order."""
 
     def __init__(self, ascend: FakeAscend, handle: int, device: int) -> None:
         self._ascend = ascend
         self.handle = handle
         self.device_index = device
-        self.name = f"offload-engine-fake-npu-stream-{handle}"
-        self._ops: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self.pending_error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name=self.name, daemon=True)
-        self.thread.start()
+        super().__init__(f"offload-engine-fake-npu-stream-{handle}")
 
     @property
     def npu_stream(self) -> int:
@@ -111,24 +106,7 @@ class FakeNpuStream:
 
     def run(self, op: Callable[[], None]) -> None:
         """Put ``op`` on the stream directly (what a launched task or an ACL call does)."""
-        self._ops.put(op)
-
-    def stop(self) -> None:
-        self._ops.put(_STOP)
-
-    def _run(self) -> None:
-        while True:
-            op = self._ops.get()
-            if op is _STOP:
-                return
-            try:
-                op()  # type: ignore[operator]
-            except Exception as exc:  # noqa: BLE001 - surfaces at the next recorded event
-                self.pending_error = exc
-
-    def take_error(self) -> BaseException | None:
-        error, self.pending_error = self.pending_error, None
-        return error
+        self.enqueue(op)
 
     def drain(self) -> None:
         """Block until everything put on the stream so far has run."""

@@ -53,6 +53,7 @@ from offload_engine.runtimes.base import (
     BlockCopy,
     CopyKind,
     DeviceRuntime,
+    TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
 )
@@ -276,7 +277,7 @@ def _parse_index(device: int | str | torch.device | None, npu: Any) -> int:
 # --------------------------------------------------------------------------- runtime
 
 
-class NpuRuntime(DeviceRuntime):
+class NpuRuntime(TorchStyleEvents, DeviceRuntime):
     """One Ascend NPU through torch_npu and CANN's ACL.
 
     ``npu`` (the ``torch.npu`` module) and ``acl_library`` (libascendcl, a
@@ -379,18 +380,6 @@ class NpuRuntime(DeviceRuntime):
 
     def new_event(self) -> Any:
         return self._npu.Event()
-
-    def record(self, event: Any, stream: Any) -> None:
-        event.record(stream)
-
-    def wait_event(self, stream: Any, event: Any) -> None:
-        stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
-    def synchronize(self, event: Any) -> None:
-        event.synchronize()
 
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         return self._npu.stream(stream)  # type: ignore[no-any-return]
