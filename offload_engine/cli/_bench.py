@@ -20,6 +20,7 @@ from typing import Any
 from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 from offload_engine.bench.rigs import RigShape
+from offload_engine.cli._console import progress_bar
 
 SCHEMA = "offload-engine-bench/1"
 BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
@@ -82,7 +83,6 @@ def _latency_table(series: list[LatencySeries]) -> Any:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
     from offload_engine import __version__
@@ -114,15 +114,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = CaseResults(sweep=[], latency=[])
     gpu_status: dict[str, object]
     total = plan.steps + len(backends()) + 1 + (plan.steps * len(cuda.strategies) if run_gpu else 0)
-    with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_terminal,
-    ) as progress:
+    with progress_bar(err) as progress:
         task = progress.add_task("bench", total=total)
 
         def tick(what: str) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 
 from offload_engine.bench import percentile
 from offload_engine.bench.rigs import Rig, RigShape, open_rig
+from offload_engine.cli._console import progress_bar
 from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferResult
 
@@ -181,7 +182,6 @@ def _row(name: str, t: DirectionTally, wall: float) -> tuple[str, ...]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
     from rich.table import Table
 
     out = Console(highlight=False, soft_wrap=True)
@@ -198,15 +198,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
         for note in notes:
             out.print(f"note: {note}", markup=False)
-        with Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err,
-            transient=True,
-            disable=not err.is_terminal,
-        ) as progress:
+        with progress_bar(err) as progress:
             task = progress.add_task("steps", total=steps)
             report = run_demo(
                 rig,
