@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES
-from offload_engine.runtimes.fake import SerialStream
+from offload_engine.runtimes.fake import FakeEvent, SerialStream
 from offload_engine.runtimes.npu import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
@@ -136,9 +136,9 @@ class FakeNpuStream(SerialStream):
         return f"<FakeNpuStream {self.handle} npu:{self.device_index}>"
 
 
-class FakeNpuEvent:
-    """``torch.npu.Event``: counts records and completions; a failed op poisons the next
-    record on its stream."""
+class FakeNpuEvent(FakeEvent):
+    """``torch.npu.Event``: counts records and completions (the fake runtime's event
+    bookkeeping); a failed op poisons the next record on its stream."""
 
     def __init__(
         self,
@@ -147,30 +147,15 @@ class FakeNpuEvent:
         blocking: bool = False,
         interprocess: bool = False,
     ) -> None:
+        super().__init__(threading.Lock())
         self._ascend = ascend
-        self._cond = threading.Condition(threading.Lock())
-        self.recorded = 0
-        self.completed = 0
-        self.errors: dict[int, BaseException] = {}
 
     def record(self, stream: FakeNpuStream | None = None) -> None:
         stream = stream if stream is not None else self._ascend.current_stream()
         with self._cond:
             self.recorded += 1
             generation = self.recorded
-        self._ascend.submit(stream, lambda: self._complete(generation, stream.take_error()))
-
-    def _complete(self, generation: int, error: BaseException | None) -> None:
-        with self._cond:
-            if error is not None:
-                self.errors[generation] = error
-            self.completed = max(self.completed, generation)
-            self.errors = {g: e for g, e in self.errors.items() if g >= generation}
-            self._cond.notify_all()
-
-    def wait_for(self, generation: int) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: self.completed >= generation)
+        self._ascend.submit(stream, lambda: self.complete(generation, stream.take_error()))
 
     def wait(self, stream: FakeNpuStream | None = None) -> None:
         (stream if stream is not None else self._ascend.current_stream()).wait_event(self)
