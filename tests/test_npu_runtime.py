@@ -363,8 +363,12 @@ def test_page_spans_are_aligned_consecutive_and_bounded() -> None:
 
 
 def test_pinning_registers_whole_pages_and_release_unregisters(rt: FakeNpuRuntime) -> None:
-    tensor = torch.empty(3 * HOST_PAGE_BYTES + 100, dtype=torch.uint8)
-    assert tensor.data_ptr() % HOST_PAGE_BYTES != 0  # torch aligns large buffers to 64 only
+    # a buffer that starts inside a page (torch aligns large buffers to 64 bytes, and a
+    # page boundary sometimes), so registration must widen it to whole pages
+    backing = torch.empty(5 * HOST_PAGE_BYTES, dtype=torch.uint8)
+    skip = 64 + (-backing.data_ptr() % HOST_PAGE_BYTES)
+    tensor = backing[skip : skip + 3 * HOST_PAGE_BYTES + 100]
+    assert tensor.data_ptr() % HOST_PAGE_BYTES == 64
     assert not rt.is_pinned(tensor)
     release = rt.pin_host(tensor)
     [(address, size, flag)] = rt.ascend.acl.register_calls
