@@ -108,3 +108,18 @@ class JobTimeoutError(JobFailedError, TimeoutError):
 
 class JobCancelledError(JobFailedError):
     """The job was cancelled while queued, or abandoned at close."""
+
+
+# --------------------------------------------------------------------------- remote stores
+
+
+class StoreError(OffloadError):
+    """A remote store (Redis/Valkey, Mooncake Store) refused or failed a call."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The store's server cannot be reached (down, wrong address, killed mid-call)."""
+
+
+class StoreAuthError(StoreError, PermissionError):
+    """The store's server refused the credentials (wrong password or ACL user)."""

@@ -1,0 +1,264 @@
+"""Real store servers on 127.0.0.1, started and stopped by tests and benchmarks.
+
+:class:`RedisServer` runs Debian's ``redis-server`` (or ``valkey-server``) with
+a password, no persistence and an optional ``maxmemory``; :class:`MooncakeMaster`
+runs the ``mooncake_master`` binary that the Mooncake wheel ships. Both bind
+127.0.0.1 on a free port, wait for the port itself (not a sleep), and can be
+killed and restarted on the same port to script faults. Each is a context
+manager; :meth:`stop` is idempotent and ``__del__`` only warns.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from types import TracebackType
+
+from offload_engine.errors import ConfigError, StoreUnavailableError
+
+_START_TIMEOUT = 20.0
+_STOP_TIMEOUT = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout: float, proc: subprocess.Popen[bytes]) -> None:
+    """Return once ``host:port`` accepts a connection; raise if ``proc`` exits first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise StoreUnavailableError(
+                f"{proc.args!r} exited with code {proc.returncode} "
+                f"before listening on {host}:{port}"
+            )
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise StoreUnavailableError(
+                    f"nothing listens on {host}:{port} after {timeout}s"
+                ) from None
+            time.sleep(0.02)  # a port poll, not a test synchronising on time
+
+
+class _ServerProcess:
+    """One server process on a fixed port: start, kill (SIGKILL), stop (SIGTERM), restart."""
+
+    host = "127.0.0.1"
+    kind = "server"
+
+    def __init__(self, port: int | None) -> None:
+        self.port = free_port() if port is None else port
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._started = False
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__
+
+    def _command(self) -> list[str]:
+        raise NotImplementedError
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._proc = subprocess.Popen(
+            self._command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log
+        )
+        self._started = True
+        try:
+            wait_for_port(self.host, self.port, _START_TIMEOUT, self._proc)
+        except BaseException:
+            self._terminate(signal.SIGKILL)
+            raise
+
+    def _terminate(self, sig: signal.Signals) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(sig)
+        try:
+            proc.wait(_STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies at once, mid-whatever, keeping nothing."""
+        self._terminate(signal.SIGKILL)
+
+    def stop(self) -> None:
+        """SIGTERM, then wait. Idempotent."""
+        self._terminate(signal.SIGTERM)
+        self._started = False
+
+    def restart(self) -> None:
+        """Kill, then start again on the same port."""
+        self.kill()
+        self.start()
+
+    def log(self) -> str:
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace")
+
+    def __enter__(self) -> _ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+        self._log.close()
+
+    def __del__(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            warnings.warn(f"{self!r} was never stopped", ResourceWarning, stacklevel=2)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<{type(self).__name__} {self.host}:{self.port} {state}>"
+
+
+class RedisServer(_ServerProcess):
+    """``redis-server`` on 127.0.0.1 with ``password`` (``requirepass``), no persistence.
+
+    ``maxmemory`` (bytes) with ``allkeys-lru`` makes the server evict keys, as a
+    full production server would. ``acl_user=(name, password)`` adds an ACL user
+    with every key and command.
+    """
+
+    kind = "redis"
+
+    def __init__(
+        self,
+        *,
+        password: str = "offload-engine-test",
+        port: int | None = None,
+        maxmemory: int | None = None,
+        acl_user: tuple[str, str] | None = None,
+        binary: str | None = None,
+    ) -> None:
+        found = binary or shutil.which("redis-server") or shutil.which("valkey-server")
+        if found is None:
+            raise ConfigError(
+                "RedisServer needs redis-server or valkey-server on PATH "
+                "(Debian: apt-get install redis-server)"
+            )
+        self.binary = found
+        self.password = password
+        self.maxmemory = maxmemory
+        self.acl_user = acl_user
+        super().__init__(port)
+
+    def _command(self) -> list[str]:
+        cmd = [
+            self.binary,
+            "--bind",
+            self.host,
+            "--port",
+            str(self.port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--requirepass",
+            self.password,
+            "--dir",
+            tempfile.gettempdir(),
+        ]
+        if self.maxmemory is not None:
+            cmd += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", "allkeys-lru"]
+        if self.acl_user is not None:
+            name, pw = self.acl_user
+            cmd += ["--user", name, "on", f">{pw}", "~*", "&*", "+@all"]
+        return cmd
+
+    @property
+    def url(self) -> str:
+        """``redis://:password@127.0.0.1:port/0``."""
+        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+
+    def __enter__(self) -> RedisServer:
+        self.start()
+        return self
+
+
+class MooncakeMaster(_ServerProcess):
+    """``mooncake_master`` on 127.0.0.1 (RPC and metrics ports), without its HTTP
+    metadata server: clients use ``P2PHANDSHAKE``.
+
+    ``kv_lease_ttl_ms`` shortens the lease a get places on an object, so that a
+    remove right after a load is not refused.
+    """
+
+    kind = "mooncake"
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        metrics_port: int | None = None,
+        kv_lease_ttl_ms: int = 200,
+        binary: str | None = None,
+    ) -> None:
+        found = binary or shutil.which("mooncake_master") or _venv_binary("mooncake_master")
+        if found is None:
+            raise ConfigError(
+                "MooncakeMaster needs the mooncake_master binary "
+                "(pip install mooncake-transfer-engine-non-cuda)"
+            )
+        self.binary = found
+        self.metrics_port = free_port() if metrics_port is None else metrics_port
+        self.kv_lease_ttl_ms = kv_lease_ttl_ms
+        super().__init__(port)
+
+    def _command(self) -> list[str]:
+        return [
+            self.binary,
+            f"--rpc_address={self.host}",
+            f"--rpc_port={self.port}",
+            f"--metrics_host={self.host}",
+            f"--metrics_port={self.metrics_port}",
+            f"--default_kv_lease_ttl={self.kv_lease_ttl_ms}",
+        ]
+
+    @property
+    def address(self) -> str:
+        """``127.0.0.1:port``, the ``master`` a client connects to."""
+        return f"{self.host}:{self.port}"
+
+    def __enter__(self) -> MooncakeMaster:
+        self.start()
+        return self
+
+
+def _venv_binary(name: str) -> str | None:
+    """A console script installed beside the running interpreter (a venv not on PATH)."""
+    import sys
+
+    path = Path(sys.executable).parent / name
+    return str(path) if path.exists() and os.access(path, os.X_OK) else None
