@@ -13,15 +13,21 @@ from offload_engine.errors import (
     EngineNotStartedError,
     HandlerRegistrationError,
     InvalidBlockIdsError,
+    InvalidKeyError,
     InvalidTransferError,
     JobCancelledError,
     JobFailedError,
     JobTimeoutError,
+    KeyMissError,
     LayoutError,
+    LayoutMismatchError,
     NoHandlerError,
     OffloadError,
     QueueFullError,
     RuntimeUnavailableError,
+    TierFullError,
+    TierUnavailableError,
+    TrailerError,
     TransferError,
     UnknownJobError,
     WrongThreadError,
@@ -30,6 +36,7 @@ from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.hosts import SyncOffloadingEngine
+from offload_engine.keyed import LayoutDigest, Trailer
 from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
 from offload_engine.stats import EngineStats, HandlerStats
@@ -38,14 +45,17 @@ from offload_engine.vocabulary import (
     BlockSpec,
     CacheBlocks,
     Direction,
+    KeyedBlocks,
     Medium,
     TierBlocks,
     TransferResult,
     TransferSpec,
     cpu_blocks,
+    disk_blocks,
     gpu_blocks,
     host_cache_blocks,
     npu_blocks,
+    remote_blocks,
 )
 
 __version__ = "0.1.0"
@@ -68,13 +78,18 @@ __all__ = [
     "HostCopyHandler",
     "HostTier",
     "InvalidBlockIdsError",
+    "InvalidKeyError",
     "InvalidTransferError",
     "JobCancelledError",
     "JobFailedError",
     "JobTimeoutError",
     "KVLayout",
+    "KeyMissError",
+    "KeyedBlocks",
     "LaunchedJob",
+    "LayoutDigest",
     "LayoutError",
+    "LayoutMismatchError",
     "Medium",
     "NoHandlerError",
     "OffloadError",
@@ -85,6 +100,10 @@ __all__ = [
     "SyncOffloadingEngine",
     "ThreadPoolHandler",
     "TierBlocks",
+    "TierFullError",
+    "TierUnavailableError",
+    "Trailer",
+    "TrailerError",
     "TransferError",
     "TransferHandler",
     "TransferResult",
@@ -93,7 +112,9 @@ __all__ = [
     "WrongThreadError",
     "__version__",
     "cpu_blocks",
+    "disk_blocks",
     "gpu_blocks",
     "host_cache_blocks",
     "npu_blocks",
+    "remote_blocks",
 ]

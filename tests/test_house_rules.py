@@ -21,6 +21,10 @@ PUBLIC_API = {
     "ThreadPoolHandler", "TierBlocks", "TransferError", "TransferHandler", "TransferResult",
     "TransferSpec", "UnknownJobError", "WrongThreadError", "__version__", "cpu_blocks",
     "gpu_blocks", "host_cache_blocks", "npu_blocks",
+    # keyed tiers (disk, remote)
+    "InvalidKeyError", "KeyMissError", "KeyedBlocks", "LayoutDigest", "LayoutMismatchError",
+    "TierFullError", "TierUnavailableError", "Trailer", "TrailerError", "disk_blocks",
+    "remote_blocks",
 }  # fmt: skip
 
 

@@ -55,6 +55,12 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
+        "Keyed tiers",
+        "Blocks named by key (disk, remote store), the object trailer every stored object "
+        "carries, and the layout digest that keeps other layouts' bytes out.",
+        ["KeyedBlocks", "disk_blocks", "remote_blocks", "Trailer", "LayoutDigest"],
+    ),
+    (
         "Layouts and the host tier",
         "How the KV cache is laid out in memory, and the host-memory pool blocks are offloaded to.",
         ["KVLayout", "Region", "HostTier"],
