@@ -17,6 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
+import typing
 import warnings
 from pathlib import Path
 from types import TracebackType
@@ -63,8 +64,8 @@ class _ServerProcess:
     def __init__(self, port: int | None) -> None:
         self.port = free_port() if port is None else port
         self._proc: subprocess.Popen[bytes] | None = None
-        self._started = False
-        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed in __exit__
+        self._log: typing.IO[bytes] | None = None
+        self._last_log = ""
 
     def _command(self) -> list[str]:
         raise NotImplementedError
@@ -80,10 +81,10 @@ class _ServerProcess:
     def start(self) -> None:
         if self.running:
             return
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - closed when the process ends
         self._proc = subprocess.Popen(
             self._command(), stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log
         )
-        self._started = True
         try:
             wait_for_port(self.host, self.port, _START_TIMEOUT, self._proc)
         except BaseException:
@@ -92,14 +93,20 @@ class _ServerProcess:
 
     def _terminate(self, sig: signal.Signals) -> None:
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(sig)
         try:
-            proc.wait(_STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(sig)
+                try:
+                    proc.wait(_STOP_TIMEOUT)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        finally:
+            log, self._log = self._log, None
+            if log is not None:
+                log.seek(0)
+                self._last_log = log.read().decode(errors="replace")
+                log.close()
 
     def kill(self) -> None:
         """SIGKILL: the server dies at once, mid-whatever, keeping nothing."""
@@ -108,7 +115,6 @@ class _ServerProcess:
     def stop(self) -> None:
         """SIGTERM, then wait. Idempotent."""
         self._terminate(signal.SIGTERM)
-        self._started = False
 
     def restart(self) -> None:
         """Kill, then start again on the same port."""
@@ -116,6 +122,9 @@ class _ServerProcess:
         self.start()
 
     def log(self) -> str:
+        """What the running process (or the last one) printed."""
+        if self._log is None:
+            return self._last_log
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
 
@@ -130,7 +139,6 @@ class _ServerProcess:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
-        self._log.close()
 
     def __del__(self) -> None:
         if self._proc is not None and self._proc.poll() is None:
