@@ -75,6 +75,12 @@ class RedisStoreConfig:
         )
 
 
+def _url_without_credentials(url: str) -> str:
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return parts._replace(netloc=host).geturl()
+
+
 def _client_kwargs(config: RedisStoreConfig) -> dict[str, Any]:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
@@ -116,14 +122,20 @@ class RedisStore(RemoteStore):
             raise ConfigError("the redis backend needs: pip install 'redis[hiredis]'") from exc
         self.config = config
         kwargs = _client_kwargs(config)
+        # the client lets a URL's credentials win over arguments: drop them when overridden
+        url = (
+            _url_without_credentials(config.url)
+            if config.username is not None or config.password is not None
+            else config.url
+        )
         self._client: Any
         if config.cluster:
             from redis.cluster import RedisCluster
 
             with self._errors("connect to"):
-                self._client = RedisCluster.from_url(config.url, **kwargs)
+                self._client = RedisCluster.from_url(url, **kwargs)
         else:
-            self._client = redis.Redis.from_url(config.url, **kwargs)
+            self._client = redis.Redis.from_url(url, **kwargs)
         with self._errors("connect to"):
             self._client.ping()
 

@@ -95,6 +95,7 @@ class _ServerProcess:
         proc, self._proc = self._proc, None
         try:
             if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)  # a paused server must see the signal
                 proc.send_signal(sig)
                 try:
                     proc.wait(_STOP_TIMEOUT)
@@ -111,6 +112,16 @@ class _ServerProcess:
     def kill(self) -> None:
         """SIGKILL: the server dies at once, mid-whatever, keeping nothing."""
         self._terminate(signal.SIGKILL)
+
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections open but answers nothing."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """SIGCONT after :meth:`pause`."""
+        if self._proc is not None:
+            self._proc.send_signal(signal.SIGCONT)
 
     def stop(self) -> None:
         """SIGTERM, then wait. Idempotent."""
