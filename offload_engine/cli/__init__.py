@@ -132,6 +132,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="how the figures name the machine (default: CPU, cores, memory, GPUs, torch)",
     )
+    bench.add_argument(
+        "--tier",
+        choices=("host", "remote"),
+        default="host",
+        help="host (default: host and GPU cases) or remote (a remote store against its raw "
+        "client, on a server started on 127.0.0.1)",
+    )
+    bench.add_argument(
+        "--backend",
+        choices=("redis", "mooncake", "both"),
+        default="redis",
+        help="the remote store for --tier remote (default redis)",
+    )
     bench.set_defaults(func=_bench.cmd_bench, parser=bench)
     return parser
 

@@ -82,6 +82,10 @@ def _latency_table(series: list[LatencySeries]) -> Any:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "tier", "host") == "remote":
+        from offload_engine.cli._bench_remote import cmd_bench_remote
+
+        return cmd_bench_remote(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from types import TracebackType
-from typing import ClassVar, Self
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -97,6 +97,11 @@ class RemoteStore(abc.ABC):
     @abc.abstractmethod
     def remove(self, keys: Sequence[str]) -> None:
         """Delete the keys (absent ones are ignored)."""
+
+    @property
+    @abc.abstractmethod
+    def client(self) -> Any:
+        """The backend library's own client (for benchmarks and diagnostics)."""
 
     @abc.abstractmethod
     def _close(self) -> None: ...

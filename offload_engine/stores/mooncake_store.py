@@ -180,6 +180,10 @@ class MooncakeStore(RemoteStore):
         if keys:
             self._client.batch_remove(list(keys), True)
 
+    @property
+    def client(self) -> Any:
+        return self._client
+
     def _close(self) -> None:
         try:
             for memory in self._registered:

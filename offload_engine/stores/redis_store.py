@@ -208,6 +208,10 @@ class RedisStore(RemoteStore):
         with self._errors("remove from"):
             pipe.execute()
 
+    @property
+    def client(self) -> Any:
+        return self._client
+
     def _close(self) -> None:
         self._client.close()
 

@@ -100,6 +100,10 @@ class KillAfterFirstBatch(RemoteStore):
     def remove(self, keys: Sequence[str]) -> None:
         self.inner.remove(keys)
 
+    @property
+    def client(self) -> object:
+        return self.inner.client
+
     def _close(self) -> None:
         self.inner.close()
 

@@ -124,7 +124,7 @@ def test_an_object_moved_under_another_layouts_name_fails_verification(
         assert r.success, r.error
         raw = RedisStore(redis_backend.config())  # type: ignore[arg-type]
         try:
-            client = raw._client
+            client = raw.client
             # same size, same bytes, but under the other layout's name: the trailer names a
             client.copy(wire_name(d_a, ks[0]), wire_name(d_b, ks[0]))
             # a flipped payload byte under a's own name
@@ -149,7 +149,7 @@ def test_truncated_object_is_a_miss(redis_backend: Backend) -> None:
             assert r.success, r.error
             raw = RedisStore(redis_backend.config())  # type: ignore[arg-type]
             name = wire_name(d, keys(1)[0])
-            raw._client.set(name, raw._client.getrange(name, 0, BLOCK_BYTES - 1))
+            raw.client.set(name, raw.client.getrange(name, 0, BLOCK_BYTES - 1))
             raw.close()
             [bad] = engine.wait([engine.submit_nowait(load_spec(keys(1), [1]))])
             assert not bad.success
