@@ -20,6 +20,7 @@ from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
 from connectors.vllm.platform import Backend, select_backend
 
 if TYPE_CHECKING:
+    from connectors.vllm.remote_tier import EngineRemoteTier
     from connectors.vllm.spec import EngineOffloadingSpec
     from connectors.vllm.worker import EngineOffloadingWorker
 
@@ -27,6 +28,7 @@ if TYPE_CHECKING:
 SUPPORTED_VLLM = ("0.32.0",)
 
 _LAZY = {
+    "EngineRemoteTier": "connectors.vllm.remote_tier",
     "EngineOffloadingSpec": "connectors.vllm.spec",
     "EngineOffloadingWorker": "connectors.vllm.worker",
 }
@@ -59,6 +61,7 @@ __all__ = [
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",
     "EngineOffloadingWorker",
+    "EngineRemoteTier",
     "parse_extra_config",
     "select_backend",
 ]

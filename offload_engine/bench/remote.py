@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from offload_engine.errors import ConfigError
+from offload_engine.errors import ConfigError, StoreError
 from offload_engine.handlers.remote import RemoteTier
 from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
@@ -188,7 +188,7 @@ def _raw_case(
                     names[j], [c.data_ptr() for c in cs], [c.numel() for c in cs]
                 )
                 if any(x != 0 for x in rc):
-                    raise ConfigError(f"raw Mooncake put failed: {rc}")
+                    raise StoreError(f"raw Mooncake put failed: {rc}")
 
         def get(w: int) -> None:
             for j in jobs_of(w):
@@ -197,7 +197,7 @@ def _raw_case(
                     names[j], [c.data_ptr() for c in cs], [c.numel() for c in cs]
                 )
                 if any(x != c.numel() for x, c in zip(rc, cs, strict=True)):
-                    raise ConfigError(f"raw Mooncake get failed: {rc}")
+                    raise StoreError(f"raw Mooncake get failed: {rc}")
 
     return _threads(concurrency, put), _threads(concurrency, get)
 
@@ -224,7 +224,7 @@ def _engine_case(
                     for r in engine.wait([min(pending)]):
                         pending.discard(r.job_id)
                         if not r.success:
-                            raise ConfigError(f"an engine job failed: {r.error!r}") from r.error
+                            raise StoreError(f"an engine job failed: {r.error!r}") from r.error
                 spec = (
                     TransferSpec(cpu_blocks(ids(j)), remote_blocks(keys[j]))
                     if store
@@ -235,7 +235,7 @@ def _engine_case(
                 submit_cpu += time.thread_time() - c0
             for r in engine.wait(sorted(pending)):
                 if not r.success:
-                    raise ConfigError(f"an engine job failed: {r.error!r}") from r.error
+                    raise StoreError(f"an engine job failed: {r.error!r}") from r.error
             walls.append(time.perf_counter() - t0)
     return walls[0], walls[1], submit_cpu
 
@@ -293,7 +293,7 @@ def run_remote_bench(
     server = RedisServer() if backend == "redis" else MooncakeMaster()
     with server:
         if isinstance(server, MooncakeMaster):
-            holder = _Holder(server.address, (plan.volume_mib + 64) << 20)
+            holder = _Holder(server.address, (2 * plan.volume_mib + 64) << 20)
         try:
             for mib in plan.chunk_mib:
                 chunk = int(mib * 2**20)
@@ -339,10 +339,10 @@ def _one_case(
     try:
         put_s, get_s, submit_cpu = _engine_case(remote, keys, conc)
         store = remote.store()
+        # free the server's memory before each next set of objects
+        store.remove([n for ks in keys for n in remote.names(ks)])
         raw = store.client  # the same client library, driven directly
         raw_put, raw_get = _raw_case(backend, raw, tier, raw_names, conc)
-        # free the server for the next case
-        store.remove([n for ks in keys for n in remote.names(ks)])
         store.remove([n for ns in raw_names for n in ns])
     finally:
         remote.close()

@@ -11,7 +11,8 @@ contributes that much of its own memory to the store, as one node of the
 cluster does; with 0 it only uses others' segments.
 
 Return codes are read per key: the object's size is a hit; ``-704`` (not
-found), ``-600`` (another size), ``-800`` (the holder is gone) are misses;
+found), ``-600`` (another size), ``-707`` (the read outlived its lease),
+``-800`` (the holder is gone) are misses;
 ``-900`` (the master cannot be reached) fails the call with
 :class:`~offload_engine.StoreUnavailableError`.
 """

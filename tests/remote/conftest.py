@@ -24,7 +24,7 @@ try:
     import mooncake.store  # noqa: F401
 
     HAVE_MOONCAKE = True
-except ImportError:
+except (ImportError, OSError):  # not installed, or libibverbs1 missing
     HAVE_MOONCAKE = False
 
 BLOCK_BYTES = 64 << 10  # 64 KiB host blocks: 2 slots of 32 KiB
