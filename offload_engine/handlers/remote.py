@@ -131,6 +131,7 @@ class RemoteTier:
         self.tier = tier
         self.digest = digest
         self.block_bytes = block_bytes
+        self._prefix = wire_name(digest, b"")  # hashing the digest costs ~10 us: once
         self._connect = connect
         self._reconnect_interval = float(reconnect_interval)
         # the longest trailer this tier writes: every name has the same length
@@ -210,7 +211,9 @@ class RemoteTier:
         return self.store_handler, self.load_handler
 
     def names(self, keys: Sequence[bytes]) -> list[str]:
-        return [wire_name(self.digest, k) for k in keys]
+        """The wire names of ``keys`` (see :func:`wire_name`)."""
+        prefix = self._prefix
+        return [prefix + k.hex() for k in keys]
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` are stored (a later load may still miss).
