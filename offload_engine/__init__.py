@@ -25,6 +25,9 @@ from offload_engine.errors import (
     OffloadError,
     QueueFullError,
     RuntimeUnavailableError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailableError,
     TierFullError,
     TierUnavailableError,
     TrailerError,
@@ -34,6 +37,7 @@ from offload_engine.errors import (
 )
 from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.handlers.host import HostCopyHandler
+from offload_engine.handlers.remote import RemoteHandler, RemoteTier, RemoteTierStats
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest, Trailer
@@ -96,7 +100,13 @@ __all__ = [
     "OffloadingQueueManager",
     "QueueFullError",
     "Region",
+    "RemoteHandler",
+    "RemoteTier",
+    "RemoteTierStats",
     "RuntimeUnavailableError",
+    "StoreAuthError",
+    "StoreError",
+    "StoreUnavailableError",
     "SyncOffloadingEngine",
     "ThreadPoolHandler",
     "TierBlocks",

@@ -25,6 +25,9 @@ PUBLIC_API = {
     "InvalidKeyError", "KeyMissError", "KeyedBlocks", "LayoutDigest", "LayoutMismatchError",
     "TierFullError", "TierUnavailableError", "Trailer", "TrailerError", "disk_blocks",
     "remote_blocks",
+    # the remote tier
+    "RemoteHandler", "RemoteTier", "RemoteTierStats", "StoreAuthError", "StoreError",
+    "StoreUnavailableError",
 }  # fmt: skip
 
 

@@ -100,13 +100,13 @@ def main() -> None:
             size = int(mib * 2**20)
             values = [os.urandom(size) for _ in range(args.batch)]
             total = size * args.batch * args.rounds
-            runs = [("redis-py", lambda: bench_redis_py(server.url, values, args.rounds))]
+            runs = [("redis-py", lambda v=values: bench_redis_py(server.url, v, args.rounds))]
             if have_glide:
                 runs.append(
                     (
                         "valkey-glide",
-                        lambda: asyncio.run(
-                            _glide(server.port, server.password, values, args.rounds)
+                        lambda v=values: asyncio.run(
+                            _glide(server.port, server.password, v, args.rounds)
                         ),
                     )
                 )

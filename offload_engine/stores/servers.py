@@ -152,8 +152,8 @@ class _ServerProcess:
         self.stop()
 
     def __del__(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            warnings.warn(f"{self!r} was never stopped", ResourceWarning, stacklevel=2)
+        if getattr(self, "_proc", None) is not None:
+            warnings.warn(f"{type(self).__name__} was never stopped", ResourceWarning, stacklevel=2)
 
     def __repr__(self) -> str:
         state = "running" if self.running else "stopped"
