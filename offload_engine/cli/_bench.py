@@ -81,6 +81,22 @@ def _latency_table(series: list[LatencySeries]) -> Any:
     return table
 
 
+def report_header(
+    schema: str, args: argparse.Namespace, day: str, machine: dict[str, Any], label: str
+) -> dict[str, Any]:
+    """What every bench report starts with: schema, command, date, version, machine."""
+    from offload_engine import __version__
+
+    return {
+        "schema": schema,
+        "command": shlex.join(["offload-engine", *args.argv]),
+        "date": day,
+        "offload_engine": __version__,
+        "quick": args.quick,
+        "machine": {**machine, "label": label},
+    }
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "tier", "host") == "remote":
         from offload_engine.cli._bench_remote import cmd_bench_remote
@@ -89,7 +105,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from offload_engine import __version__
     from offload_engine.bench.cuda import run_cuda_cases
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.overhead import backends, run_overhead
@@ -152,12 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     throughput_figure(results.sweep, label, day, out_dir / THROUGHPUT_PNG, note)
     latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
     report = {
-        "schema": SCHEMA,
-        "command": shlex.join(["offload-engine", *args.argv]),
-        "date": day,
-        "offload_engine": __version__,
-        "quick": args.quick,
-        "machine": {**machine.as_dict(), "label": label},
+        **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "runtimes": [asdict(r) for r in found],
         "plan": asdict(plan),
         "gpu": gpu_status,

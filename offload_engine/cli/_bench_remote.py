@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 from datetime import date
 from pathlib import Path
 
@@ -20,9 +19,9 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from offload_engine import __version__
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.remote import RemotePlan, run_remote_bench
+    from offload_engine.cli._bench import report_header
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -80,12 +79,7 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     report = {
-        "schema": SCHEMA,
-        "command": shlex.join(["offload-engine", *args.argv]),
-        "date": day,
-        "offload_engine": __version__,
-        "quick": args.quick,
-        "machine": {**machine.as_dict(), "label": label},
+        **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "plan": {
             "volume_mib": plan.volume_mib,
             "chunk_mib": list(plan.chunk_mib),
