@@ -89,6 +89,9 @@ class RemoteTierOptions:
     workers: int
     degraded_start: bool
     job_timeout: float | None
+    """Engine-side timeout per job (default none). The store's own timeouts bound each
+    call; an engine timeout would abandon a job whose worker may still touch the
+    primary tier, which ``drain_jobs`` must rule out."""
 
 
 def _password(password: str | None, password_env: str | None) -> str | None:
@@ -123,7 +126,7 @@ def parse_remote_options(
     rdma_devices: str = "",
     workers: int = 4,
     degraded_start: bool = False,
-    job_timeout: float | None = 30.0,
+    job_timeout: float | None = None,
 ) -> RemoteTierOptions:
     """Typed options from a ``secondary_tiers`` entry; :class:`ConfigError` names the key."""
     store: RedisStoreConfig | MooncakeStoreConfig

@@ -20,7 +20,9 @@ On the wire:
 * **loads** verify every trailer. An object that is absent, evicted, of
   another size, or fails verification is a **miss**: the job fails with
   :class:`~offload_engine.KeyMissError` naming the missed and the loaded keys,
-  and the caller must not use the missed blocks' bytes.
+  and the caller must not use the missed blocks' bytes. Missed objects are
+  removed from the store, so a bad one does not keep answering lookups and the
+  next store rewrites it.
 
 A server that cannot be reached fails the job (``TransferError`` caused by
 :class:`~offload_engine.StoreUnavailableError`) within the store's timeouts;
@@ -44,6 +46,7 @@ from offload_engine.errors import (
     ConfigError,
     InvalidTransferError,
     KeyMissError,
+    StoreError,
     StoreUnavailableError,
     TrailerError,
 )
@@ -283,6 +286,7 @@ class RemoteTier:
         loaded = len(t.keys) - len(missing)
         self._bump("loaded", loaded)
         if missing:
+            self._drop(store, missing)
             self._bump("missed", len(missing))
             self._bump("corrupt", corrupt)
             lost = set(missing)
@@ -293,6 +297,16 @@ class RemoteTier:
                 loaded=tuple(k for k in t.keys if k not in lost),
             )
         return t.nbytes
+
+    def _drop(self, store: RemoteStore, keys: list[bytes]) -> None:
+        """Remove missed objects, so a bad one (corrupt, another size) cannot answer
+        lookups as a hit forever, and the next store writes it afresh (Mooncake's
+        put does not overwrite). Best effort: the job fails with its misses anyway,
+        and an object that stays is verified again by the next load."""
+        try:
+            store.remove(self.names(keys))
+        except StoreError:
+            self._bump("unavailable")
 
     def _call(self, fn: Callable[A, R], *args: A.args, **kwargs: A.kwargs) -> R:
         try:

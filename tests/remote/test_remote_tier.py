@@ -139,6 +139,11 @@ def test_an_object_moved_under_another_layouts_name_fails_verification(
         miss = ra.error.__cause__ if not isinstance(ra.error, KeyMissError) else ra.error
         assert isinstance(miss, KeyMissError) and miss.missing == (ks[1],)
         assert a.stats().corrupt == 1
+        # the bad object is gone, and the next store of the key repairs it
+        assert a.contains(ks[1:]) == 0 and b.contains(ks[:1]) == 0
+        [again] = ea.wait([ea.submit_nowait(store_spec([1], ks[1:]))])
+        [back] = ea.wait([ea.submit_nowait(load_spec(ks[1:], [0]))])
+        assert again.success and back.success, (again.error, back.error)
 
 
 def test_truncated_object_is_a_miss(redis_backend: Backend) -> None:
