@@ -19,6 +19,7 @@ import tempfile
 import time
 import typing
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -160,12 +161,46 @@ class _ServerProcess:
         return f"<{type(self).__name__} {self.host}:{self.port} {state}>"
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """A throwaway CA and a server certificate for 127.0.0.1, for TLS tests."""
+
+    ca_cert: Path
+    server_cert: Path
+    server_key: Path
+
+    @classmethod
+    def create(cls, directory: Path) -> TlsFiles:
+        """Make them with the ``openssl`` command in ``directory`` (RSA 2048, 1 day)."""
+        exe = shutil.which("openssl")
+        if exe is None:
+            raise ConfigError("TlsFiles needs the openssl command")
+        d = Path(directory)
+        ca_key, ca, key, csr, cert = (
+            d / n for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt")
+        )
+        ext = d / "server.ext"
+        ext.write_text("subjectAltName=IP:127.0.0.1\n")
+
+        def run(*args: str) -> None:
+            subprocess.run([exe, *args], check=True, capture_output=True, timeout=60)
+
+        run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+            "/CN=offload-engine test CA", "-keyout", str(ca_key), "-out", str(ca))  # fmt: skip
+        run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", str(key), "-out", str(csr))  # fmt: skip
+        run("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-days", "1", "-extfile", str(ext), "-out", str(cert))  # fmt: skip
+        return cls(ca, cert, key)
+
+
 class RedisServer(_ServerProcess):
     """``redis-server`` on 127.0.0.1 with ``password`` (``requirepass``), no persistence.
 
     ``maxmemory`` (bytes) with ``allkeys-lru`` makes the server evict keys, as a
     full production server would. ``acl_user=(name, password)`` adds an ACL user
-    with every key and command.
+    with every key and command. ``tls`` serves TLS only on the port (client
+    certificates optional).
     """
 
     kind = "redis"
@@ -177,6 +212,7 @@ class RedisServer(_ServerProcess):
         port: int | None = None,
         maxmemory: int | None = None,
         acl_user: tuple[str, str] | None = None,
+        tls: TlsFiles | None = None,
         binary: str | None = None,
     ) -> None:
         found = binary or shutil.which("redis-server") or shutil.which("valkey-server")
@@ -189,15 +225,31 @@ class RedisServer(_ServerProcess):
         self.password = password
         self.maxmemory = maxmemory
         self.acl_user = acl_user
+        self.tls = tls
         super().__init__(port)
 
     def _command(self) -> list[str]:
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:  # TLS only: the plain port is closed
+            ports = [
+                "--port",
+                "0",
+                "--tls-port",
+                str(self.port),
+                "--tls-cert-file",
+                str(self.tls.server_cert),
+                "--tls-key-file",
+                str(self.tls.server_key),
+                "--tls-ca-cert-file",
+                str(self.tls.ca_cert),
+                "--tls-auth-clients",
+                "optional",
+            ]
         cmd = [
             self.binary,
             "--bind",
             self.host,
-            "--port",
-            str(self.port),
+            *ports,
             "--save",
             "",
             "--appendonly",
@@ -218,8 +270,9 @@ class RedisServer(_ServerProcess):
 
     @property
     def url(self) -> str:
-        """``redis://:password@127.0.0.1:port/0``."""
-        return f"redis://:{self.password}@{self.host}:{self.port}/0"
+        """``redis://:password@127.0.0.1:port/0`` (``rediss://`` with TLS)."""
+        scheme = "redis" if self.tls is None else "rediss"
+        return f"{scheme}://:{self.password}@{self.host}:{self.port}/0"
 
     def __enter__(self) -> RedisServer:
         self.start()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ from offload_engine.errors import StoreAuthError, StoreUnavailableError
 from offload_engine.handlers.remote import RemoteTier
 from offload_engine.stores import RedisStore, RedisStoreConfig, RemoteStore
 from offload_engine.stores.base import Parts
-from offload_engine.stores.servers import RedisServer, free_port
+from offload_engine.stores.servers import RedisServer, TlsFiles, free_port
 from tests.remote.conftest import Backend, digest, keys, random_tier, start_backend
 from tests.remote.test_remote_tier import load_spec, store_spec
 
@@ -201,6 +202,27 @@ def test_evicted_keys_are_misses_and_the_rest_load_exactly() -> None:
             assert ok.success and back.success and torch.equal(tier.block(n), tier.block(0))
     finally:
         b.server.stop()
+
+
+def test_tls_with_a_ca_bundle_and_refused_without_it(tmp_path: Path) -> None:
+    certs = TlsFiles.create(tmp_path)
+    with RedisServer(tls=certs) as server:
+        assert server.url.startswith("rediss://")
+        tier = random_tier(2, seed=5)
+        trusted = Backend("redis", server).connect(ssl_ca_certs=str(certs.ca_cert))
+        with (
+            RemoteTier(trusted, tier, digest()) as remote,
+            SyncOffloadingEngine(remote.handlers()) as engine,
+        ):
+            [r] = engine.wait([engine.submit_nowait(store_spec([0], keys(1)))])
+            [back] = engine.wait([engine.submit_nowait(load_spec(keys(1), [1]))])
+            assert r.success and back.success and torch.equal(tier.block(1), tier.block(0))
+        # the server's certificate is not signed by a CA the client trusts
+        with pytest.raises(StoreUnavailableError, match="certificate"):
+            RedisStore(RedisStoreConfig(server.url))
+        # plain RESP on the TLS port gets no answer it can parse
+        with pytest.raises(StoreUnavailableError):
+            RedisStore(RedisStoreConfig(server.url.replace("rediss://", "redis://")))
 
 
 def test_wrong_password_is_a_clear_error() -> None:
