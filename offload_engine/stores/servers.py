@@ -200,7 +200,8 @@ class RedisServer(_ServerProcess):
     ``maxmemory`` (bytes) with ``allkeys-lru`` makes the server evict keys, as a
     full production server would. ``acl_user=(name, password)`` adds an ACL user
     with every key and command. ``tls`` serves TLS only on the port (client
-    certificates optional).
+    certificates optional). ``cluster_dir`` makes it a Redis Cluster node keeping
+    its node file there (see :class:`RedisClusterServers`).
     """
 
     kind = "redis"
@@ -213,6 +214,7 @@ class RedisServer(_ServerProcess):
         maxmemory: int | None = None,
         acl_user: tuple[str, str] | None = None,
         tls: TlsFiles | None = None,
+        cluster_dir: Path | None = None,
         binary: str | None = None,
     ) -> None:
         found = binary or shutil.which("redis-server") or shutil.which("valkey-server")
@@ -226,6 +228,7 @@ class RedisServer(_ServerProcess):
         self.maxmemory = maxmemory
         self.acl_user = acl_user
         self.tls = tls
+        self.cluster_dir = cluster_dir
         super().__init__(port)
 
     def _command(self) -> list[str]:
@@ -259,8 +262,17 @@ class RedisServer(_ServerProcess):
             "--requirepass",
             self.password,
             "--dir",
-            tempfile.gettempdir(),
+            tempfile.gettempdir() if self.cluster_dir is None else str(self.cluster_dir),
         ]
+        if self.cluster_dir is not None:
+            cmd += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{self.port}.conf",
+                "--masterauth",
+                self.password,
+            ]
         if self.maxmemory is not None:
             cmd += ["--maxmemory", str(self.maxmemory), "--maxmemory-policy", "allkeys-lru"]
         if self.acl_user is not None:
@@ -277,6 +289,77 @@ class RedisServer(_ServerProcess):
     def __enter__(self) -> RedisServer:
         self.start()
         return self
+
+
+class RedisClusterServers:
+    """A Redis Cluster of ``nodes`` masters on 127.0.0.1 (no replicas), for tests.
+
+    Each node needs its port and that port + 10000 (the cluster bus) free.
+    """
+
+    def __init__(self, *, nodes: int = 3, password: str = "offload-engine-test") -> None:
+        if shutil.which("redis-cli") is None:
+            raise ConfigError("RedisClusterServers needs redis-cli (apt-get install redis-tools)")
+        self._dir = tempfile.TemporaryDirectory(prefix="offload-engine-cluster-")
+        self.password = password
+        self.servers = [
+            RedisServer(password=password, port=_cluster_port(), cluster_dir=Path(self._dir.name))
+            for _ in range(nodes)
+        ]
+
+    def start(self) -> None:
+        for s in self.servers:
+            s.start()
+        cli = shutil.which("redis-cli") or "redis-cli"
+        addrs = [f"{s.host}:{s.port}" for s in self.servers]
+        subprocess.run(
+            [cli, "-a", self.password, "--no-auth-warning", "--cluster", "create", *addrs,
+             "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        # the slots are assigned; wait until every node says the cluster is up
+        deadline = time.monotonic() + _START_TIMEOUT
+        for s in self.servers:
+            while True:
+                out = subprocess.run(
+                    [cli, "-a", self.password, "--no-auth-warning", "-h", s.host, "-p",
+                     str(s.port), "cluster", "info"],
+                    capture_output=True, text=True, timeout=10, check=False,
+                ).stdout  # fmt: skip
+                if "cluster_state:ok" in out:
+                    break
+                if time.monotonic() > deadline:
+                    raise StoreUnavailableError(f"cluster node {s.port} never reached state ok")
+                time.sleep(0.05)  # polling the node's state, not synchronising a test on time
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def stop(self) -> None:
+        for s in self.servers:
+            s.stop()
+        self._dir.cleanup()
+
+    def __enter__(self) -> RedisClusterServers:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster-bus port (+10000) is free too."""
+    while True:
+        port = free_port()
+        if port + 10000 < 65536:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind(("127.0.0.1", port + 10000))
+                except OSError:
+                    continue
+            return port
 
 
 class MooncakeMaster(_ServerProcess):

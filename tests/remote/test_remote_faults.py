@@ -22,7 +22,12 @@ from offload_engine.errors import StoreAuthError, StoreUnavailableError
 from offload_engine.handlers.remote import RemoteTier
 from offload_engine.stores import RedisStore, RedisStoreConfig, RemoteStore
 from offload_engine.stores.base import Parts
-from offload_engine.stores.servers import RedisServer, TlsFiles, free_port
+from offload_engine.stores.servers import (
+    RedisClusterServers,
+    RedisServer,
+    TlsFiles,
+    free_port,
+)
 from tests.remote.conftest import Backend, digest, keys, random_tier, start_backend
 from tests.remote.test_remote_tier import load_spec, store_spec
 
@@ -223,6 +228,28 @@ def test_tls_with_a_ca_bundle_and_refused_without_it(tmp_path: Path) -> None:
         # plain RESP on the TLS port gets no answer it can parse
         with pytest.raises(StoreUnavailableError):
             RedisStore(RedisStoreConfig(server.url.replace("rediss://", "redis://")))
+
+
+def test_redis_cluster_round_trip() -> None:
+    with RedisClusterServers(nodes=3) as cluster:
+        connect = Backend("redis", cluster.servers[0]).connect(cluster=True)
+        n = 40  # keys spread over the three nodes' slots
+        tier = random_tier(2 * n, seed=6)
+        with (
+            RemoteTier(connect, tier, digest()) as remote,
+            SyncOffloadingEngine(remote.handlers()) as engine,
+        ):
+            [r] = engine.wait([engine.submit_nowait(store_spec(list(range(n)), keys(n)))])
+            assert r.success, r.error
+            assert remote.contains(keys(n)) == n
+            [back] = engine.wait([engine.submit_nowait(load_spec(keys(n), list(range(n, 2 * n))))])
+            assert back.success, back.error
+            assert torch.equal(tier.memory[2 * n :], tier.memory[: 2 * n])
+        counts = []
+        for node in cluster.servers:
+            with RedisStore(RedisStoreConfig(node.url)) as s:
+                counts.append(s.client.dbsize())
+        assert sum(counts) == n and all(c > 0 for c in counts), counts
 
 
 def test_wrong_password_is_a_clear_error() -> None:
