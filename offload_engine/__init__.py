@@ -26,10 +26,10 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.hosts import SyncOffloadingEngine
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
 from offload_engine.stats import EngineStats, HandlerStats

@@ -30,7 +30,7 @@ from offload_engine.errors import (
     JobTimeoutError,
     TransferError,
 )
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.vocabulary import BlockSpec, Medium, TransferResult, TransferSpec
 

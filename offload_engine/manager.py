@@ -55,7 +55,7 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handler import LoopCaller, TransferHandler
+from offload_engine.handlers.base import LoopCaller, TransferHandler
 from offload_engine.stats import EngineStats, HandlerStats
 from offload_engine.vocabulary import CacheBlocks, Medium, TransferResult, TransferSpec
 
@@ -75,7 +75,7 @@ _LAUNCHES_PER_YIELD = 1024
 
 
 class _Job:
-    """One job. Also the :class:`~offload_engine.handler.LaunchedJob` a handler sees."""
+    """One job. Also the :class:`~offload_engine.handlers.base.LaunchedJob` a handler sees."""
 
     __slots__ = (
         "_mgr",

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from offload_engine.errors import InvalidTransferError
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import KVLayout
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec

@@ -36,7 +36,7 @@ from offload_engine import (
     host_cache_blocks,
 )
 from offload_engine.faults import Fault, FaultPlan, FaultyHandler, InjectedFault, Ledger
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.device import (
     DeviceHandlerConfig,
     Strategy,

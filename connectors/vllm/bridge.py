@@ -34,7 +34,7 @@ from connectors.vllm.config import EngineOffloadingConfig
 from connectors.vllm.layout import layout_from_canonical
 from connectors.vllm.platform import select_backend
 from offload_engine.errors import OffloadError
-from offload_engine.hosts import SyncOffloadingEngine
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     CacheBlocks,

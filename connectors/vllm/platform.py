@@ -26,7 +26,7 @@ from typing import Any
 
 from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 from offload_engine.errors import RuntimeUnavailableError
-from offload_engine.handler import TransferHandler
+from offload_engine.handlers.base import TransferHandler
 from offload_engine.handlers.device import (
     DeviceHandlerConfig,
     make_device_handlers,

@@ -18,7 +18,7 @@ import torch
 
 from offload_engine import runtimes
 from offload_engine.errors import RuntimeUnavailableError
-from offload_engine.handler import TransferHandler
+from offload_engine.handlers.base import TransferHandler
 from offload_engine.handlers.device import (
     DeviceHandlerConfig,
     Strategy,

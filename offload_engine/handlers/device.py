@@ -63,7 +63,7 @@ from offload_engine.errors import (
     EngineBrokenError,
     LayoutError,
 )
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import (
     GroupMapping,
     KVLayout,

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from offload_engine.errors import LayoutError
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.layout import GroupMapping, KVLayout
 from offload_engine.tier import HostTier, map_transfer

@@ -24,7 +24,7 @@ import anyio
 
 from offload_engine._loop import ThreadSignal
 from offload_engine.errors import ConfigError, EngineBrokenError
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 
 P = TypeVar("P")
 
