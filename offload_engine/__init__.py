@@ -29,10 +29,10 @@ from offload_engine.errors import (
 from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
 from offload_engine.stats import EngineStats, HandlerStats
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockSpec,

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 import anyio
 
 from offload_engine.bench import percentile
-from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.manager import OffloadingQueueManager
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.testing import FakeHandler
 from offload_engine.vocabulary import TransferResult, TransferSpec, cpu_blocks, gpu_blocks
 
