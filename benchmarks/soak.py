@@ -66,7 +66,6 @@ from offload_engine import (
     UnknownJobError,
     cpu_blocks,
 )
-from offload_engine.faults import Fault, FaultPlan, FaultyHandler, Ledger
 from offload_engine.handlers.device import (
     DeviceHandlerConfig,
     Strategy,
@@ -74,8 +73,16 @@ from offload_engine.handlers.device import (
     pinned_host_tier,
 )
 from offload_engine.layout import byte_view
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import build_layout, cache_block_bytes, engine_threads
+from offload_engine.testing import (
+    FakeRuntime,
+    Fault,
+    FaultPlan,
+    FaultyHandler,
+    Ledger,
+    build_layout,
+    cache_block_bytes,
+    engine_threads,
+)
 
 MIX = {
     Fault.OK: 75,

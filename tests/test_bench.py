@@ -21,8 +21,7 @@ from offload_engine.bench.plots import draw_latency, draw_throughput
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.transfers import run_rig_cases
 from offload_engine.handlers.device import Strategy
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import FakeHandler
+from offload_engine.testing import FakeHandler, FakeRuntime
 
 
 def point(direction: str, n: int, walls: tuple[float, ...]) -> SweepPoint:

@@ -33,8 +33,14 @@ from offload_engine.handlers.device import (
 )
 from offload_engine.layout import byte_view, merge_runs
 from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.runtimes.fake import FakeDeviceError, FakeRuntime
-from offload_engine.testing import LAYOUT_KINDS, Allocator, build_layout, cache_block_bytes
+from offload_engine.testing import (
+    LAYOUT_KINDS,
+    Allocator,
+    FakeDeviceError,
+    FakeRuntime,
+    build_layout,
+    cache_block_bytes,
+)
 from offload_engine.vocabulary import Direction
 
 POISON = 0xA5

@@ -35,7 +35,6 @@ from offload_engine import (
     gpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.faults import Fault, FaultPlan, FaultyHandler, InjectedFault, Ledger
 from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.device import (
     DeviceHandlerConfig,
@@ -43,9 +42,14 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.fake import FakeRuntime
 from offload_engine.testing import (
     FakeHandler,
+    FakeRuntime,
+    Fault,
+    FaultPlan,
+    FaultyHandler,
+    InjectedFault,
+    Ledger,
     assert_exactly_once,
     build_layout,
     cache_block_bytes,

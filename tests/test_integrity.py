@@ -50,8 +50,7 @@ from offload_engine.handlers.device import (
     pinned_host_tier,
 )
 from offload_engine.layout import byte_view
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
+from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout, cache_block_bytes
 
 POISON = 0xA5
 BOUND = 20.0

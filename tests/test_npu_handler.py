@@ -30,9 +30,11 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.fake_npu import FakeAscend, FakeNpuError, FakeNpuRuntime
 from offload_engine.testing import (
     LAYOUT_KINDS,
+    FakeAscend,
+    FakeNpuError,
+    FakeNpuRuntime,
     assert_exactly_once,
     build_layout,
     cache_block_bytes,

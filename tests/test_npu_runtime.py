@@ -28,13 +28,6 @@ from offload_engine import ConfigError, RuntimeUnavailableError, TransferError
 from offload_engine.runtimes import npu as npu_module
 from offload_engine.runtimes import probe_npu, probe_runtimes
 from offload_engine.runtimes.base import CopyKind
-from offload_engine.runtimes.fake_npu import (
-    ACL_ERROR_INVALID_PARAM,
-    ACL_ERROR_RT_CONTEXT_NULL,
-    FakeAscend,
-    FakeNpuRuntime,
-    fake_torch_npu_module,
-)
 from offload_engine.runtimes.npu import (
     ACL_HOST_REG_PINNED,
     ACL_MEM_LOCATION_TYPE_DEVICE,
@@ -46,6 +39,13 @@ from offload_engine.runtimes.npu import (
     SIZE_MAX,
     NpuRuntime,
     page_spans,
+)
+from offload_engine.testing import (
+    ACL_ERROR_INVALID_PARAM,
+    ACL_ERROR_RT_CONTEXT_NULL,
+    FakeAscend,
+    FakeNpuRuntime,
+    fake_torch_npu_module,
 )
 from offload_engine.vocabulary import Medium
 

@@ -35,8 +35,8 @@ from offload_engine import (
 )
 from offload_engine.handlers.device import DeviceCopyHandler
 from offload_engine.runtimes import npu as npu_module
-from offload_engine.runtimes.fake_npu import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
 from offload_engine.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
+from offload_engine.testing import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
 
 GROUPS = (((0, 240), (1, 240)), ((2, 160),))
 

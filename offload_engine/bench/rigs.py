@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 
 from offload_engine import runtimes
+from offload_engine.bench.caches import poisoned_tier, random_host_cache
 from offload_engine.errors import RuntimeUnavailableError
 from offload_engine.handlers.base import TransferHandler
 from offload_engine.handlers.device import (
@@ -28,7 +29,6 @@ from offload_engine.handlers.device import (
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.layout import KVLayout, byte_view
 from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.testing import poisoned_tier, random_host_cache
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockIdsLike,

@@ -27,7 +27,7 @@ wants 4 KiB-aligned addresses, and torch's allocator aligns large buffers to
 64 bytes only, so each registration is widened to whole pages. The release
 call keeps the tensor alive until its pages are unregistered.
 
-Everything here is tested on CPU through :mod:`offload_engine.runtimes.fake_npu`
+Everything here is tested on CPU through :mod:`offload_engine.testing`
 (a fake ``torch.npu`` and a fake ``libascendcl``); nothing has run on Ascend
 hardware. See ``docs/npu.md``.
 """

@@ -51,7 +51,6 @@ import numpy as np
 import torch
 
 from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES
-from offload_engine.runtimes.fake import FakeEvent, SerialStream
 from offload_engine.runtimes.npu import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
@@ -69,6 +68,7 @@ from offload_engine.runtimes.npu import (
     AclMemcpyBatchAttr,
     NpuRuntime,
 )
+from offload_engine.testing._fake_runtime import FakeEvent, SerialStream
 
 ACL_SUCCESS = 0
 ACL_ERROR_INVALID_PARAM = 100000
