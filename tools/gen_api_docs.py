@@ -91,8 +91,8 @@ MODULE_SECTIONS: list[tuple[str, str | None]] = [
 def module_members(module: ModuleType) -> list[object]:
     """Public classes and functions of ``module``, in source order (grouped by defining module).
 
-A package with ``__all__`` (``offload_engine.testing``) contributes what it exports;
-a plain module what it defines (not what it imports)."""
+    A package with ``__all__`` (``offload_engine.testing``) contributes what it exports;
+    a plain module what it defines (not what it imports)."""
     exported = getattr(module, "__all__", None)
     if exported is not None:  # a package with a curated facade: what it exports
         found = [
