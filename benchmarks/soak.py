@@ -67,8 +67,8 @@ from offload_engine import (
     cpu_blocks,
 )
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
@@ -335,7 +335,7 @@ def main() -> int:
         runtime,
         dev_layout,
         dev_tier,
-        DeviceHandlerConfig(strategy=Strategy.STAGED, staging_bytes=12 * dev_layout.slot_bytes),
+        DeviceHandlerConfig(strategy=CopyStrategy.STAGED, staging_bytes=12 * dev_layout.slot_bytes),
     )
     faulty_plan = FaultPlan(Medium.GPU, Medium.CPU)
     sync_ledger = Ledger()

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from offload_engine import Medium, runtimes
-from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig, open_rig
+from offload_engine.bench.cuda import open_rig
+from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.cli import EXIT_UNAVAILABLE, main
 from offload_engine.cli._demo import run_demo
 from offload_engine.runtimes import RuntimeInfo

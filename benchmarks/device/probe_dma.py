@@ -14,8 +14,8 @@ import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
@@ -96,7 +96,9 @@ release()
 layers = [torch.randn(2, 1200, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
 layout = KVLayout.flash_attention(layers)
 tier = pinned_host_tier(rt, layout, 1200)
-store, load = make_device_handlers(rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.STAGED))
+store, load = make_device_handlers(
+    rt, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.STAGED)
+)
 with SyncOffloadingEngine([store, load]) as engine:
     for label, per_job, jobs in (("8-block", 8, 200), ("512-block", 512, 6)):
         specs = []

@@ -5,7 +5,7 @@ One class serves one direction: a **store** handler for ``(device, CPU)`` and a
 pair over one layout and one tier. The runtime (CUDA, NPU, fake) supplies
 streams, events and copies; this module holds the logic they share.
 
-Strategies, chosen per job (``Strategy.AUTO``) or forced:
+Strategies, chosen per job (``CopyStrategy.AUTO``) or forced:
 
 * ``dma``: every (block, region) chunk becomes a copy descriptor; neighbours
   that continue each other are merged; the runtime issues batched copies of at
@@ -81,7 +81,7 @@ from offload_engine.vocabulary import (
 _STOP = object()
 
 
-class Strategy(enum.Enum):
+class CopyStrategy(enum.Enum):
     AUTO = "auto"
     DMA = "dma"
     STAGED = "staged"
@@ -104,7 +104,7 @@ class DeviceHandlerConfig:
     by the engine before reporting the device broken.
     """
 
-    strategy: Strategy = Strategy.AUTO
+    strategy: CopyStrategy = CopyStrategy.AUTO
     staging_bytes: int = 256 << 20
     staging_buffers: int = 2
     dma_min_chunk_bytes: int = 512 << 10
@@ -113,8 +113,8 @@ class DeviceHandlerConfig:
     close_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.strategy, Strategy):
-            raise ConfigError(f"strategy must be a Strategy, got {self.strategy!r}")
+        if not isinstance(self.strategy, CopyStrategy):
+            raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
         for key in ("staging_bytes", "dma_min_chunk_bytes"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -139,7 +139,7 @@ class DevicePlan:
 
     groups: list[GroupMapping]
     nbytes: int
-    strategy: Strategy
+    strategy: CopyStrategy
     ready: Any  # event recorded on the submitter's current stream
     events: list[Any] = field(default_factory=list)  # handed back to the pool when done
     # one event at the end of each stream the job used; the watcher checks them all,
@@ -233,13 +233,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             if config.staging_bytes and block_copies
             else 0
         )
-        if config.strategy is Strategy.STAGED and rows < 1:
+        if config.strategy is CopyStrategy.STAGED and rows < 1:
             raise ConfigError(
                 f"the staged strategy needs block copies on the {runtime.name} runtime with "
                 f"{align}-byte aligned regions, and staging_bytes >= {config.staging_buffers} x "
                 f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
             )
-        if config.strategy is Strategy.KERNEL and not (
+        if config.strategy is CopyStrategy.KERNEL and not (
             runtime.supports_kernel_strategy and aligned
         ):
             raise ConfigError(
@@ -249,9 +249,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._stage_rows = rows
         min_region = min(r.size for g in layout.groups for r in g)
         self._auto = (
-            Strategy.DMA
+            CopyStrategy.DMA
             if min_region >= config.dma_min_chunk_bytes or rows < 1
-            else Strategy.STAGED
+            else CopyStrategy.STAGED
         )
         self._events: list[Any] = []
         self._events_lock = threading.Lock()
@@ -350,7 +350,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def prepare(self, spec: TransferSpec) -> DevicePlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
         groups, nbytes = job.groups, job.nbytes
-        strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto
+        strategy = (
+            self.config.strategy if self.config.strategy is not CopyStrategy.AUTO else self._auto
+        )
         ready = self._event()
         self.runtime.record(ready, self.runtime.current_stream())
         return DevicePlan(groups, nbytes, strategy, ready, [ready])
@@ -381,15 +383,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         rt = self.runtime
         sm, dmas = self._pool[self._seq % len(self._pool)]
         self._seq += 1
-        if plan.strategy is Strategy.STAGED:
+        if plan.strategy is CopyStrategy.STAGED:
             self._enqueue_staged(plan, sm, dmas)
             return
-        stream = dmas[0] if plan.strategy is Strategy.DMA else sm
+        stream = dmas[0] if plan.strategy is CopyStrategy.DMA else sm
         rt.wait_event(stream, plan.ready)
         if self._last_effect is not None:
             rt.wait_event(stream, self._last_effect)
         for m in plan.groups:
-            if plan.strategy is Strategy.DMA:
+            if plan.strategy is CopyStrategy.DMA:
                 dst, src, sizes = chunk_descriptors(
                     self.layout.region_tables(m.group),
                     m.cache_ids,
