@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from offload_engine._checks import check_int
 from offload_engine.errors import BlockCountMismatchError, InvalidBlockIdsError, LayoutError
 from offload_engine.vocabulary import BlockIds, CacheBlocks, TierBlocks
 
@@ -213,8 +214,7 @@ class KVLayout:
                     raise TypeError(f"group {g}: {r!r} is not a Region of ints")
         if not groups or any(not g for g in groups):
             raise LayoutError("a layout needs at least one group, each with a region")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        check_int(num_blocks, "num_blocks", error=LayoutError)
         device = tensors[0].device
         for i, t in enumerate(tensors):
             if t.device != device:

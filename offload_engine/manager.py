@@ -42,6 +42,7 @@ from typing import Any, Final
 import anyio
 import anyio.lowlevel
 
+from offload_engine._checks import check_int, check_seconds
 from offload_engine._deadlines import Deadlines
 from offload_engine._jobs import DONE, INFLIGHT, QUEUED, Job, Route
 from offload_engine._loop import LoopBridge
@@ -122,8 +123,7 @@ class OffloadingQueueManager:
         capacity: int = 4096,
         default_timeout: float | None = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        check_int(capacity, "capacity", error=ValueError)
         if default_timeout is not None and not default_timeout > 0:
             raise ValueError(f"default_timeout must be positive, got {default_timeout!r}")
         self._lock = threading.Lock()
@@ -170,10 +170,9 @@ class OffloadingQueueManager:
                 f"{type(handler).__name__}: src and dst must be Medium members, "
                 f"got {pair[0]!r} -> {pair[1]!r}"
             )
-        if isinstance(handler.max_inflight, bool) or not (
-            isinstance(handler.max_inflight, int) and handler.max_inflight >= 1
-        ):
-            raise HandlerRegistrationError(f"{handler!r}: max_inflight must be an int >= 1")
+        check_int(
+            handler.max_inflight, f"{handler!r}: max_inflight", error=HandlerRegistrationError
+        )
         with self._lock:
             if self._state in (_CLOSING, _CLOSED):
                 raise EngineClosedError("cannot register a handler on a closed engine")
@@ -507,8 +506,8 @@ class OffloadingQueueManager:
             check_job_id(job_id)
         if timeout is None:
             timeout = self._default_timeout
-        elif isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        else:
+            check_seconds(timeout, "timeout", error=ValueError)
         route = self._route_for(spec)
         prepared = route.handler.prepare(spec)
         return route, prepared, timeout

@@ -53,14 +53,13 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import numpy as np
 import torch
 
-from offload_engine._loop import ThreadSignal
+from offload_engine._checks import check_int, check_seconds
+from offload_engine._loop import ThreadSignal, join_threads
 from offload_engine.errors import (
     ConfigError,
-    EngineBrokenError,
     LayoutError,
 )
 from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
@@ -117,20 +116,14 @@ class DeviceHandlerConfig:
             raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
         for key in ("staging_bytes", "dma_min_chunk_bytes"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
-        if self.streams is not None and (
-            isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1
-        ):
-            raise ConfigError(f"streams must be None or an int >= 1, got {self.streams!r}")
+            check_int(value, key, minimum=0)
+        if self.streams is not None:
+            check_int(self.streams, "streams (or None)")
         for key in ("max_inflight", "staging_buffers"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, key), key)
         if self.staging_buffers < 2:
             raise ConfigError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
-        if not self.close_timeout > 0:
-            raise ConfigError(f"close_timeout must be positive, got {self.close_timeout!r}")
+        check_seconds(self.close_timeout, "close_timeout")
 
 
 @dataclass
@@ -316,15 +309,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             return
         self._started = False
         self._launch_q.put(_STOP)  # the launcher passes it on to the watcher
-        with anyio.move_on_after(self.config.close_timeout):
-            await self._threads_done.wait()
-        if not self._threads_done.is_set():
-            raise EngineBrokenError(
-                f"{self.name}: device work did not finish within {self.config.close_timeout}s of "
-                "close; the device may be hung"
-            )
-        for t in self._threads:
-            t.join()
+        await join_threads(
+            self._threads,
+            self._threads_done,
+            self.config.close_timeout,
+            f"of {self.name} still waiting on device work (the device may be hung)",
+        )
         self._staging = None
         self._views = []
         self._tables.clear()
@@ -545,8 +535,7 @@ def pinned_host_tier(
             f"{type(runtime).__name__} and {type(layout).__name__}"
         )
     for key, value in (("num_blocks", num_blocks), ("factor", factor)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"pinned_host_tier {key} must be a positive int, got {value!r}")
+        check_int(value, f"pinned_host_tier {key}")
     rows = num_blocks * factor
     memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
     unpin = runtime.pin_host(memory)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import abc
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -223,3 +223,15 @@ def pin_chunks(
     step = rows * row_bytes
     for offset in range(0, total, step):
         yield offset, min(step, total - offset)
+
+
+def spans_cover(spans: Iterable[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``(address, size)`` registrations cover ``[start, end)`` without a gap
+    (a range may run across consecutive registrations of one tensor)."""
+    pos = start
+    for lo, size in sorted(spans):
+        if lo <= pos < lo + size:
+            pos = lo + size
+            if pos >= end:
+                return True
+    return False

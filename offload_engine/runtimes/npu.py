@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offload_engine._checks import check_int
 from offload_engine.errors import ConfigError, RuntimeUnavailableError, TransferError
 from offload_engine.runtimes.base import (
     I64,
@@ -55,6 +56,7 @@ from offload_engine.runtimes.base import (
     DeviceRuntime,
     TorchStyleEvents,
     pin_chunks,
+    spans_cover,
     torch_block_copy,
 )
 from offload_engine.vocabulary import Medium
@@ -301,22 +303,8 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
         npu: Any = None,
         acl_library: Any = None,
     ) -> None:
-        if (
-            isinstance(max_batch, bool)
-            or not isinstance(max_batch, int)
-            or not 1 <= max_batch <= ACL_MAX_BATCH
-        ):
-            raise ConfigError(
-                f"max_batch must be an int in [1, {ACL_MAX_BATCH}], got {max_batch!r}"
-            )
-        if (
-            isinstance(pin_chunk_bytes, bool)
-            or not isinstance(pin_chunk_bytes, int)
-            or pin_chunk_bytes < 4 * HOST_PAGE_BYTES
-        ):
-            raise ConfigError(
-                f"pin_chunk_bytes must be an int >= {4 * HOST_PAGE_BYTES}, got {pin_chunk_bytes!r}"
-            )
+        check_int(max_batch, "max_batch", maximum=ACL_MAX_BATCH)
+        check_int(pin_chunk_bytes, "pin_chunk_bytes", minimum=4 * HOST_PAGE_BYTES)
         if npu is None:
             npu = load_torch_npu()
         if not npu.is_available():
@@ -460,14 +448,8 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
     def _is_registered(self, start: int, end: int) -> bool:
         # a range may span consecutive registrations of one tensor
         with self._lock:
-            spans = sorted((a, size) for a, (size, _) in self._pinned.items())
-        pos = start
-        for lo, size in spans:
-            if lo <= pos < lo + size:
-                pos = lo + size
-                if pos >= end:
-                    return True
-        return False
+            spans = [(a, size) for a, (size, _) in self._pinned.items()]
+        return spans_cover(spans, start, end)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != "cpu":

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES
+from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES, spans_cover
 from offload_engine.runtimes.npu import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
@@ -635,14 +635,8 @@ class FakeAscend:
 
     def is_registered_range(self, start: int, end: int) -> bool:
         with self._lock:
-            spans = sorted(self._registered.items())
-        pos = start
-        for lo, n in spans:
-            if lo <= pos < lo + n:
-                pos = lo + n
-                if pos >= end:
-                    return True
-        return False
+            spans = list(self._registered.items())
+        return spans_cover(spans, start, end)
 
     # ------------------------------------------------------------ lifecycle
 

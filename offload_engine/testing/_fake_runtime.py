@@ -39,6 +39,7 @@ from offload_engine.runtimes.base import (
     CopyKind,
     DeviceRuntime,
     pin_chunks,
+    spans_cover,
 )
 from offload_engine.vocabulary import Medium
 
@@ -262,14 +263,8 @@ class FakeRuntime(DeviceRuntime):
     def _is_pinned_range(self, start: int, end: int) -> bool:
         # a range may span consecutive chunks of one registration
         with self._lock:
-            spans = sorted(self._pinned.values())
-        pos = start
-        for lo, hi in spans:
-            if lo <= pos < hi:
-                pos = hi
-                if pos >= end:
-                    return True
-        return False
+            spans = [(lo, hi - lo) for lo, hi in self._pinned.values()]
+        return spans_cover(spans, start, end)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         start = tensor.data_ptr()
