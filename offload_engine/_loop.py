@@ -46,13 +46,6 @@ class LoopBridge:
         except RuntimeError as exc:  # asyncio: loop closed; trio: run finished
             raise EngineBrokenError("the engine's event loop is no longer running") from exc
 
-    def call(self, fn: Callable[..., object], *args: Any) -> None:
-        """Run ``fn(*args)`` now if on the loop thread, else schedule it."""
-        if threading.get_ident() == self.thread_id:
-            fn(*args)
-        else:
-            self.call_soon(fn, *args)
-
 
 class ThreadSignal:
     """A one-shot signal set from any thread and awaited on the loop.

@@ -2,47 +2,21 @@
 
 One class serves one direction: a **store** handler for ``(device, CPU)`` and a
 **load** handler for ``(CPU, device)``; :func:`make_device_handlers` builds the
-pair over one layout and one tier. The runtime (CUDA, NPU, fake) supplies
-streams, events and copies; this module holds the logic they share.
+pair over one layout and one tier, :func:`pinned_host_tier` the tier. The
+runtime (CUDA, NPU, fake) supplies streams, events and copies; this module
+holds the logic they share. A job is copied by one :class:`CopyStrategy`,
+chosen per job (``AUTO``) or forced: ``DMA`` (merged batched copy
+descriptors), ``STAGED`` (gather on the device into slot-shaped staging, then
+DMA whole slots; double-buffered) or ``KERNEL`` (an SM copy to mapped pinned
+memory).
 
-Strategies, chosen per job (``CopyStrategy.AUTO``) or forced:
-
-* ``dma``: every (block, region) chunk becomes a copy descriptor; neighbours
-  that continue each other are merged; the runtime issues batched copies of at
-  most ``max_batch`` descriptors. Best when chunks are large already.
-* ``staged``: a store gathers the job's chunks on the device into a staging
-  buffer laid out like tier slots (each block contiguous across layers), then
-  DMAs whole slots to the host; a load DMAs slots into staging and scatters
-  them on the device. Staging is double-buffered: piece *i+1* is gathered while
-  piece *i* is on the copy engine. Best for scattered small chunks.
-* ``kernel``: an SM copy straight between the cache and mapped pinned host
-  memory; no staging memory, but it occupies SMs that concurrent compute wants.
-
-Correctness rules:
-
-* At submit (:meth:`DeviceCopyHandler.prepare`, in the caller's thread) an
-  event is recorded on the caller's current stream; the job's first operation
-  waits on it, so a store never reads blocks the model is still writing and a
-  load never races pending writes (such as zeroing) to its destination blocks.
-* Each handler has its own streams: a high-priority one for device-side
-  copies and two for DMA. A single stream's queue degrades past ~1000 entries
-  (vLLM #29013); with the batched driver call a job adds a handful of entries
-  and ``max_inflight`` bounds the jobs queued, so one set suffices. Where
-  every copy is its own driver call (no batched API), jobs rotate over a pool
-  of four sets instead. (Rotating sets on the H100 made staged loads under a
-  concurrent GEMM collapse to 0.18 of the ceiling in some buffer counts; one
-  set did not.) A job's writes wait for the previous job's writes, so the jobs
-  of one handler take effect in submission order (and finish in that order);
-  the other half of a staged job (a store's gather, a load's DMA into
-  staging) runs ahead as far as the staging buffers allow.
-* Device-side copies go on a high-priority stream, so a concurrent GEMM does
-  not hold up the pipeline behind them.
-* ``launch`` only queues the job. A launcher thread enqueues its device work
-  (descriptor arithmetic and driver calls, which release the GIL, so a store
-  and a load handler enqueue in parallel and the event loop never waits on
-  the driver). A watcher thread sleeps in ``synchronize`` on each job's
-  events, in order, and reports through ``job.succeed``/``job.fail``. Nothing
-  polls.
+At submit, :meth:`DeviceCopyHandler.prepare` records an event on the caller's
+current stream and the job's first operation waits on it. ``launch`` only
+queues the job: a launcher thread enqueues the device work and a watcher
+thread sleeps on the job's events and reports. Device-side copies ask for a
+high-priority stream; runtimes without stream priorities (NPU) ignore it.
+``docs/cuda.md`` explains the strategies, the stream sets and the measurements
+behind them.
 """
 
 from __future__ import annotations

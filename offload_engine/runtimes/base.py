@@ -17,7 +17,6 @@ from __future__ import annotations
 import abc
 import enum
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,15 +102,13 @@ class DeviceRuntime(abc.ABC):
     device: torch.device
     #: descriptors per batched-copy call (drivers fault or refuse above their cap)
     max_batch: int = 4096
-    #: whether streams accept a priority (NPU: no)
-    supports_priority: bool = True
 
     # -- streams and events ----------------------------------------------------
 
     @abc.abstractmethod
     def new_stream(self, priority: int = 0) -> Any:
         """A new non-default stream (never the legacy default stream). A negative
-        ``priority`` asks for a higher one where :attr:`supports_priority`."""
+        ``priority`` asks for a higher one where the device has priorities (NPU: ignored)."""
 
     @abc.abstractmethod
     def current_stream(self) -> Any:
@@ -130,16 +127,8 @@ class DeviceRuntime(abc.ABC):
         """Make later work on ``stream`` wait for ``event``'s latest record."""
 
     @abc.abstractmethod
-    def query(self, event: Any) -> bool:
-        """True once the event's recorded work has finished. Never blocks."""
-
-    @abc.abstractmethod
     def synchronize(self, event: Any) -> None:
         """Block until the event's recorded work has finished; raise if it failed."""
-
-    @abc.abstractmethod
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        """Make ``stream`` current for torch work issued inside the block."""
 
     # -- memory ----------------------------------------------------------------
 
@@ -206,9 +195,6 @@ class TorchStyleEvents:
 
     def wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
-
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
 
     def synchronize(self, event: Any) -> None:
         event.synchronize()

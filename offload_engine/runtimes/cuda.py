@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -191,9 +190,6 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     def new_event(self) -> torch.cuda.Event:
         return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
 
     # ------------------------------------------------------------ memory
 

@@ -1,7 +1,7 @@
 """Ascend NPU runtime: torch_npu for streams and events, CANN's ACL for copies and pinning.
 
 Streams, events and the current stream come from ``torch.npu`` (torch_npu);
-stream priorities are not used (``supports_priority`` is False). Batched
+stream priorities are not used (NPU streams have none; a priority is ignored). Batched
 copies go through ``aclrtMemcpyBatchAsync`` (CANN 8.5 and later), called with
 ``ctypes`` on ``libascendcl.so`` with the numpy descriptor arrays' buffers:
 there is no maintained Python binding for it. Where the symbol is missing
@@ -39,7 +39,6 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -291,7 +290,6 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
 
     name = "npu"
     medium = Medium.NPU
-    supports_priority = False
 
     def __init__(
         self,
@@ -368,9 +366,6 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
 
     def new_event(self) -> Any:
         return self._npu.Event()
-
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        return self._npu.stream(stream)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------ memory
 

@@ -24,7 +24,6 @@ import itertools
 import queue
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,7 +155,6 @@ class FakeRuntime(DeviceRuntime):
         self._streams: list[FakeStream] = []
         self._device_ranges: list[tuple[int, int]] = []
         self._pinned: dict[int, tuple[int, int]] = {}  # registration start -> (start, end)
-        self._local = threading.local()
         self._fail_next: dict[str, BaseException] = {}
         self._hang_next: set[str] = set()
         self._release = threading.Event()
@@ -178,17 +176,7 @@ class FakeRuntime(DeviceRuntime):
         return stream
 
     def current_stream(self) -> FakeStream:
-        stream: FakeStream | None = getattr(self._local, "stream", None)
-        return stream if stream is not None else self.compute
-
-    @contextmanager
-    def stream_context(self, stream: Any) -> Iterator[FakeStream]:
-        previous = getattr(self._local, "stream", None)
-        self._local.stream = stream
-        try:
-            yield stream
-        finally:
-            self._local.stream = previous
+        return self.compute
 
     def new_event(self) -> FakeEvent:
         return FakeEvent(threading.Lock())
@@ -203,9 +191,6 @@ class FakeRuntime(DeviceRuntime):
         generation = event.recorded
         if generation:
             stream.enqueue(lambda: event.wait_for(generation))
-
-    def query(self, event: Any) -> bool:
-        return bool(event.completed >= event.recorded)
 
     def synchronize(self, event: Any) -> None:
         with event._cond:
