@@ -162,7 +162,7 @@ def map_transfer(
     )
     check_destinations(
         groups,
-        store=direction is Direction.STORE,
+        direction=direction,
         aliases=layout.group_aliases,
         factor=tier.factor,
     )

@@ -71,6 +71,22 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "HostCopyHandler",
         ],
     ),
+    (
+        "Device path",
+        "KV cache on an accelerator <-> pinned host tier: the device handler, its configuration "
+        "and strategies, and the runtimes it is written against. `CudaRuntime` and `NpuRuntime` "
+        "are imported on first use, so `import offload_engine` loads neither.",
+        [
+            "DeviceCopyHandler",
+            "DeviceHandlerConfig",
+            "CopyStrategy",
+            "make_device_handlers",
+            "pinned_host_tier",
+            "DeviceRuntime",
+            "CudaRuntime",
+            "NpuRuntime",
+        ],
+    ),
     ("Statistics", "Snapshots returned by `stats()`.", ["EngineStats", "HandlerStats"]),
 ]
 ERRORS_TITLE = "Errors"

@@ -40,8 +40,8 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import CopyKind
 from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.vocabulary import Direction
 
 LAYERS, HEADS, DIM = 32, 8, 128
 STRATEGIES = (CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL)
@@ -82,7 +82,7 @@ def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict
     def batched(direction: str) -> None:
         d = np.uint64(dev[0 if direction == "store" else 1].data_ptr()) + offs
         h = np.uint64(host[0 if direction == "store" else 1].data_ptr()) + offs
-        kind = CopyKind.DEVICE_TO_HOST if direction == "store" else CopyKind.HOST_TO_DEVICE
+        kind = Direction.STORE if direction == "store" else Direction.LOAD
         dst, src = (h, d) if direction == "store" else (d, h)
         base = 0 if direction == "store" else 2
         for k in range(2):

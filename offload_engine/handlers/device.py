@@ -43,7 +43,7 @@ from offload_engine.layout import (
     chunk_descriptors,
     slot_descriptors,
 )
-from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime
+from offload_engine.runtimes.base import BlockCopy, DeviceRuntime
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
@@ -176,13 +176,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.tier = tier
         self.config = config
         self.direction = direction
-        self.store = direction is Direction.STORE
-        self.src, self.dst = (
-            (runtime.medium, Medium.CPU) if self.store else (Medium.CPU, runtime.medium)
-        )
+        store = direction is Direction.STORE
+        self._store = store  # the direction, as a flag for the per-job branches
+        self.src, self.dst = (runtime.medium, Medium.CPU) if store else (Medium.CPU, runtime.medium)
         self.ordered = True
         self.max_inflight = config.max_inflight
-        self._copy_kind = CopyKind.DEVICE_TO_HOST if self.store else CopyKind.HOST_TO_DEVICE
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
@@ -362,9 +360,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     m.slots,
                     tier_base=self.tier.memory.data_ptr(),
                     slot_bytes=self.tier.slot_bytes,
-                    store=self.store,
+                    direction=self.direction,
                 )
-                rt.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
+                rt.memcpy_batch(stream, dst, src, sizes, self.direction)
             else:
                 ids = rt.upload(stream, m.cache_ids)
                 slots = rt.upload(stream, m.slots)
@@ -407,7 +405,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 count=hi - lo,
                 slot_base=slots.data_ptr(),
                 slot_bytes=row_bytes,
-                to_slots=self.store,
+                direction=self.direction,
                 cache_views=self._views[m.group],
                 slot_view=slots.view(-1, row_bytes),
                 slot_offsets=self.layout.slot_offsets[m.group],
@@ -431,7 +429,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             raise ConfigError("no staging memory")
         rt.wait_event(sm, plan.ready)
         if self._last_effect is not None:
-            for stream in dmas if self.store else (sm,):
+            for stream in dmas if self._store else (sm,):
                 rt.wait_event(stream, self._last_effect)
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
@@ -443,7 +441,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 b = staging.take()
                 self._pieces += 1
                 dma = dmas[self._pieces % 2]
-                first, second = (sm, dma) if self.store else (dma, sm)
+                first, second = (sm, dma) if self._store else (dma, sm)
                 buffer = staging.buffers[b]
                 dst, src, sizes = slot_descriptors(
                     hi - lo,
@@ -453,27 +451,27 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     tier_base=self.tier.memory.data_ptr(),
                     slot_bytes=self.tier.slot_bytes,
                     used_bytes=self.layout.group_bytes[m.group],
-                    store=self.store,
+                    direction=self.direction,
                 )
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
-                if self.store:
+                if self._store:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 else:
-                    rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
+                    rt.memcpy_batch(dma, dst, src, sizes, self.direction)
                 full = self._mark(plan, first)
                 rt.wait_event(second, full)
-                if self.store:
-                    rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
+                if self._store:
+                    rt.memcpy_batch(dma, dst, src, sizes, self.direction)
                 else:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 staging.free[b] = end = self._mark(plan, second)
                 last[self._pieces % 2] = end
-        if self.store and len(last) == 2:  # join both DMA streams into one end event
+        if self._store and len(last) == 2:  # join both DMA streams into one end event
             rt.wait_event(dmas[0], last[1])
             end = self._mark(plan, dmas[0])
         elif end is None:  # an empty job still takes its place in the order
-            end = self._mark(plan, dmas[0] if self.store else sm)
+            end = self._mark(plan, dmas[0] if self._store else sm)
         self._last_effect = end
 
     # ------------------------------------------------------------ completion

@@ -15,7 +15,6 @@ blocks except :meth:`DeviceRuntime.synchronize`.
 from __future__ import annotations
 
 import abc
-import enum
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,20 +23,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
 # Bound on one host registration: a single registration of 512 GiB or more fails.
 MAX_PIN_CHUNK_BYTES = 64 << 30
-
-
-class CopyKind(enum.Enum):
-    """Which way a batched copy goes (it sets ordering hints)."""
-
-    DEVICE_TO_HOST = "d2h"
-    HOST_TO_DEVICE = "h2d"
 
 
 @dataclass(frozen=True)
@@ -47,8 +39,8 @@ class BlockCopy:
     For each block ``i`` and each region ``r`` of the group: the bytes at
     ``region_base[r] + cache_ids[i] * region_stride[r]`` (``region_size[r]``
     bytes) pair with the bytes at ``slot_base + slot_ids[i] * slot_bytes +
-    slot_offset[r]``. ``to_slots`` copies regions -> slots (a gather, for a
-    store), otherwise slots -> regions (a scatter, for a load).
+    slot_offset[r]``. A ``STORE`` copies regions -> slots (a gather), a
+    ``LOAD`` slots -> regions (a scatter).
 
     ``region_*`` and ``cache_ids``/``slot_ids`` are device tensors (int64)
     prepared by :meth:`DeviceRuntime.upload`; ``slot_ids`` ``None`` means
@@ -69,7 +61,7 @@ class BlockCopy:
     count: int
     slot_base: int
     slot_bytes: int
-    to_slots: bool
+    direction: Direction
     cache_views: tuple[torch.Tensor, ...] = ()
     slot_view: torch.Tensor | None = None
     slot_offsets: tuple[int, ...] = ()
@@ -88,7 +80,7 @@ def torch_block_copy(copy: BlockCopy) -> None:
     )
     for view, offset in zip(copy.cache_views, copy.slot_offsets, strict=True):
         slots = copy.slot_view[:, offset : offset + view.shape[1]]
-        if copy.to_slots:
+        if copy.direction is Direction.STORE:
             slots.index_copy_(0, rows, view.index_select(0, copy.cache_ids))
         else:
             view.index_copy_(0, copy.cache_ids, slots.index_select(0, rows))
@@ -156,7 +148,7 @@ class DeviceRuntime(abc.ABC):
     # -- copies ----------------------------------------------------------------
 
     @abc.abstractmethod
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         """Enqueue ``len(sizes)`` copies on ``stream``, in calls of at most
         :attr:`max_batch` descriptors (or one call per copy where the batched
         API is missing). Returns the number of driver calls made."""

@@ -31,13 +31,12 @@ from offload_engine.runtimes.base import (
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -158,12 +157,12 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             else:
                 self._kernel = launch_block_copy
         self._local = threading.local()
-        self._attrs: dict[CopyKind, _MemcpyAttributes] = {}
+        self._attrs: dict[Direction, _MemcpyAttributes] = {}
         index = self.device.index or 0
-        for kind in CopyKind:
+        for kind in (Direction.STORE, Direction.LOAD):
             dev = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index)
             host = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
-            src, dst = (dev, host) if kind is CopyKind.DEVICE_TO_HOST else (host, dev)
+            src, dst = (dev, host) if kind is Direction.STORE else (host, dev)
             self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
@@ -232,7 +231,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         self._bind_thread()
         n = int(sizes.shape[0])
         if n == 0:

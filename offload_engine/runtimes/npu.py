@@ -51,14 +51,13 @@ from offload_engine.runtimes.base import (
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     TorchStyleEvents,
     pin_chunks,
     spans_cover,
     torch_block_copy,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 #: descriptors per aclrtMemcpyBatchAsync call, at most
 ACL_MAX_BATCH = 4096
@@ -332,11 +331,11 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
         self.batched = batched and self._acl.batch is not None
         self._local = threading.local()
         self._pinned: dict[int, list[int]] = {}  # registration address -> [size, users]
-        self._attrs: dict[CopyKind, AclMemcpyBatchAttr] = {}
+        self._attrs: dict[Direction, AclMemcpyBatchAttr] = {}
         dev = AclMemLocation(index, ACL_MEM_LOCATION_TYPE_DEVICE)
         host = AclMemLocation(0, ACL_MEM_LOCATION_TYPE_HOST)
-        self._attrs[CopyKind.DEVICE_TO_HOST] = AclMemcpyBatchAttr(dstLoc=host, srcLoc=dev)
-        self._attrs[CopyKind.HOST_TO_DEVICE] = AclMemcpyBatchAttr(dstLoc=dev, srcLoc=host)
+        self._attrs[Direction.STORE] = AclMemcpyBatchAttr(dstLoc=host, srcLoc=dev)
+        self._attrs[Direction.LOAD] = AclMemcpyBatchAttr(dstLoc=dev, srcLoc=host)
         self._attr_index = (ctypes.c_size_t * 1)(0)  # one attribute for the whole batch
 
     def _device_for(self, index: int) -> torch.device:
@@ -460,7 +459,7 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         n = int(sizes.shape[0])
         if n == 0:
             return 0
@@ -506,9 +505,7 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
             return calls
         copy = self._acl.memcpy
         kind_value = (
-            ACL_MEMCPY_DEVICE_TO_HOST
-            if kind is CopyKind.DEVICE_TO_HOST
-            else ACL_MEMCPY_HOST_TO_DEVICE
+            ACL_MEMCPY_DEVICE_TO_HOST if kind is Direction.STORE else ACL_MEMCPY_HOST_TO_DEVICE
         )
         rest = zip(dst[done:].tolist(), src[done:].tolist(), sizes[done:].tolist(), strict=True)
         for i, (d, s, z) in enumerate(rest, start=done):

@@ -35,12 +35,11 @@ from offload_engine.runtimes.base import (
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     pin_chunks,
     spans_cover,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 _STOP = object()
 
@@ -124,7 +123,7 @@ class BatchCall:
     """One recorded batched-copy call."""
 
     stream: str
-    kind: CopyKind
+    kind: Direction
     count: int
     dst: tuple[int, ...]
     src: tuple[int, ...]
@@ -287,8 +286,8 @@ class FakeRuntime(DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def _check_dma(self, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> None:
-        host, dev = (dst, src) if kind is CopyKind.DEVICE_TO_HOST else (src, dst)
+    def _check_dma(self, dst: U64, src: U64, sizes: U64, kind: Direction) -> None:
+        host, dev = (dst, src) if kind is Direction.STORE else (src, dst)
         with self._lock:
             ranges = list(self._device_ranges)
         for h, d, n in zip(host.tolist(), dev.tolist(), sizes.tolist(), strict=True):
@@ -297,7 +296,7 @@ class FakeRuntime(DeviceRuntime):
             if not self._in_ranges(d, d + n, iter(ranges)):
                 raise FakeDeviceError(f"DMA from/to {d:#x}, which is not device memory")
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         n = int(sizes.shape[0])
         step = self.max_batch if self.batched else 1
         calls = 0
@@ -346,7 +345,7 @@ class FakeRuntime(DeviceRuntime):
                 row = copy.slot_base + sid * copy.slot_bytes
                 for b, st, z, off in zip(base, stride, size, offset, strict=True):
                     cache_addr = (b + cid * st) & 0xFFFFFFFFFFFFFFFF
-                    if copy.to_slots:
+                    if copy.direction is Direction.STORE:
                         ctypes.memmove(row + off, cache_addr, z)
                     else:
                         ctypes.memmove(cache_addr, row + off, z)

@@ -15,8 +15,8 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import CopyKind
 from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
+from offload_engine.vocabulary import Direction
 from tests.test_device_handler import round_trip
 
 pytestmark = [
@@ -86,13 +86,13 @@ def test_legacy_default_stream_falls_back_to_single_copies(cuda: object) -> None
         srcp = np.array([src[3 - i].data_ptr() for i in range(4)], dtype=np.uint64)
         sizes = np.full(4, 4096, dtype=np.uint64)
         stream = torch.cuda.default_stream()
-        calls = cuda.memcpy_batch(stream, dst, srcp, sizes, CopyKind.DEVICE_TO_HOST)  # type: ignore[attr-defined]
+        calls = cuda.memcpy_batch(stream, dst, srcp, sizes, Direction.STORE)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
         assert calls == 4
         assert torch.equal(host, src.flip(0).cpu())
         side = torch.cuda.Stream()
         host.zero_()
-        calls = cuda.memcpy_batch(side, dst, srcp, sizes, CopyKind.DEVICE_TO_HOST)  # type: ignore[attr-defined]
+        calls = cuda.memcpy_batch(side, dst, srcp, sizes, Direction.STORE)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
         assert calls == 1
         assert torch.equal(host, src.flip(0).cpu())
