@@ -85,9 +85,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+    # not cached here: the runtime module stays the one place the name is bound
+    return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:

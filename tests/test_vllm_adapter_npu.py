@@ -82,7 +82,7 @@ def d2h_bytes(ascend: FakeAscend) -> int:
 
 
 def test_the_npu_platform_builds_device_handlers_on_the_npu_runtime(ascend: FakeAscend) -> None:
-    assert platform.NPU_RUNTIME == "offload_engine.runtimes.npu:NpuRuntime"
+    assert platform.NPU_RUNTIME == "offload_engine:NpuRuntime"
     backend = select_backend(NpuPlatform())
     assert (backend.name, backend.cache_medium) == ("NPU", Medium.NPU)
     kv = kv_caches(ascend, 8)
