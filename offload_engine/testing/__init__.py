@@ -45,6 +45,7 @@ from offload_engine.testing._fake_npu import (
 from offload_engine.testing._fake_runtime import (
     BatchCall,
     FakeDeviceError,
+    FakeDeviceMemory,
     FakeEvent,
     FakeRuntime,
     FakeStream,
@@ -82,6 +83,7 @@ __all__ = [
     "FakeAscend",
     "FakeAscendCL",
     "FakeDeviceError",
+    "FakeDeviceMemory",
     "FakeEvent",
     "FakeHandler",
     "FakeNpuError",

@@ -23,7 +23,7 @@ import ctypes
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +130,27 @@ class BatchCall:
     sizes: tuple[int, ...]
 
 
+class FakeDeviceMemory:
+    """Host memory a fake hands out as "device memory", and the address ranges it
+    covers (so a fake can refuse a copy to or from anything else). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: list[tuple[int, int]] = []
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        start = t.data_ptr()
+        with self._lock:
+            self._ranges.append((start, start + t.numel() * t.element_size()))
+        return t
+
+    def holds(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` lies inside one tensor this memory handed out."""
+        with self._lock:
+            return any(lo <= start and end <= hi for lo, hi in self._ranges)
+
+
 class FakeRuntime(DeviceRuntime):
     """A runtime whose device is host memory and whose streams are threads."""
 
@@ -152,7 +173,7 @@ class FakeRuntime(DeviceRuntime):
         self._kernel_copies = kernel_copies
         self._lock = threading.Lock()
         self._streams: list[FakeStream] = []
-        self._device_ranges: list[tuple[int, int]] = []
+        self.device_memory = FakeDeviceMemory()
         self._pinned: dict[int, tuple[int, int]] = {}  # registration start -> (start, end)
         self._fail_next: dict[str, BaseException] = {}
         self._hang_next: set[str] = set()
@@ -207,20 +228,13 @@ class FakeRuntime(DeviceRuntime):
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A tensor in the fake's "device memory"."""
-        t = torch.empty(shape, dtype=dtype)
-        start = t.data_ptr()
-        with self._lock:
-            self._device_ranges.append((start, start + t.numel() * t.element_size()))
-        return t
-
-    def _in_ranges(self, start: int, end: int, ranges: Iterator[tuple[int, int]]) -> bool:
-        return any(lo <= start and end <= hi for lo, hi in ranges)
+        return self.device_memory.empty(shape, dtype)
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
         start = tensor.data_ptr()
-        end = start + max(tensor.numel() * tensor.element_size(), 1)
-        with self._lock:
-            return self._in_ranges(start, end, iter(self._device_ranges))
+        return self.device_memory.holds(
+            start, start + max(tensor.numel() * tensor.element_size(), 1)
+        )
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return self.empty((nbytes,))
@@ -288,12 +302,10 @@ class FakeRuntime(DeviceRuntime):
 
     def _check_dma(self, dst: U64, src: U64, sizes: U64, kind: Direction) -> None:
         host, dev = (dst, src) if kind is Direction.STORE else (src, dst)
-        with self._lock:
-            ranges = list(self._device_ranges)
         for h, d, n in zip(host.tolist(), dev.tolist(), sizes.tolist(), strict=True):
             if not self._is_pinned_range(h, h + n):
                 raise FakeDeviceError(f"DMA from/to host memory at {h:#x} that is not pinned")
-            if not self._in_ranges(d, d + n, iter(ranges)):
+            if not self.device_memory.holds(d, d + n):
                 raise FakeDeviceError(f"DMA from/to {d:#x}, which is not device memory")
 
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
