@@ -15,6 +15,7 @@ from typing import Any
 
 from connectors.vllm.spec import EngineOffloadingSpec
 from offload_engine.handlers.host import HostCopyHandler
+from offload_engine.vocabulary import Direction
 
 STORE_DELAY_S = 0.1
 
@@ -27,7 +28,7 @@ class SlowStoreEngineOffloadingSpec(EngineOffloadingSpec):
                 copy = handler.execute
 
                 def slow_execute(job: Any, copy: Any = copy) -> int:
-                    if job.prepared.store:
+                    if job.prepared.direction is Direction.STORE:
                         time.sleep(STORE_DELAY_S)
                     return int(copy(job))
 
