@@ -4,8 +4,9 @@ On this CPU machine a store of a few blocks finishes within the step that
 submitted it, so vLLM never finds a store still pending when it preempts a
 request or reuses a block, and never calls the worker's ``wait``. Real
 accelerators do. This spec (test-only) delays every store on the engine's
-worker thread by ``STORE_DELAY_S``, as a slow link would; nothing waits on the
-delay in the test itself.
+worker thread by ``STORE_DELAY_S``, as a slow link would (0.1 s was not always enough
+on a loaded 2-core machine, where one step can outlast it); nothing waits on
+the delay in the test itself.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from connectors.vllm.spec import EngineOffloadingSpec
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.vocabulary import Direction
 
-STORE_DELAY_S = 0.1
+STORE_DELAY_S = 0.25
 
 
 class SlowStoreEngineOffloadingSpec(EngineOffloadingSpec):
