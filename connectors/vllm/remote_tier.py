@@ -56,15 +56,20 @@ from vllm.v1.kv_offload.tiering.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from offload_engine.errors import (
+from offload_engine import (
     ConfigError,
+    HostTier,
     KeyMissError,
+    LayoutDigest,
     OffloadError,
+    RemoteTier,
     StoreUnavailableError,
+    SyncOffloadingEngine,
+    TransferResult,
+    TransferSpec,
+    cpu_blocks,
+    remote_blocks,
 )
-from offload_engine.handlers.remote import RemoteTier
-from offload_engine.hosts import SyncOffloadingEngine
-from offload_engine.keyed import LayoutDigest
 from offload_engine.stores import (
     MooncakeStore,
     MooncakeStoreConfig,
@@ -72,8 +77,6 @@ from offload_engine.stores import (
     RedisStoreConfig,
     RemoteStore,
 )
-from offload_engine.tier import HostTier
-from offload_engine.vocabulary import TransferResult, TransferSpec, cpu_blocks, remote_blocks
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

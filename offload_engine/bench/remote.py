@@ -38,12 +38,12 @@ import torch
 
 from offload_engine.errors import ConfigError, StoreError
 from offload_engine.handlers.remote import RemoteTier
-from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
 from offload_engine.stores.base import RemoteStore
 from offload_engine.stores.mooncake_store import MooncakeStore, MooncakeStoreConfig
 from offload_engine.stores.redis_store import RedisStore, RedisStoreConfig
 from offload_engine.stores.servers import MooncakeMaster, RedisServer
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, remote_blocks
 

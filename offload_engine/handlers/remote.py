@@ -50,7 +50,7 @@ from offload_engine.errors import (
     StoreUnavailableError,
     TrailerError,
 )
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.keyed import KeyedTransfer, LayoutDigest, Trailer, map_keyed
 from offload_engine.stores.base import RemoteStore

@@ -16,8 +16,7 @@ import sys
 
 import torch
 
-from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, remote_blocks
-from offload_engine.handlers.remote import RemoteTier
+from offload_engine import RemoteTier, SyncOffloadingEngine, TransferSpec, cpu_blocks, remote_blocks
 from offload_engine.stores import (
     MooncakeStore,
     MooncakeStoreConfig,

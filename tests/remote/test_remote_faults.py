@@ -13,13 +13,13 @@ import torch
 
 from offload_engine import (
     KeyMissError,
+    RemoteTier,
     SyncOffloadingEngine,
     TierUnavailableError,
     TransferError,
     TransferResult,
 )
 from offload_engine.errors import StoreAuthError, StoreUnavailableError
-from offload_engine.handlers.remote import RemoteTier
 from offload_engine.stores import RedisStore, RedisStoreConfig, RemoteStore
 from offload_engine.stores.base import Parts
 from offload_engine.stores.servers import (
