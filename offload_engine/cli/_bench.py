@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 from dataclasses import asdict
 from datetime import date
 from pathlib import Path
@@ -21,6 +20,7 @@ from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 from offload_engine.bench.rigs import RigShape
 from offload_engine.cli._console import progress_bar
+from offload_engine.cli._report import report_header
 
 SCHEMA = "offload-engine-bench/1"
 BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
@@ -79,22 +79,6 @@ def _latency_table(series: list[LatencySeries]) -> Any:
             f"{s.p99_ms:.3f}",
         )
     return table
-
-
-def report_header(
-    schema: str, args: argparse.Namespace, day: str, machine: dict[str, Any], label: str
-) -> dict[str, Any]:
-    """What every bench report starts with: schema, command, date, version, machine."""
-    from offload_engine import __version__
-
-    return {
-        "schema": schema,
-        "command": shlex.join(["offload-engine", *args.argv]),
-        "date": day,
-        "offload_engine": __version__,
-        "quick": args.quick,
-        "machine": {**machine, "label": label},
-    }
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -21,7 +21,7 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
 
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.remote import RemotePlan, run_remote_bench
-    from offload_engine.cli._bench import report_header
+    from offload_engine.cli._report import report_header
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
