@@ -80,6 +80,9 @@ class RemotePoint:
     raw_put_gbps: float
     raw_get_gbps: float
     submit_us_per_chunk: float
+    #: process CPU ms per MiB moved: engine put, raw put, engine get, raw get (all threads
+    #: of the benchmark's process; the servers' CPU is not counted)
+    cpu_ms_per_mib: tuple[float, float, float, float]
     redis_benchmark_set_gbps: float | None = None
     redis_benchmark_get_gbps: float | None = None
 
@@ -133,8 +136,8 @@ class _Holder:
             self.proc.stdout.close()
 
 
-def _threads(n: int, fn: Callable[[int], None]) -> float:
-    """Run ``fn(i)`` on ``n`` threads at once; return the wall seconds."""
+def _threads(n: int, fn: Callable[[int], None]) -> tuple[float, float]:
+    """Run ``fn(i)`` on ``n`` threads at once; return wall and process CPU seconds."""
     errors: list[BaseException] = []
 
     def run(i: int) -> None:
@@ -144,20 +147,20 @@ def _threads(n: int, fn: Callable[[int], None]) -> float:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise errors[0]
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _raw_case(
     backend: str, raw: Any, tier: HostTier, names: list[list[str]], concurrency: int
-) -> tuple[float, float]:
-    """The raw client moving the same chunks: seconds for all puts, then all gets."""
+) -> tuple[tuple[float, float], tuple[float, float]]:
+    """The raw client moving the same chunks: (wall, CPU) seconds for all puts, then all gets."""
     per_job = len(names[0])
 
     def chunks(job: int) -> list[torch.Tensor]:
@@ -209,8 +212,9 @@ def _raw_case(
 
 def _engine_case(
     remote: RemoteTier, keys: list[list[bytes]], concurrency: int
-) -> tuple[float, float, float]:
-    """The engine moving the chunks: put seconds, get seconds, submit CPU seconds."""
+) -> tuple[tuple[float, float], tuple[float, float], float]:
+    """The engine moving the chunks: (wall, CPU) seconds for the puts, then the gets,
+    and the submitting thread's CPU seconds."""
     per_job = len(keys[0])
     blocks = remote.tier.num_blocks
 
@@ -219,10 +223,10 @@ def _engine_case(
         return list(range(first, first + per_job))
 
     submit_cpu = 0.0
-    walls = []
+    walls: list[tuple[float, float]] = []
     with SyncOffloadingEngine(remote.handlers(), capacity=4 * concurrency + 4) as engine:
         for store in (True, False):
-            t0 = time.perf_counter()
+            t0, p0 = time.perf_counter(), time.process_time()
             pending: set[int] = set()
             for j in range(len(keys)):
                 while len(pending) >= concurrency:
@@ -241,7 +245,7 @@ def _engine_case(
             for r in engine.wait(sorted(pending)):
                 if not r.success:
                     raise StoreError(f"an engine job failed: {r.error!r}") from r.error
-            walls.append(time.perf_counter() - t0)
+            walls.append((time.perf_counter() - t0, time.process_time() - p0))
     return walls[0], walls[1], submit_cpu
 
 
@@ -324,6 +328,10 @@ def _connect(server: RedisServer | MooncakeMaster) -> RemoteStore:
     )
 
 
+def _best(a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    return min(a[0], b[0]), min(a[1], b[1])
+
+
 def _one_case(
     backend: str,
     server: RedisServer | MooncakeMaster,
@@ -339,8 +347,11 @@ def _one_case(
     keys = [[f"{tag}-{j}-{i}".encode() for i in range(per_job)] for j in range(n_jobs)]
     raw_names = [[f"raw:{k.decode()}" for k in ks] for ks in keys]
     total = n_jobs * per_job * chunk
+    mib = total / 2**20
     remote = RemoteTier(lambda: _connect(server), tier, digest, workers=conc)
-    put_s = get_s = raw_put = raw_get = submit_cpu = math.inf
+    inf = (math.inf, math.inf)
+    put_s = get_s = raw_put = raw_get = inf
+    submit_cpu = math.inf
     try:
         store = remote.store()
         raw = store.client  # the same client library, driven directly
@@ -352,8 +363,10 @@ def _one_case(
             store.remove([n for ks in keys for n in remote.names(ks)])
             r_put, r_get = _raw_case(backend, raw, tier, raw_names, conc)
             store.remove([n for ns in raw_names for n in ns])
-            put_s, get_s, submit_cpu = min(put_s, e_put), min(get_s, e_get), min(submit_cpu, e_cpu)
-            raw_put, raw_get = min(raw_put, r_put), min(raw_get, r_get)
+            # the best wall and the least CPU, each over the repetitions
+            put_s, get_s = _best(put_s, e_put), _best(get_s, e_get)
+            raw_put, raw_get = _best(raw_put, r_put), _best(raw_get, r_get)
+            submit_cpu = min(submit_cpu, e_cpu)
     finally:
         remote.close()
     rb = None
@@ -364,10 +377,16 @@ def _one_case(
         chunk_bytes=chunk,
         concurrency=conc,
         chunks=n_jobs * per_job,
-        engine_put_gbps=total / put_s / 1e9,
-        engine_get_gbps=total / get_s / 1e9,
-        raw_put_gbps=total / raw_put / 1e9,
-        raw_get_gbps=total / raw_get / 1e9,
+        engine_put_gbps=total / put_s[0] / 1e9,
+        engine_get_gbps=total / get_s[0] / 1e9,
+        raw_put_gbps=total / raw_put[0] / 1e9,
+        raw_get_gbps=total / raw_get[0] / 1e9,
+        cpu_ms_per_mib=(
+            put_s[1] * 1e3 / mib,
+            raw_put[1] * 1e3 / mib,
+            get_s[1] * 1e3 / mib,
+            raw_get[1] * 1e3 / mib,
+        ),
         submit_us_per_chunk=submit_cpu / (n_jobs * per_job) * 1e6,
         redis_benchmark_set_gbps=rb[0] if rb else None,
         redis_benchmark_get_gbps=rb[1] if rb else None,

@@ -56,6 +56,8 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
         "raw get",
         "ratio",
         "submit us/chunk",
+        "CPU ms/MiB put e/r",
+        "get e/r",
         "r-bench set",
         "r-bench get",
     ):
@@ -72,6 +74,8 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
             f"{p.raw_get_gbps:.2f}",
             f"{p.get_ratio:.2f}",
             f"{p.submit_us_per_chunk:.1f}",
+            f"{p.cpu_ms_per_mib[0]:.2f}/{p.cpu_ms_per_mib[1]:.2f}",
+            f"{p.cpu_ms_per_mib[2]:.2f}/{p.cpu_ms_per_mib[3]:.2f}",
             "-" if p.redis_benchmark_set_gbps is None else f"{p.redis_benchmark_set_gbps:.2f}",
             "-" if p.redis_benchmark_get_gbps is None else f"{p.redis_benchmark_get_gbps:.2f}",
         )
