@@ -89,6 +89,7 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
             "chunk_mib": list(plan.chunk_mib),
             "concurrency": list(plan.concurrency),
             "chunks_per_job": plan.chunks_per_job,
+            "reps": plan.reps,
         },
         "points": [p.as_dict() for p in points],
         "loopback_cannot_show": ["RDMA", "network latency", "several hosts"],
