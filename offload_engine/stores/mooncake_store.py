@@ -115,6 +115,7 @@ class MooncakeStore(RemoteStore):
             config.master,
         )
         if rc != 0:
+            self._client.close()
             raise StoreUnavailableError(
                 f"Mooncake client setup against master {config.master} failed (code {rc})"
             )
