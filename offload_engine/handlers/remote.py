@@ -137,7 +137,7 @@ class RemoteTier:
         self._prefix = wire_name(digest, b"")  # hashing the digest costs ~10 us: once
         self._connect = connect
         self._reconnect_interval = float(reconnect_interval)
-        # the longest trailer this tier writes: every name has the same length
+        # the longest trailer this tier writes (a name's length follows its key's)
         self.trailer_bytes = Trailer.size(len(wire_name(digest, b"")) + 2 * MAX_KEY_BYTES)
         # row b holds the trailer of host block b (a block is in one job at a time)
         self._trailers = torch.zeros((tier.num_blocks, self.trailer_bytes), dtype=torch.uint8)
@@ -269,8 +269,10 @@ class RemoteTier:
             names = job.names[lo : lo + MAX_BATCH_KEYS]
             keys = t.keys[lo : lo + MAX_BATCH_KEYS]
             blocks = t.blocks[lo : lo + MAX_BATCH_KEYS].tolist()
-            size = Trailer.size(len(names[0]))  # every name has the same length
-            objects = [(self.payload(b), self._trailers[b, :size]) for b in blocks]
+            objects = [
+                (self.payload(b), self._trailers[b, : Trailer.size(len(n))])
+                for n, b in zip(names, blocks, strict=True)
+            ]
             hits = self._call(store.get_into, names, objects)
             for key, name, (payload, row), hit in zip(keys, names, objects, hits, strict=True):
                 if not hit:

@@ -60,6 +60,20 @@ async def test_round_trip_bit_exact_through_the_async_engine(backend: Backend) -
         assert b.stats().loaded == 150 and b.stats().missed == 0
 
 
+def test_keys_of_different_lengths_in_one_job(backend: Backend) -> None:
+    tier = random_tier(6, seed=11)
+    ks = [b"k", b"a-longer-key" * 8, bytes(range(120))]  # 1 to MAX_KEY_BYTES bytes
+    with (
+        RemoteTier(backend.connect(), tier, digest()) as remote,
+        SyncOffloadingEngine(remote.handlers()) as engine,
+    ):
+        [r] = engine.wait([engine.submit_nowait(store_spec([0, 1, 2], ks))])
+        [back] = engine.wait([engine.submit_nowait(load_spec(ks[::-1], [3, 4, 5]))])
+        assert r.success and back.success, (r.error, back.error)
+        for dst, src in ((3, 2), (4, 1), (5, 0)):
+            assert torch.equal(tier.block(dst), tier.block(src))
+
+
 def test_load_of_absent_keys_is_a_miss_naming_them(backend: Backend) -> None:
     tier = random_tier(8, seed=3)
     before = tier.memory.clone()
