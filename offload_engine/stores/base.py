@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any, ClassVar, Self
 
 import torch
@@ -124,10 +123,5 @@ class RemoteStore(abc.ABC):
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -21,7 +21,7 @@ import typing
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
+from typing import Self
 
 from offload_engine.errors import ConfigError, StoreUnavailableError
 
@@ -140,16 +140,11 @@ class _ServerProcess:
         self._log.seek(0)
         return self._log.read().decode(errors="replace")
 
-    def __enter__(self) -> _ServerProcess:
+    def __enter__(self) -> Self:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def __del__(self) -> None:
@@ -286,10 +281,6 @@ class RedisServer(_ServerProcess):
         scheme = "redis" if self.tls is None else "rediss"
         return f"{scheme}://:{self.password}@{self.host}:{self.port}/0"
 
-    def __enter__(self) -> RedisServer:
-        self.start()
-        return self
-
 
 class RedisClusterServers:
     """A Redis Cluster of ``nodes`` masters on 127.0.0.1 (no replicas), for tests.
@@ -407,10 +398,6 @@ class MooncakeMaster(_ServerProcess):
     def address(self) -> str:
         """``127.0.0.1:port``, the ``master`` a client connects to."""
         return f"{self.host}:{self.port}"
-
-    def __enter__(self) -> MooncakeMaster:
-        self.start()
-        return self
 
 
 def _venv_binary(name: str) -> str | None:
