@@ -68,9 +68,9 @@ from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
-    slot_descriptors,
+    merge_runs,
 )
-from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime
+from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
@@ -145,6 +145,7 @@ class DevicePlan:
     # one event at the end of each stream the job used; the watcher checks them all,
     # since a device error surfaces at the next event recorded on its own stream
     checks: list[Any] = field(default_factory=list)
+    ids: IdBuffer | None = None  # the job's block ids on their way up; reused when done
 
 
 class _Staging:
@@ -159,6 +160,12 @@ class _Staging:
         self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
         self.free: list[Any] = [None] * count
         self.next = 0
+        # per buffer, computed once: its rows' addresses (for slot descriptors), its
+        # address and its (rows, slot_bytes) view (for block copies)
+        offsets = np.arange(rows, dtype=np.uint64) * np.uint64(slot_bytes)
+        self.row_addresses = [np.uint64(b.data_ptr()) + offsets for b in self.buffers]
+        self.addresses = [b.data_ptr() for b in self.buffers]
+        self.views = [b.view(-1, slot_bytes) for b in self.buffers]
 
     def take(self) -> int:
         b = self.next
@@ -254,6 +261,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             else Strategy.STAGED
         )
         self._events: list[Any] = []
+        self._id_buffers: list[IdBuffer] = []  # guarded by _events_lock
         self._events_lock = threading.Lock()
         self._started = False
 
@@ -288,6 +296,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
         self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
+        self._tier_base = self.tier.memory.data_ptr()
+        self._tier_view = self.tier.memory.view(-1, self.tier.slot_bytes)
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
@@ -327,10 +337,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             t.join()
         self._staging = None
         self._views = []
+        self._id_buffers.clear()
         self._tables.clear()
         self._pool = []
 
-    # ------------------------------------------------------------ events
+    # ------------------------------------------------------------ events and id buffers
 
     def _event(self) -> Any:
         with self._events_lock:
@@ -338,22 +349,54 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 return self._events.pop()
         return self.runtime.new_event()
 
-    def _recycle(self, events: list[Any]) -> None:
+    def _recycle(self, plan: DevicePlan) -> None:
         # Safe to reuse once the job is done: a later wait on a recycled event
         # captured its record when it was enqueued, and a re-record only adds a
-        # wait on already-enqueued work, never a cycle.
+        # wait on already-enqueued work, never a cycle. The id buffer's upload and
+        # every kernel that read it are done too.
         with self._events_lock:
-            self._events.extend(events)
+            self._events.extend(plan.events)
+            if plan.ids is not None and len(self._id_buffers) <= self.max_inflight:
+                self._id_buffers.append(plan.ids)
+        plan.ids = None
+
+    def _upload_ids(self, plan: DevicePlan, stream: Any, arrays: list[Any]) -> list[torch.Tensor]:
+        """Put the job's id arrays on the device with one upload, from a buffer the
+        handler reuses once the job is done (no allocation per job)."""
+        total = sum(int(a.shape[0]) for a in arrays)
+        buffer = None
+        with self._events_lock:
+            for i, candidate in enumerate(self._id_buffers):
+                if candidate.capacity >= total:
+                    buffer = self._id_buffers.pop(i)
+                    break
+        if buffer is None:
+            buffer = self.runtime.new_id_buffer(max(64, 1 << max(total - 1, 0).bit_length()))
+        plan.ids = buffer
+        host = buffer.host
+        if len(arrays) == 1:
+            host[:total] = arrays[0]
+            return [self.runtime.upload_ids(stream, buffer, total)]
+        at = 0
+        for a in arrays:
+            host[at : at + a.shape[0]] = a
+            at += int(a.shape[0])
+        device = self.runtime.upload_ids(stream, buffer, total)
+        out = []
+        at = 0
+        for a in arrays:
+            out.append(device[at : at + a.shape[0]])
+            at += int(a.shape[0])
+        return out
 
     # ------------------------------------------------------------ submit
 
     def prepare(self, spec: TransferSpec) -> DevicePlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
-        groups, nbytes = job.groups, job.nbytes
         strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto
         ready = self._event()
-        self.runtime.record(ready, self.runtime.current_stream())
-        return DevicePlan(groups, nbytes, strategy, ready, [ready])
+        self.runtime.record_current(ready)
+        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready])
 
     # ------------------------------------------------------------ launch
 
@@ -361,19 +404,22 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._launch_q.put(job)
 
     def _launch_loop(self) -> None:
-        while True:
-            item = self._launch_q.get()
-            if item is _STOP:
-                self._watch_q.put(_STOP)
-                return
-            job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
-            try:
-                self._enqueue(job.prepared)
-            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                job.fail(exc)
-                self._recycle(job.prepared.events)
-            else:
-                self._watch_q.put(job)
+        # the SM stream is this thread's current stream throughout, so a kernel
+        # launch (which goes on the current stream) needs no stream switch per job
+        with self.runtime.stream_context(self._pool[0][0]):
+            while True:
+                item = self._launch_q.get()
+                if item is _STOP:
+                    self._watch_q.put(_STOP)
+                    return
+                job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
+                try:
+                    self._enqueue(job.prepared)
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    job.fail(exc)
+                    self._recycle(job.prepared)
+                else:
+                    self._watch_q.put(job)
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams. Jobs take effect in submission order:
@@ -388,23 +434,26 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         rt.wait_event(stream, plan.ready)
         if self._last_effect is not None:
             rt.wait_event(stream, self._last_effect)
-        for m in plan.groups:
-            if plan.strategy is Strategy.DMA:
+        if plan.strategy is Strategy.DMA:
+            for m in plan.groups:
                 dst, src, sizes = chunk_descriptors(
                     self.layout.region_tables(m.group),
                     m.cache_ids,
                     m.slots,
-                    tier_base=self.tier.memory.data_ptr(),
+                    tier_base=self._tier_base,
                     slot_bytes=self.tier.slot_bytes,
                     store=self.store,
                 )
                 rt.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
-            else:
-                ids = rt.upload(stream, m.cache_ids)
-                slots = rt.upload(stream, m.slots)
-                self._block_copy(stream, m, ids, slots, 0, int(m.cache_ids.size), self.tier.memory)
-        end = self._mark(plan, stream)
-        self._last_effect = end
+        elif plan.groups:
+            arrays = [a for m in plan.groups for a in (m.cache_ids, m.slots)]
+            ids = self._upload_ids(plan, stream, arrays)
+            for k, m in enumerate(plan.groups):
+                n = int(m.cache_ids.shape[0])
+                self._block_copy(
+                    stream, m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
+                )
+        self._last_effect = self._mark(plan, stream)
 
     def _mark(self, plan: DevicePlan, stream: Any) -> Any:
         """Record a pooled event on ``stream`` that the watcher will check."""
@@ -420,14 +469,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         m: GroupMapping,
         ids: torch.Tensor,
         slot_ids: torch.Tensor | None,
-        lo: int,
-        hi: int,
-        slots: torch.Tensor,
+        count: int,
+        slot_base: int,
+        slot_view: torch.Tensor,
     ) -> None:
-        """Copy blocks ``lo:hi`` of the group between the cache and ``slots``: a staging
-        buffer filled in order (``slot_ids`` None) or the tier itself."""
+        """Copy ``count`` blocks of the group between the cache and slot rows: a
+        staging buffer filled in order (``slot_ids`` None) or the tier itself."""
         base, stride, size, offset, max_size = self._tables[m.group]
-        row_bytes = self.layout.slot_bytes if slot_ids is None else self.tier.slot_bytes
         self.runtime.copy_blocks(
             stream,
             BlockCopy(
@@ -436,14 +484,14 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 region_size=size,
                 slot_offset=offset,
                 max_region_size=max_size,
-                cache_ids=ids[lo:hi],
-                slot_ids=None if slot_ids is None else slot_ids[lo:hi],
-                count=hi - lo,
-                slot_base=slots.data_ptr(),
-                slot_bytes=row_bytes,
+                cache_ids=ids,
+                slot_ids=slot_ids,
+                count=count,
+                slot_base=slot_base,
+                slot_bytes=slot_view.shape[1],
                 to_slots=self.store,
                 cache_views=self._views[m.group],
-                slot_view=slots.view(-1, row_bytes),
+                slot_view=slot_view,
                 slot_offsets=self.layout.slot_offsets[m.group],
             ),
         )
@@ -467,32 +515,35 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if self._last_effect is not None:
             for stream in dmas if self.store else (sm,):
                 rt.wait_event(stream, self._last_effect)
+        # every group's ids in one upload, before any piece
+        ids = self._upload_ids(plan, sm, [m.cache_ids for m in plan.groups])
+        tier_base = np.uint64(self._tier_base)
+        slot_bytes = np.uint64(self.tier.slot_bytes)
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
-        for m in plan.groups:
-            n = int(m.cache_ids.size)
-            ids = rt.upload(sm, m.cache_ids)  # once per job and group, before any piece
+        for m, group_ids in zip(plan.groups, ids, strict=True):
+            n = int(m.cache_ids.shape[0])
+            used = self.layout.group_bytes[m.group]
+            tier_rows = tier_base + m.slots.astype(np.uint64) * slot_bytes
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
                 self._pieces += 1
                 dma = dmas[self._pieces % 2]
                 first, second = (sm, dma) if self.store else (dma, sm)
-                buffer = staging.buffers[b]
-                dst, src, sizes = slot_descriptors(
-                    hi - lo,
-                    m.slots[lo:hi],
-                    staging_base=buffer.data_ptr(),
-                    staging_row_bytes=self.layout.slot_bytes,
-                    tier_base=self.tier.memory.data_ptr(),
-                    slot_bytes=self.tier.slot_bytes,
-                    used_bytes=self.layout.group_bytes[m.group],
-                    store=self.store,
+                rows = staging.row_addresses[b][: hi - lo]
+                tier = tier_rows[lo:hi]
+                sizes = np.full(hi - lo, used, dtype=np.uint64)
+                dst, src, sizes = (
+                    merge_runs(tier, rows, sizes) if self.store else merge_runs(rows, tier, sizes)
                 )
+                piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
                 if self.store:
-                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                    self._block_copy(
+                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
+                    )
                 else:
                     rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
                 full = self._mark(plan, first)
@@ -500,7 +551,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 if self.store:
                     rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
                 else:
-                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                    self._block_copy(
+                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
+                    )
                 staging.free[b] = end = self._mark(plan, second)
                 last[self._pieces % 2] = end
         if self.store and len(last) == 2:  # join both DMA streams into one end event
@@ -527,7 +580,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     job.fail(exc)
                 else:
                     job.succeed(plan.nbytes)
-                self._recycle(plan.events)
+                self._recycle(plan)
         finally:
             self._threads_done.set()
 

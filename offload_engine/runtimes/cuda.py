@@ -34,6 +34,7 @@ from offload_engine.runtimes.base import (
     BlockCopy,
     CopyKind,
     DeviceRuntime,
+    IdBuffer,
     TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
@@ -63,7 +64,14 @@ _P = ctypes.c_void_p
 _Z = ctypes.c_size_t
 _BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
 _BATCH_V12 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
+# the same calls holding the GIL: for a handful of descriptors the driver returns in
+# a few microseconds, and releasing the GIL would hand it to another thread and
+# wait to win it back (up to the 5 ms switch interval behind a busy thread)
+_BATCH_V13_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
+_BATCH_V12_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
 _MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
+#: batched copies of at most this many descriptors keep the GIL (see above)
+HOLD_GIL_DESCRIPTORS = 64
 
 
 class _Driver:
@@ -71,10 +79,20 @@ class _Driver:
 
     def __init__(self) -> None:
         self.batch: Any = None
+        self.batch_hold: Any = None
         self.batch_has_fail_idx = False
         self.memcpy: Any = None
         self.error_name: Callable[[int], str] = lambda rc: f"CUresult {rc}"
         self.notes: list[str] = []
+        # microsecond calls, made holding the GIL (PyDLL): event record and wait, and
+        # the upload of a job's block ids
+        held = ctypes.PyDLL("libcuda.so.1")
+        self.event_record = held.cuEventRecord
+        self.event_record.argtypes = (_P, _P)
+        self.stream_wait_event = held.cuStreamWaitEvent
+        self.stream_wait_event.argtypes = (_P, _P, ctypes.c_uint)
+        self.memcpy_htod = held.cuMemcpyHtoDAsync_v2
+        self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
         try:
             from cuda.bindings import driver as drv
         except ImportError:
@@ -106,10 +124,12 @@ class _Driver:
             ptr = resolve(b"cuMemcpyBatchAsync", 13000)
             if ptr is not None:
                 self.batch = _BATCH_V13(ptr)
+                self.batch_hold = _BATCH_V13_HOLD(ptr)
         elif int(version) >= 12080:
             ptr = resolve(b"cuMemcpyBatchAsync", 12080)
             if ptr is not None:
                 self.batch = _BATCH_V12(ptr)
+                self.batch_hold = _BATCH_V12_HOLD(ptr)
                 self.batch_has_fail_idx = True
         if self.batch is None:
             self.notes.append(
@@ -168,6 +188,13 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
+        self._index = index
+        self._idle: torch.cuda.Stream | None = None
+        # the calling thread's current stream as a raw handle, without torch.cuda's
+        # device-index parsing (the call Triton's launcher makes); None if torch lacks it
+        self._current_raw: Callable[[int], int] | None = getattr(
+            torch._C, "_cuda_getCurrentRawStream", None
+        )
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -190,7 +217,40 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         return torch.cuda.current_stream(self.device)
 
     def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        # torch creates the driver event at its first record; record it once on a
+        # private idle stream so ``cuda_event`` is valid for the driver calls below
+        if self._idle is None:
+            self._idle = self.new_stream()
+        event.record(self._idle)
+        return event
+
+    # Record and wait go straight to the driver, holding the GIL: torch's
+    # Event.record/Stream.wait_event cost 3-5 us of Python each (device guards),
+    # the driver call under 1 us. Synchronize stays torch's (it releases the GIL).
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise TransferError(f"{what} failed: {self._driver.error_name(rc)}")
+
+    def record(self, event: Any, stream: Any) -> None:
+        self._bind_thread()
+        rc = self._driver.event_record(event.cuda_event, stream.cuda_stream)
+        self._check(rc, "cuEventRecord")
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._bind_thread()
+        rc = self._driver.stream_wait_event(stream.cuda_stream, event.cuda_event, 0)
+        self._check(rc, "cuStreamWaitEvent")
+
+    def record_current(self, event: Any) -> None:
+        self._bind_thread()
+        raw = self._current_raw
+        if raw is not None:
+            handle = raw(self._index)
+        else:
+            handle = torch.cuda.current_stream(self.device).cuda_stream
+        self._check(self._driver.event_record(event.cuda_event, handle), "cuEventRecord")
 
     def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
         return torch.cuda.stream(stream)
@@ -234,6 +294,21 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         with torch.cuda.stream(stream):
             return host.to(self.device, non_blocking=True)
 
+    def new_id_buffer(self, capacity: int) -> IdBuffer:
+        host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        device = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        return IdBuffer(host.numpy(), device, keep=host)
+
+    def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
+        # one driver call from the buffer's pinned memory: no allocation, no torch op
+        self._bind_thread()
+        device: torch.Tensor = buffer.device
+        rc = self._driver.memcpy_htod(
+            device.data_ptr(), buffer.host.ctypes.data, 8 * count, stream.cuda_stream
+        )
+        self._check(rc, "cuMemcpyHtoDAsync")
+        return device.narrow(0, 0, count)
+
     # ------------------------------------------------------------ copies
 
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
@@ -267,10 +342,11 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 idx,
                 1,
             )
+            call = driver.batch_hold if hi - lo <= HOLD_GIL_DESCRIPTORS else driver.batch
             if driver.batch_has_fail_idx:
-                rc = driver.batch(*args, ctypes.addressof(self._fail_idx), handle)
+                rc = call(*args, ctypes.addressof(self._fail_idx), handle)
             else:
-                rc = driver.batch(*args, handle)
+                rc = call(*args, handle)
             if rc:
                 raise TransferError(f"cuMemcpyBatchAsync failed: {driver.error_name(rc)}")
             calls += 1
@@ -285,6 +361,10 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         return 8 if self._kernel is not None else 1
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
+        raw = self._current_raw
+        if self._kernel is not None and raw is not None and raw(self._index) == stream.cuda_stream:
+            self._kernel(copy)  # already current (a handler's launcher thread): no switch
+            return
         with torch.cuda.stream(stream):
             if self._kernel is not None:
                 self._kernel(copy)
