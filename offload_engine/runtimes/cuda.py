@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from offload_engine.errors import RuntimeUnavailableError, TransferError
+from offload_engine.runtimes._cuda_copy import DriverBlockCopy
 from offload_engine.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
@@ -72,6 +74,8 @@ _BATCH_V12_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P
 _MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
 #: batched copies of at most this many descriptors keep the GIL (see above)
 HOLD_GIL_DESCRIPTORS = 64
+#: descriptors per batched driver call (see memcpy_batch)
+CALL_DESCRIPTORS = 256
 
 
 class _Driver:
@@ -137,6 +141,33 @@ class _Driver:
             )
 
 
+_DIRECT: dict[int, DriverBlockCopy | None] = {}
+_DIRECT_LOCK = threading.Lock()
+
+
+def _direct_copy(index: int, notes: list[str]) -> DriverBlockCopy | None:
+    """The NVRTC block-copy kernel for device ``index``, compiled once per process."""
+    with _DIRECT_LOCK:
+        if index not in _DIRECT:
+            try:
+                with warnings.catch_warnings(record=True) as seen, torch.cuda.device(index):
+                    warnings.simplefilter("always")
+                    _DIRECT[index] = DriverBlockCopy()
+            except Exception as exc:  # noqa: BLE001 - the Triton kernel remains
+                _DIRECT[index] = None
+                _DIRECT_NOTES[index] = f"NVRTC block copy unavailable ({exc}): Triton launches it"
+            else:
+                if seen:
+                    _DIRECT_NOTES[index] = f"NVRTC compile warned: {seen[0].message}"
+        note = _DIRECT_NOTES.get(index)
+        if note is not None:
+            notes.append(note)
+        return _DIRECT[index]
+
+
+_DIRECT_NOTES: dict[int, str] = {}
+
+
 class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     """One CUDA device through torch.cuda and the driver."""
 
@@ -150,6 +181,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         max_batch: int = 4096,
         batched: bool = True,
         use_triton: bool = True,
+        use_nvrtc: bool = True,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeUnavailableError(
@@ -178,6 +210,11 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 self._driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
             else:
                 self._kernel = launch_block_copy
+        # the same copy as a CUDA C kernel launched straight through the driver (a few
+        # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
+        self._direct: DriverBlockCopy | None = (
+            _direct_copy(self.device.index or 0, self._driver.notes) if use_nvrtc else None
+        )
         self._local = threading.local()
         self._attrs: dict[CopyKind, _MemcpyAttributes] = {}
         index = self.device.index or 0
@@ -331,8 +368,12 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         attrs = ctypes.addressof(self._attrs[kind])
         idx = ctypes.addressof(self._attr_idx)
         calls = 0
-        for lo in range(0, n, self.max_batch):
-            hi = min(lo + self.max_batch, n)
+        # a batched call holds the driver's lock for its whole length (about 1 us per
+        # descriptor), and a model thread launching kernels meanwhile waits behind it,
+        # holding the GIL: so calls carry at most CALL_DESCRIPTORS descriptors
+        step = min(self.max_batch, CALL_DESCRIPTORS)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
             args = (
                 dst.ctypes.data + 8 * lo,
                 src.ctypes.data + 8 * lo,
@@ -354,13 +395,17 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     @property
     def supports_kernel_strategy(self) -> bool:
-        return self._kernel is not None
+        return self._kernel is not None or self._direct is not None
 
     @property
     def block_copy_alignment(self) -> int:  # type: ignore[override]
-        return 8 if self._kernel is not None else 1
+        return 8 if self.supports_kernel_strategy else 1
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
+        if self._direct is not None:
+            self._bind_thread()
+            self._check(self._direct(copy, stream.cuda_stream), "cuLaunchKernel")
+            return
         raw = self._current_raw
         if self._kernel is not None and raw is not None and raw(self._index) == stream.cuda_stream:
             self._kernel(copy)  # already current (a handler's launcher thread): no switch
