@@ -306,6 +306,16 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
             out.append((time.thread_time_ns() - t0) / 1e3)
 
         store._enqueue = timed_enqueue  # type: ignore[method-assign]
+        prepare_cpu: list[float] = []
+        real_prepare = store.prepare
+
+        def timed_prepare(spec: Any, real: Any = real_prepare, out: list[float] = prepare_cpu) -> Any:
+            t0 = time.thread_time_ns()  # the handler's share of submit, in the caller's thread
+            plan = real(spec)
+            out.append((time.thread_time_ns() - t0) / 1e3)
+            return plan
+
+        store.prepare = timed_prepare  # type: ignore[method-assign]
         try:
             for per_job in (8, 64, 512):
                 specs = bench.specs("store", per_job, 40)
@@ -319,6 +329,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     submit_cpu.append((time.thread_time_ns() - t0) / 1e3)
                 engine.wait(ids)
                 alone_cpu = []
+                prepare_cpu.clear()
                 for s in specs[:20]:  # one at a time: nothing else of the engine's is running
                     t0 = time.thread_time_ns()
                     job = engine.submit(s)
@@ -331,11 +342,13 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     "submit_us": statistics.median(submit_cpu),
                     "submit_alone_us": statistics.median(alone_cpu),
                     "launch_us": statistics.median(launch_cpu),
+                    "prepare_alone_us": statistics.median(prepare_cpu),
                 }
                 rows.append(row)
                 print(
                     f"  {strategy.value:7} {per_job:4} blocks: submit {row['submit_us']:.0f} us "
-                    f"back to back, {row['submit_alone_us']:.0f} us alone; launch "
+                    f"back to back, {row['submit_alone_us']:.0f} us alone (prepare "
+                    f"{row['prepare_alone_us']:.0f} us); launch "
                     f"{row['launch_us']:.0f} us (median CPU time per job)",
                     flush=True,
                 )
@@ -345,18 +358,16 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
 
 
 def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    from offload_engine.bench.step import StepShape, format_step_rows, run_step_pass
+    from offload_engine.bench.step import StepPlan, StepShape, format_step_rows, run_step_pass
 
     runtime = CudaRuntime()
-    shape = StepShape(layers=args.step_layers)
-    found = run_step_pass(
-        runtime,
-        shape=shape,
-        blocks=args.step_blocks,
+    plan = StepPlan(
+        shape=StepShape(layers=args.step_layers),
+        blocks=tuple(args.step_blocks),
         steps=args.step_steps,
         reps=args.reps,
-        tick=lambda what: None,
     )
+    found = run_step_pass(runtime, plan)
     for r in found:
         rows.append({"pass": "step", **r.as_dict()})
     for line in format_step_rows(found):
@@ -412,7 +423,8 @@ def main() -> int:
     for r in rows:
         if r["pass"] == "cpu":
             cpu = (
-                f"submit {r['submit_us']:.0f} us (alone {r['submit_alone_us']:.0f} us) "
+                f"submit {r['submit_us']:.0f} us (alone {r['submit_alone_us']:.0f} us, prepare "
+                f"{r['prepare_alone_us']:.0f} us) "
                 f"launch {r['launch_us']:.0f} us"
             )
             print(f"  cpu  {r['strategy']:7} {r['blocks_per_job']:3} blocks {cpu}")

@@ -12,7 +12,11 @@
   :class:`~offload_engine.bench.SweepPoint` and
   :class:`~offload_engine.bench.LatencySeries`.
 
-Both raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
+* :func:`run_cuda_step` is ``bench``'s model-step pass: how much a decode-like
+  step slows while each step stores and loads a few blocks
+  (:mod:`offload_engine.bench.step`).
+
+All three raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
 CUDA runtime cannot start, which the command line turns into a one-line
 message (``--device cuda``) or a note and a host run (``--device auto``).
 """
@@ -25,6 +29,7 @@ import torch
 
 from offload_engine.bench import BenchPlan, CaseResults
 from offload_engine.bench.rigs import Rig, RigShape, open_device_rig
+from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
 from offload_engine.handlers.device import Strategy
 from offload_engine.runtimes import RuntimeInfo
@@ -78,3 +83,12 @@ def run_cuda_cases(
     finally:
         runtime.close()
     return out
+
+
+def run_cuda_step(plan: StepPlan, *, tick: Callable[[str], None]) -> list[StepRow]:
+    """The model-step pass on the current CUDA device."""
+    runtime = CudaRuntime()
+    try:
+        return run_step_pass(runtime, plan, tick=tick)
+    finally:
+        runtime.close()

@@ -45,7 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine import (
+    KVLayout,
+    Medium,
+    SyncOffloadingEngine,
+    TransferSpec,
+    cpu_blocks,
+    gpu_blocks,
+)
 from offload_engine.handlers.device import (
     DeviceHandlerConfig,
     Strategy,
@@ -53,10 +60,11 @@ from offload_engine.handlers.device import (
     pinned_host_tier,
 )
 from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.testing import FakeHandler
 
-#: variants measured per (mode, stream, blocks): nothing moved, the contiguous floor,
-#: and the engine with each strategy named
-BASELINE, FLOOR = "none", "contiguous"
+#: variants measured per (mode, stream, blocks) besides the strategies: nothing moved,
+#: the contiguous floor, and the engine with an instant fake handler (the queue alone)
+BASELINE, FLOOR, INSTANT = "none", "contiguous", "instant"
 
 
 @dataclass(frozen=True)
@@ -196,6 +204,11 @@ class _Mover:
             self.dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
             self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self.streams = [torch.cuda.Stream(device=device) for _ in range(2)]  # type: ignore[no-untyped-call]
+        elif variant == INSTANT:
+            self.engine = SyncOffloadingEngine(
+                [FakeHandler(Medium.GPU, Medium.CPU), FakeHandler(Medium.CPU, Medium.GPU)],
+                capacity=100_000,
+            )
         elif variant != BASELINE:
             store, load = make_device_handlers(runtime, layout, tier, config)
             self.engine = SyncOffloadingEngine([store, load], capacity=100_000)
@@ -246,28 +259,58 @@ class _Mover:
             self.engine.close()
 
 
-def run_step_pass(
-    runtime: DeviceRuntime,
-    *,
-    shape: StepShape | None = None,
-    blocks: Sequence[int] = (4, 16, 64),
-    strategies: Sequence[Strategy] = (Strategy.AUTO, Strategy.DMA),
-    modes: Sequence[tuple[str, str]] = (
+@dataclass(frozen=True)
+class StepPlan:
+    """What :func:`run_step_pass` measures."""
+
+    shape: StepShape = StepShape()
+    blocks: tuple[int, ...] = (4, 16, 64)
+    strategies: tuple[Strategy, ...] = (Strategy.AUTO, Strategy.DMA)
+    modes: tuple[tuple[str, str], ...] = (
         ("eager", "default"),
         ("eager", "side"),
         ("graph", "default"),
         ("graph", "side"),
-    ),
-    steps: int = 30,
-    reps: int = 3,
-    cache_blocks: int = 512,
+    )
+    steps: int = 30  # timed steps per variant and round
+    reps: int = 3  # rounds
+    cache_blocks: int = 512
+
+    @classmethod
+    def quick(cls) -> StepPlan:
+        """CI-sized: a 4-layer step, 4 and 16 blocks, eager and graph on the default
+        stream, 10 steps, one round."""
+        return cls(
+            shape=StepShape.quick(),
+            blocks=(4, 16),
+            modes=(("eager", "default"), ("graph", "default")),
+            steps=10,
+            reps=1,
+        )
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return (BASELINE, FLOOR, INSTANT, *(s.value for s in self.strategies))
+
+    @property
+    def ticks(self) -> int:
+        """How many times :func:`run_step_pass` calls ``tick``."""
+        return len(self.modes) * len(self.blocks) * self.reps * len(self.variants)
+
+
+def run_step_pass(
+    runtime: DeviceRuntime,
+    plan: StepPlan | None = None,
+    *,
     tick: Callable[[str], None] = lambda what: None,
 ) -> list[StepRow]:
     """Measure every (mode, stream, blocks) with every variant, interleaved: each of
-    ``reps`` rounds runs ``steps`` steps of each variant in turn; the median step
-    over all rounds is reported, and the slowdown against ``none`` from the same
+    ``plan.reps`` rounds runs ``plan.steps`` steps of each variant in turn; the median
+    step over all rounds is reported, and the slowdown against ``none`` from the same
     rounds."""
-    shape = shape or StepShape()
+    plan = plan or StepPlan()
+    shape, blocks, modes = plan.shape, plan.blocks, plan.modes
+    steps, reps, cache_blocks = plan.steps, plan.reps, plan.cache_blocks
     device = runtime.device
     model = DecodeStep(shape, device)
     if any(mode == "graph" for mode, _ in modes):
@@ -278,11 +321,12 @@ def run_step_pass(
     ]
     layout = KVLayout.flash_attention(layers)
     tier = pinned_host_tier(runtime, layout, cache_blocks)
-    variants = [BASELINE, FLOOR, *(s.value for s in strategies)]
+    variants = list(plan.variants)
     movers: dict[str, _Mover] = {}
     try:
         for v in variants:
-            config = None if v in (BASELINE, FLOOR) else DeviceHandlerConfig(strategy=Strategy(v))
+            special = (BASELINE, FLOOR, INSTANT)
+            config = None if v in special else DeviceHandlerConfig(strategy=Strategy(v))
             movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(blocks), config)
         rows: list[StepRow] = []
         rng = np.random.default_rng(0)

@@ -47,6 +47,7 @@ _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_LOCATION_TYPE_HOST = 2
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+_CUDA_ERROR_NOT_READY = 600
 
 
 class _MemLocation(ctypes.Structure):
@@ -97,6 +98,8 @@ class _Driver:
         self.stream_wait_event.argtypes = (_P, _P, ctypes.c_uint)
         self.memcpy_htod = held.cuMemcpyHtoDAsync_v2
         self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
+        self.event_query = held.cuEventQuery
+        self.event_query.argtypes = (_P,)
         try:
             from cuda.bindings import driver as drv
         except ImportError:
@@ -279,6 +282,17 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         self._bind_thread()
         rc = self._driver.stream_wait_event(stream.cuda_stream, event.cuda_event, 0)
         self._check(rc, "cuStreamWaitEvent")
+
+    def synchronize(self, event: Any) -> None:
+        # an event already reached (the common case by the time the watcher looks)
+        # costs one query holding the GIL; only a pending one sleeps in torch's
+        # synchronize, which releases it
+        self._bind_thread()
+        rc = self._driver.event_query(event.cuda_event)
+        if rc == _CUDA_ERROR_NOT_READY:
+            event.synchronize()
+        else:
+            self._check(rc, "cuEventQuery")
 
     def record_current(self, event: Any) -> None:
         self._bind_thread()

@@ -170,3 +170,17 @@ def test_batched_copies_are_split_into_short_driver_calls(cuda: object) -> None:
         assert torch.equal(host, src[torch.from_numpy(order).cuda()].cpu())
     finally:
         release()
+
+
+def test_the_model_step_pass_runs_every_mode_and_variant(cuda: object) -> None:
+    from offload_engine.bench.step import StepPlan, StepShape, format_step_rows, run_step_pass
+
+    plan = StepPlan(shape=StepShape(layers=1, context=64), blocks=(2,), steps=2, reps=1)
+    ticks: list[str] = []
+    rows = run_step_pass(cuda, plan, tick=ticks.append)  # type: ignore[arg-type]
+    assert len(ticks) == plan.ticks
+    assert len(rows) == len(plan.modes) * len(plan.variants)
+    assert {(r.mode, r.stream) for r in rows} == set(plan.modes)
+    assert all(r.step_ms > 0 for r in rows)
+    assert all(r.slowdown == 0 for r in rows if r.variant == "none")
+    assert len(format_step_rows(rows)) == len(plan.modes)
