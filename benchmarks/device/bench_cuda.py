@@ -309,7 +309,9 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
         prepare_cpu: list[float] = []
         real_prepare = store.prepare
 
-        def timed_prepare(spec: Any, real: Any = real_prepare, out: list[float] = prepare_cpu) -> Any:
+        def timed_prepare(
+            spec: Any, real: Any = real_prepare, out: list[float] = prepare_cpu
+        ) -> Any:
             t0 = time.thread_time_ns()  # the handler's share of submit, in the caller's thread
             plan = real(spec)
             out.append((time.thread_time_ns() - t0) / 1e3)
