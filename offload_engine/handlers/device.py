@@ -37,12 +37,17 @@ Correctness rules:
   staging) runs ahead as far as the staging buffers allow.
 * Device-side copies go on a high-priority stream, so a concurrent GEMM does
   not hold up the pipeline behind them.
-* ``launch`` only queues the job. A launcher thread enqueues its device work
-  (descriptor arithmetic and driver calls, which release the GIL, so a store
-  and a load handler enqueue in parallel and the event loop never waits on
-  the driver). A watcher thread sleeps in ``synchronize`` on each job's
-  events, in order, and reports through ``job.succeed``/``job.fail``. Nothing
-  polls.
+* ``launch`` only queues the job. A launcher thread enqueues its device work,
+  so the event loop never waits on the driver. Long driver calls (batched
+  copies of many descriptors) release the GIL, so a store and a load handler
+  enqueue in parallel; microsecond ones (event record and wait, the id upload,
+  the kernel launch, short batches) keep it rather than hand it to a busy
+  thread and wait to win it back. A watcher thread waits on each job's events,
+  in order, and reports through ``job.succeed``/``job.fail``. Nothing polls.
+* A small job's launch costs little CPU: the block ids of every group go up in
+  one copy from a pinned buffer the handler reuses once the job is done, the
+  staging rows' addresses are computed once, and the SM stream is the launcher
+  thread's current stream, so no stream switch happens per job.
 """
 
 from __future__ import annotations
@@ -301,6 +306,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
+        # events made now rather than at a submit (the caller's thread) or a launch:
+        # a small job uses three or four, and max_inflight jobs are in flight
+        self._events.extend(rt.new_event() for _ in range(4 * self.max_inflight))
         # launcher: enqueues each job's device work (driver calls release the GIL, so
         # the store and load handlers' launchers run in parallel, off the event loop);
         # watcher: sleeps on each job's events in order and reports the outcome.

@@ -10,6 +10,16 @@ the copy submission itself. Where the batched call is missing (older driver,
 no cuda-python) or the stream is the legacy default stream (which the batched
 call refuses), copies go one ``cuMemcpyAsync`` per descriptor.
 
+Calls that take a microsecond (event record and wait, an event query, the
+upload of a job's block ids, short batched copies) go to the driver through
+``ctypes.PyDLL`` and keep the GIL; handing it over and winning it back from a
+busy thread costs far more. Batched copies go in calls of at most 256
+descriptors, since a model thread launching kernels waits behind a long one.
+
+Device-side block copies run a CUDA C kernel compiled once per process with
+NVRTC (``_cuda_copy``) and launched with one ``cuLaunchKernel``; the Triton
+kernel (``_triton_copy``) is the fallback where NVRTC is missing.
+
 Host memory is pinned by registering a plain allocation (``cudaHostRegister``,
 portable and mapped, in chunks of at most 64 GiB) rather than with
 ``pin_memory=True``, whose allocator rounds sizes up to a power of two.
