@@ -172,7 +172,7 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
         target = (1 << 30) if args.quick else (4 << 30)
         ceiling = contiguous_ceiling(runtime, 1 << 30)
         print(f"[{tokens}-token blocks] contiguous ceiling: {ceiling}", flush=True)
-        for strategy in STRATEGIES:
+        for strategy in args.strategies:
             engine, _, _ = bench.engine(strategy)
             try:
                 for per_job in args.per_job:
@@ -383,6 +383,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--passes", default="bandwidth,gemm,cpu,step")
     parser.add_argument("--per-job", default="8,32,512", help="blocks per job (bandwidth pass)")
+    parser.add_argument("--strategies", default="dma,staged,kernel", help="bandwidth pass")
     parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
     parser.add_argument("--step-steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--step-blocks", default="4,16,64", help="blocks each way per step")
@@ -391,6 +392,7 @@ def main() -> int:
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.per_job = [int(t) for t in args.per_job.split(",")]
+    args.strategies = [Strategy(t) for t in args.strategies.split(",")]
     args.step_blocks = [int(t) for t in args.step_blocks.split(",")]
     if args.streams is not None:
         Bench.streams = args.streams
