@@ -302,6 +302,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # the same regions as torch byte views, for runtimes that copy with torch ops
         self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
         self._tier_base = self.tier.memory.data_ptr()
+        # each group's bytes per staging row, as a descriptor size column
+        rows = max(self._stage_rows, 1)
+        self._used_sizes = [np.full(rows, b, dtype=np.uint64) for b in self.layout.group_bytes]
         self._tier_view = self.tier.memory.view(-1, self.tier.slot_bytes)
         done = rt.new_event()
         rt.record(done, setup)
@@ -531,7 +534,6 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         end = None
         for m, group_ids in zip(plan.groups, ids, strict=True):
             n = int(m.cache_ids.shape[0])
-            used = self.layout.group_bytes[m.group]
             tier_rows = tier_base + m.slots.astype(np.uint64) * slot_bytes
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
@@ -541,7 +543,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 first, second = (sm, dma) if self.store else (dma, sm)
                 rows = staging.row_addresses[b][: hi - lo]
                 tier = tier_rows[lo:hi]
-                sizes = np.full(hi - lo, used, dtype=np.uint64)
+                sizes = self._used_sizes[m.group][: hi - lo]
                 dst, src, sizes = (
                     merge_runs(tier, rows, sizes) if self.store else merge_runs(rows, tier, sizes)
                 )

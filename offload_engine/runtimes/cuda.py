@@ -14,7 +14,7 @@ Calls that take a microsecond (event record and wait, an event query, the
 upload of a job's block ids, short batched copies) go to the driver through
 ``ctypes.PyDLL`` and keep the GIL; handing it over and winning it back from a
 busy thread costs far more. Batched copies go in calls of at most 256
-descriptors, since a model thread launching kernels waits behind a long one.
+descriptors, so no single call keeps the driver busy for long.
 
 Device-side block copies run a CUDA C kernel compiled once per process with
 NVRTC (``_cuda_copy``) and launched with one ``cuLaunchKernel``; the Triton
@@ -238,6 +238,8 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
+        self._fail_idx_at = ctypes.addressof(self._fail_idx)
+        self._attr_addresses = {k: ctypes.addressof(a) for k, a in self._attrs.items()}
         self._index = index
         self._idle: torch.cuda.Stream | None = None
         # the calling thread's current stream as a raw handle, without torch.cuda's
@@ -358,16 +360,16 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     def new_id_buffer(self, capacity: int) -> IdBuffer:
         host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
         device = torch.empty(capacity, dtype=torch.int64, device=self.device)
-        return IdBuffer(host.numpy(), device, keep=host)
+        # the addresses are read once here, not per upload
+        return IdBuffer(host.numpy(), device, keep=(host, host.data_ptr(), device.data_ptr()))
 
     def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
         # one driver call from the buffer's pinned memory: no allocation, no torch op
         self._bind_thread()
-        device: torch.Tensor = buffer.device
-        rc = self._driver.memcpy_htod(
-            device.data_ptr(), buffer.host.ctypes.data, 8 * count, stream.cuda_stream
-        )
+        _, host_at, device_at = buffer.keep
+        rc = self._driver.memcpy_htod(device_at, host_at, 8 * count, stream.cuda_stream)
         self._check(rc, "cuMemcpyHtoDAsync")
+        device: torch.Tensor = buffer.device
         return device.narrow(0, 0, count)
 
     # ------------------------------------------------------------ copies
@@ -378,44 +380,52 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         if n == 0:
             return 0
         handle = ctypes.c_void_p(stream.cuda_stream)
-        dst = np.ascontiguousarray(dst, dtype=np.uint64)
-        src = np.ascontiguousarray(src, dtype=np.uint64)
-        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
         driver = self._driver
         if not self.batched or not stream.cuda_stream:  # the legacy default stream refuses batches
+            dst = np.ascontiguousarray(dst, dtype=np.uint64)
+            src = np.ascontiguousarray(src, dtype=np.uint64)
+            sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
             copy = driver.memcpy
             for d, s, z in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
                 rc = copy(d, s, z, handle)
                 if rc:
                     raise TransferError(f"cuMemcpyAsync failed: {driver.error_name(rc)}")
             return n
-        attrs = ctypes.addressof(self._attrs[kind])
+        attrs = self._attr_addresses[kind]
         idx = ctypes.addressof(self._attr_idx)
+        # each call's descriptors are copied into this thread's scratch rows, whose
+        # addresses are known: reading an array's address through ``.ctypes`` costs
+        # more than copying a few hundred descriptors
+        scratch, d_at, s_at, z_at = self._scratch()
         calls = 0
-        # a batched call holds the driver's lock for its whole length (about 1 us per
-        # descriptor), and a model thread launching kernels meanwhile waits behind it,
-        # holding the GIL: so calls carry at most CALL_DESCRIPTORS descriptors
+        # calls carry at most CALL_DESCRIPTORS descriptors, so no single call keeps
+        # the driver busy for long (about 1 us of CPU per descriptor)
         step = min(self.max_batch, CALL_DESCRIPTORS)
         for lo in range(0, n, step):
             hi = min(lo + step, n)
-            args = (
-                dst.ctypes.data + 8 * lo,
-                src.ctypes.data + 8 * lo,
-                sizes.ctypes.data + 8 * lo,
-                hi - lo,
-                attrs,
-                idx,
-                1,
-            )
-            call = driver.batch_hold if hi - lo <= HOLD_GIL_DESCRIPTORS else driver.batch
+            k = hi - lo
+            scratch[0, :k] = dst[lo:hi]
+            scratch[1, :k] = src[lo:hi]
+            scratch[2, :k] = sizes[lo:hi]
+            call = driver.batch_hold if k <= HOLD_GIL_DESCRIPTORS else driver.batch
             if driver.batch_has_fail_idx:
-                rc = call(*args, ctypes.addressof(self._fail_idx), handle)
+                rc = call(d_at, s_at, z_at, k, attrs, idx, 1, self._fail_idx_at, handle)
             else:
-                rc = call(*args, handle)
+                rc = call(d_at, s_at, z_at, k, attrs, idx, 1, handle)
             if rc:
                 raise TransferError(f"cuMemcpyBatchAsync failed: {driver.error_name(rc)}")
             calls += 1
         return calls
+
+    def _scratch(self) -> tuple[Any, int, int, int]:
+        """This thread's descriptor rows (dst, src, sizes) and their addresses."""
+        found = getattr(self._local, "scratch", None)
+        if found is None:
+            rows = np.empty((3, CALL_DESCRIPTORS), dtype=np.uint64)
+            at = rows.ctypes.data
+            step = 8 * CALL_DESCRIPTORS
+            found = self._local.scratch = (rows, at, at + step, at + 2 * step)
+        return found  # type: ignore[no-any-return]
 
     @property
     def supports_kernel_strategy(self) -> bool:
