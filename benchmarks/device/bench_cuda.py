@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from datetime import date
@@ -366,9 +367,13 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     plan = StepPlan(
         shape=StepShape(layers=args.step_layers),
         blocks=tuple(args.step_blocks),
+        modes=tuple(tuple(m.split(":")) for m in args.step_modes.split(",")),  # type: ignore[misc]
         steps=args.step_steps,
         reps=args.reps,
     )
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+        print(f"  GIL switch interval {sys.getswitchinterval() * 1e3:.2f} ms", flush=True)
     found = run_step_pass(runtime, plan)
     for r in found:
         rows.append({"pass": "step", **r.as_dict()})
@@ -387,6 +392,14 @@ def main() -> int:
     parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
     parser.add_argument("--step-steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--step-blocks", default="4,16,64", help="blocks each way per step")
+    parser.add_argument(
+        "--step-modes",
+        default="eager:default,eager:side,graph:default,graph:side",
+        help="mode:stream pairs for the step pass",
+    )
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the step"
+    )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     args = parser.parse_args()
