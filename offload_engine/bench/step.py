@@ -213,25 +213,18 @@ class _Mover:
             store, load = make_device_handlers(runtime, layout, tier, config)
             self.engine = SyncOffloadingEngine([store, load], capacity=100_000)
 
-    def before(self, load: TransferSpec | None, k: int) -> None:
-        if self.engine is not None and load is not None:
-            self.pending.append(self.engine.submit_nowait(load))
+    def move(self, spec: TransferSpec | None, k: int, *, store: bool) -> None:
+        """Submit this step's load (before the forward pass) or store (after it)."""
+        if self.engine is not None and spec is not None:
+            self.pending.append(self.engine.submit_nowait(spec))
         elif self.variant == FLOOR:
-            stream = self.streams[1]
+            side = 0 if store else 1
+            stream = self.streams[side]
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 n = k * self.block_bytes
-                self.dev[1][:n].copy_(self.host[1][:n], non_blocking=True)
-
-    def after(self, store: TransferSpec | None, k: int) -> None:
-        if self.engine is not None and store is not None:
-            self.pending.append(self.engine.submit_nowait(store))
-        elif self.variant == FLOOR:
-            stream = self.streams[0]
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                n = k * self.block_bytes
-                self.host[0][:n].copy_(self.dev[0][:n], non_blocking=True)
+                dst, src = (self.host, self.dev) if store else (self.dev, self.host)
+                dst[side][:n].copy_(src[side][:n], non_blocking=True)
 
     def poll(self) -> None:
         if self.engine is not None:
@@ -357,9 +350,9 @@ def run_step_pass(
                                     t = rng.choice(half, size=k, replace=False)
                                     store = TransferSpec(gpu_blocks(c), cpu_blocks(t))
                                 t0 = time.perf_counter()
-                                mover.before(load, k)
+                                mover.move(load, k, store=False)
                                 model.run(mode)
-                                mover.after(store, k)
+                                mover.move(store, k, store=True)
                                 torch.cuda.current_stream().synchronize()
                                 mover.poll()
                                 seconds = time.perf_counter() - t0
