@@ -12,6 +12,11 @@ once with NVRTC (through torch's ``torch.cuda._compile_kernel``) and launched
 with one ``cuLaunchKernel`` call made through ``ctypes`` while holding the GIL:
 a few microseconds. Where NVRTC or that torch helper is missing, the runtime
 keeps the Triton kernel.
+
+Holding the GIL through the launch is safe because the launch returns at once:
+a launch blocks only when its stream's queue is full (about a thousand
+entries), and a device handler keeps far fewer on each stream (``max_inflight``
+jobs of a few entries per staged piece).
 """
 
 from __future__ import annotations
