@@ -499,6 +499,15 @@ def map_blocks(
             f"the cache spec has {len(cache.group_sizes)} KV groups, the layout {num_groups}"
         )
     cache_ids, tier_ids = cache.block_ids, tier.block_ids
+    if (
+        factor == 1
+        and num_groups == 1
+        and len(cache.group_sizes) == 1
+        and 0 < cache_ids.size == tier_ids.size <= 64
+        and max(cache_ids.tolist()) < num_cache_blocks
+        and max(tier_ids.tolist()) < num_tier_blocks
+    ):  # the common small job, without the general path's numpy calls (a step's submit)
+        return [GroupMapping(0, cache_ids, tier_ids)]
     if cache_ids.size and int(cache_ids.max()) >= num_cache_blocks:
         raise InvalidBlockIdsError(
             f"cache block id {int(cache_ids.max())} is out of range (the cache has "
