@@ -25,13 +25,13 @@ import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import CopyKind
 from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.vocabulary import Direction
 
 
 def cpu_us(fn: Callable[[], object], reps: int) -> float:
@@ -85,14 +85,14 @@ def main() -> int:
     rows.append(
         (
             f"memcpy_batch {n} x 2MiB d2h",
-            cpu_us(lambda: rt.memcpy_batch(s, dst, src, sizes, CopyKind.DEVICE_TO_HOST), 100),
+            cpu_us(lambda: rt.memcpy_batch(s, dst, src, sizes, Direction.STORE), 100),
         )
     )
     rows.append(("stream context", cpu_us(lambda: rt.stream_context(s).__enter__(), 300)))
     for label, fn in rows:
         print(f"  {label:32} {fn:8.1f} us", flush=True)
 
-    for strategy in (Strategy.STAGED, Strategy.KERNEL, Strategy.DMA):
+    for strategy in (CopyStrategy.STAGED, CopyStrategy.KERNEL, CopyStrategy.DMA):
         cfg = DeviceHandlerConfig(strategy=strategy, max_inflight=8)
         store, load = make_device_handlers(rt, layout, tier, cfg)
         with SyncOffloadingEngine([store, load]) as engine:

@@ -54,8 +54,8 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
@@ -258,7 +258,7 @@ class StepPlan:
 
     shape: StepShape = StepShape()
     blocks: tuple[int, ...] = (4, 16, 64)
-    strategies: tuple[Strategy, ...] = (Strategy.AUTO, Strategy.DMA)
+    strategies: tuple[CopyStrategy, ...] = (CopyStrategy.AUTO, CopyStrategy.DMA)
     modes: tuple[tuple[str, str], ...] = (
         ("eager", "default"),
         ("eager", "side"),
@@ -319,7 +319,7 @@ def run_step_pass(
     try:
         for v in variants:
             special = (BASELINE, FLOOR, INSTANT)
-            config = None if v in special else DeviceHandlerConfig(strategy=Strategy(v))
+            config = None if v in special else DeviceHandlerConfig(strategy=CopyStrategy(v))
             movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(blocks), config)
         for mode, stream_kind in modes:  # warm every mode up before the first timed step
             warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]

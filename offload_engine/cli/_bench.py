@@ -186,7 +186,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out.print("Model step slowdown (offload_engine.bench.step), against the same step alone:")
         for line in format_step_rows(step_rows):
             out.print(line, markup=False)
-    table = Table(title="Engine overhead (instant fake handler)", title_justify="left")
+    table = Table(title="Engine overhead (instant handler)", title_justify="left")
     table.add_column("host")
     for col in ("jobs/s", "p50 us", "p99 us"):
         table.add_column(col, justify="right")

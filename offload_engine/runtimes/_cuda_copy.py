@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 from offload_engine.runtimes.base import BlockCopy
+from offload_engine.vocabulary import Direction
 
 TILE = 8192  # bytes per CTA
 THREADS = 256
@@ -107,7 +108,7 @@ class DriverBlockCopy:
         values[5].value = 0 if copy.slot_ids is None else copy.slot_ids.data_ptr()
         values[6].value = copy.slot_base
         values[7].value = copy.slot_bytes
-        values[8].value = 1 if copy.to_slots else 0
+        values[8].value = 1 if copy.direction is Direction.STORE else 0
         rc: int = self._launch(
             self._func, copy.count, regions, tiles, THREADS, 1, 1, 0, stream, array, None
         )

@@ -44,14 +44,13 @@ from offload_engine.runtimes.base import (
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     IdBuffer,
     TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -229,12 +228,12 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             _direct_copy(self.device.index or 0, self._driver.notes) if use_nvrtc else None
         )
         self._local = threading.local()
-        self._attrs: dict[CopyKind, _MemcpyAttributes] = {}
+        self._attrs: dict[Direction, _MemcpyAttributes] = {}
         index = self.device.index or 0
-        for kind in CopyKind:
+        for kind in (Direction.STORE, Direction.LOAD):
             dev = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index)
             host = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
-            src, dst = (dev, host) if kind is CopyKind.DEVICE_TO_HOST else (host, dev)
+            src, dst = (dev, host) if kind is Direction.STORE else (host, dev)
             self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
@@ -315,9 +314,6 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             handle = torch.cuda.current_stream(self.device).cuda_stream
         self._check(self._driver.event_record(event.cuda_event, handle), "cuEventRecord")
 
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
-
     # ------------------------------------------------------------ memory
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
@@ -374,7 +370,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         self._bind_thread()
         n = int(sizes.shape[0])
         if n == 0:
@@ -434,6 +430,9 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     @property
     def block_copy_alignment(self) -> int:  # type: ignore[override]
         return 8 if self.supports_kernel_strategy else 1
+
+    def launcher_context(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
         if self._direct is not None:
