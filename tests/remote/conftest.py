@@ -40,12 +40,9 @@ class Backend:
     def config(self, **overrides: object) -> RedisStoreConfig | MooncakeStoreConfig:
         if isinstance(self.server, RedisServer):
             return RedisStoreConfig(self.server.url, **overrides)  # type: ignore[arg-type]
-        return MooncakeStoreConfig(
-            self.server.address,
-            segment_bytes=64 << 20,
-            local_buffer_bytes=16 << 20,
-            **overrides,  # type: ignore[arg-type]
-        )
+        fields: dict[str, object] = {"segment_bytes": 64 << 20, "local_buffer_bytes": 16 << 20}
+        fields.update(overrides)
+        return MooncakeStoreConfig(self.server.address, **fields)  # type: ignore[arg-type]
 
     def connect(self, **overrides: object) -> Callable[[], RemoteStore]:
         config = self.config(**overrides)

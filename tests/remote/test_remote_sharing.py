@@ -5,9 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
-from tests.remote.conftest import Backend
+import torch
+
+from offload_engine import KeyMissError, RemoteTier, SyncOffloadingEngine
+from tests.remote.conftest import Backend, digest, keys, random_tier, start_backend
+from tests.remote.test_remote_tier import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,3 +51,46 @@ def test_process_a_stores_process_b_loads_bit_exact(backend: Backend) -> None:
         assert a.wait(timeout=60) == 0
         if a.stdout is not None:
             a.stdout.close()
+
+
+def test_mooncake_holder_killed_gives_misses_not_a_hang() -> None:
+    """The process whose memory segment holds the objects dies (SIGKILL): loads from
+    another client are misses within bounded time, never wrong bytes, and the tier
+    keeps serving."""
+    b = start_backend("mooncake")
+    try:
+        common = ["mooncake", b.server.address, "--seed", "12", "--blocks", "8"]  # type: ignore[union-attr]
+        holder = peer("store", *common)
+        try:
+            assert holder.stdout is not None
+            assert holder.stdout.readline().strip() == "STORED"
+            tier = random_tier(8, seed=99)
+            before = tier.memory.clone()
+            # this client contributes no memory: every object lives in the holder's segment
+            connect = b.connect(segment_bytes=0)
+            with (
+                RemoteTier(connect, tier, digest()) as remote,
+                SyncOffloadingEngine(remote.handlers(), default_timeout=60) as engine,
+            ):
+                assert remote.contains(keys(8)) == 8
+                holder.kill()
+                holder.wait(timeout=30)
+                t0 = time.monotonic()
+                [r] = engine.wait([engine.submit_nowait(load_spec(keys(8), list(range(8))))])
+                assert time.monotonic() - t0 < 60
+                assert not r.success
+                miss = r.error if isinstance(r.error, KeyMissError) else r.error.__cause__  # type: ignore[union-attr]
+                assert isinstance(miss, KeyMissError) and len(miss.missing) == 8, r.error
+                assert remote.stats().loaded == 0
+                # no block was passed as good; the engine still answers
+                assert torch.equal(tier.memory, before) or remote.stats().missed == 8
+                assert remote.contains(keys(8)) == 0  # the missed objects were dropped
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait(timeout=30)
+            for f in (holder.stdin, holder.stdout):
+                if f is not None:
+                    f.close()
+    finally:
+        b.server.stop()
