@@ -4,6 +4,7 @@ corrupt blocks, and the engine keeps serving."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,7 @@ def test_server_down_at_start_is_a_clear_error(name: str) -> None:
     assert time.monotonic() - t0 < 10  # the port probe, not the client's 90 s of retries
 
 
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_degraded_start_serves_misses_then_connects() -> None:
     server = RedisServer(port=free_port())  # not started yet
     connect = Backend("redis", server).connect()
@@ -209,6 +211,10 @@ def test_evicted_keys_are_misses_and_the_rest_load_exactly() -> None:
         b.server.stop()
 
 
+@pytest.mark.skipif(
+    shutil.which("openssl") is None or shutil.which("redis-server") is None,
+    reason="needs openssl and redis-server",
+)
 def test_tls_with_a_ca_bundle_and_refused_without_it(tmp_path: Path) -> None:
     certs = TlsFiles.create(tmp_path)
     with RedisServer(tls=certs) as server:
@@ -230,6 +236,10 @@ def test_tls_with_a_ca_bundle_and_refused_without_it(tmp_path: Path) -> None:
             RedisStore(RedisStoreConfig(server.url.replace("rediss://", "redis://")))
 
 
+@pytest.mark.skipif(
+    shutil.which("redis-cli") is None or shutil.which("redis-server") is None,
+    reason="needs redis-server and redis-cli",
+)
 def test_redis_cluster_round_trip() -> None:
     with RedisClusterServers(nodes=3) as cluster:
         connect = Backend("redis", cluster.servers[0]).connect(cluster=True)
@@ -252,6 +262,7 @@ def test_redis_cluster_round_trip() -> None:
         assert sum(counts) == n and all(c > 0 for c in counts), counts
 
 
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 def test_wrong_password_is_a_clear_error() -> None:
     with RedisServer(acl_user=("tier", "tier-secret")) as server:
         bad = RedisStoreConfig(server.url, password="wrong")
