@@ -20,7 +20,7 @@ On the wire:
 * **loads** verify every trailer. An object that is absent, evicted, of
   another size, or fails verification is a **miss**: the job fails with
   :class:`~offload_engine.KeyMissError` naming the missed and the loaded keys,
-  and the caller must not use the missed blocks' bytes. Missed objects are
+  and the missed host blocks are zeroed (as the disk tier does). Missed objects are
   removed from the store, so a bad one does not keep answering lookups and the
   next store rewrites it.
 
@@ -275,16 +275,16 @@ class RemoteTier:
             ]
             hits = self._call(store.get_into, names, objects)
             for key, name, (payload, row), hit in zip(keys, names, objects, hits, strict=True):
-                if not hit:
-                    missing.append(key)
-                    continue
-                try:
-                    Trailer.decode(
-                        memoryview(row.numpy().data), key=name.encode(), length=self.block_bytes
-                    ).verify(memoryview(payload.numpy().data))
-                except TrailerError:
-                    corrupt += 1
-                    missing.append(key)
+                if hit:
+                    try:
+                        Trailer.decode(
+                            memoryview(row.numpy().data), key=name.encode(), length=self.block_bytes
+                        ).verify(memoryview(payload.numpy().data))
+                        continue
+                    except TrailerError:
+                        corrupt += 1
+                missing.append(key)
+                payload.zero_()  # as the disk tier does: a missed block holds no stray bytes
         loaded = len(t.keys) - len(missing)
         self._bump("loaded", loaded)
         if missing:

@@ -82,8 +82,9 @@ def test_mooncake_holder_killed_gives_misses_not_a_hang() -> None:
                 miss = r.error if isinstance(r.error, KeyMissError) else r.error.__cause__  # type: ignore[union-attr]
                 assert isinstance(miss, KeyMissError) and len(miss.missing) == 8, r.error
                 assert remote.stats().loaded == 0
-                # no block was passed as good; the engine still answers
-                assert torch.equal(tier.memory, before) or remote.stats().missed == 8
+                # no block was passed as good: every missed block is zeroed
+                assert remote.stats().missed == 8 and not tier.memory.any()
+                assert not torch.equal(tier.memory, before)
                 assert remote.contains(keys(8)) == 0  # the missed objects were dropped
         finally:
             if holder.poll() is None:

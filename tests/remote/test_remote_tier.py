@@ -88,6 +88,7 @@ def test_load_of_absent_keys_is_a_miss_naming_them(backend: Backend) -> None:
             assert isinstance(miss, KeyMissError), r.error
             assert miss.missing == (b"never-stored",)
             assert miss.loaded == tuple(keys(2))
+            assert not tier.block(7).any(), "a missed block keeps no stray bytes"
             assert torch.equal(tier.block(5), before[0:2]) and torch.equal(
                 tier.block(6), before[2:4]
             )
@@ -116,7 +117,8 @@ def test_other_layouts_never_see_each_others_objects(backend: Backend) -> None:
         before = b_tier.memory.clone()
         [miss] = eb.wait([eb.submit_nowait(load_spec(ks, [0, 1, 2, 3]))])
         assert not miss.success
-        assert torch.equal(b_tier.memory, before) or b.stats().missed == 4
+        assert b.stats().missed == 4 and not b_tier.memory.any()  # zeroed, never a's bytes
+        assert not torch.equal(b_tier.memory, before)
 
 
 def test_an_object_moved_under_another_layouts_name_fails_verification(
