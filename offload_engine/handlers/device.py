@@ -198,7 +198,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 )
         if tier.memory.dtype.itemsize != 1:
             raise LayoutError(f"tier memory must be bytes, got {tier.memory.dtype}")
-        if not runtime.is_pinned(tier.memory):
+        if not runtime.is_pinned(tier.span):
             raise LayoutError(
                 "the host tier is not pinned: DMA needs registered host memory "
                 "(build it with pinned_host_tier)"
@@ -218,7 +218,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._copy_kind = CopyKind.DEVICE_TO_HOST if self.store else CopyKind.HOST_TO_DEVICE
         align = runtime.block_copy_alignment
         aligned = (
-            all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
+            all(v % align == 0 for t in [*layout.tensors, tier.span] for v in (t.data_ptr(),))
             and all(
                 v % align == 0
                 for g in layout.groups
@@ -226,6 +226,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 for v in (r.offset, r.stride, r.size)
             )
             and tier.slot_bytes % align == 0
+            and tier.block_stride % align == 0
         )
         block_copies = runtime.supports_block_copy and aligned
         rows = (
@@ -240,11 +241,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
             )
         if config.strategy is Strategy.KERNEL and not (
-            runtime.supports_kernel_strategy and aligned
+            runtime.supports_kernel_strategy and aligned and tier.slot_pitch is not None
         ):
             raise ConfigError(
-                f"the kernel strategy needs a {runtime.name} copy kernel and {align}-byte aligned "
-                "regions and tier slots"
+                f"the kernel strategy needs a {runtime.name} copy kernel, {align}-byte aligned "
+                "regions and tier slots, and evenly spaced tier slots (a tier with gaps between "
+                f"its blocks of {tier.factor} slots has none: use dma or staged)"
             )
         self._stage_rows = rows
         min_region = min(r.size for g in layout.groups for r in g)
@@ -394,15 +396,17 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     self.layout.region_tables(m.group),
                     m.cache_ids,
                     m.slots,
-                    tier_base=self.tier.memory.data_ptr(),
+                    tier_base=self.tier.span.data_ptr(),
                     slot_bytes=self.tier.slot_bytes,
                     store=self.store,
+                    factor=self.tier.factor,
+                    block_stride=self.tier.block_stride,
                 )
                 rt.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
             else:
                 ids = rt.upload(stream, m.cache_ids)
                 slots = rt.upload(stream, m.slots)
-                self._block_copy(stream, m, ids, slots, 0, int(m.cache_ids.size), self.tier.memory)
+                self._block_copy(stream, m, ids, slots, 0, int(m.cache_ids.size))
         end = self._mark(plan, stream)
         self._last_effect = end
 
@@ -422,12 +426,21 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         slot_ids: torch.Tensor | None,
         lo: int,
         hi: int,
-        slots: torch.Tensor,
+        staging: torch.Tensor | None = None,
     ) -> None:
-        """Copy blocks ``lo:hi`` of the group between the cache and ``slots``: a staging
-        buffer filled in order (``slot_ids`` None) or the tier itself."""
+        """Copy blocks ``lo:hi`` of the group between the cache and a staging buffer
+        filled in order (``slot_ids`` None) or the tier itself (whose slot rows are
+        evenly spaced: checked at construction)."""
         base, stride, size, offset, max_size = self._tables[m.group]
-        row_bytes = self.layout.slot_bytes if slot_ids is None else self.tier.slot_bytes
+        if slot_ids is None and staging is not None:
+            row_bytes = self.layout.slot_bytes
+            slot_view = staging.view(-1, row_bytes)
+        else:
+            rows = self.tier.slot_rows()
+            pitch = self.tier.slot_pitch
+            if rows is None or pitch is None:  # pragma: no cover - refused at construction
+                raise ConfigError("the tier's slots are not evenly spaced")
+            row_bytes, slot_view = pitch, rows
         self.runtime.copy_blocks(
             stream,
             BlockCopy(
@@ -439,11 +452,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 cache_ids=ids[lo:hi],
                 slot_ids=None if slot_ids is None else slot_ids[lo:hi],
                 count=hi - lo,
-                slot_base=slots.data_ptr(),
+                slot_base=slot_view.data_ptr(),
                 slot_bytes=row_bytes,
                 to_slots=self.store,
                 cache_views=self._views[m.group],
-                slot_view=slots.view(-1, row_bytes),
+                slot_view=slot_view,
                 slot_offsets=self.layout.slot_offsets[m.group],
             ),
         )
@@ -484,10 +497,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     m.slots[lo:hi],
                     staging_base=buffer.data_ptr(),
                     staging_row_bytes=self.layout.slot_bytes,
-                    tier_base=self.tier.memory.data_ptr(),
+                    tier_base=self.tier.span.data_ptr(),
                     slot_bytes=self.tier.slot_bytes,
                     used_bytes=self.layout.group_bytes[m.group],
                     store=self.store,
+                    factor=self.tier.factor,
+                    block_stride=self.tier.block_stride,
                 )
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
@@ -533,10 +548,28 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
 
 def pinned_host_tier(
-    runtime: DeviceRuntime, layout: KVLayout, num_blocks: int, *, factor: int = 1
+    runtime: DeviceRuntime,
+    layout: KVLayout,
+    num_blocks: int,
+    *,
+    factor: int = 1,
+    buffer: torch.Tensor | None = None,
+    offset: int = 0,
+    page_bytes: int | None = None,
+    block_stride: int | None = None,
+    owner: str = "the buffer",
 ) -> HostTier:
-    """A host tier for ``layout``, allocated plainly (no power-of-two rounding) and
-    registered with the runtime in chunks; ``tier.release()`` unregisters it."""
+    """A host tier for ``layout``, registered with the runtime in chunks;
+    ``tier.release()`` unregisters it.
+
+    Without ``buffer`` the memory is allocated plainly (no power-of-two
+    rounding). With one (a contiguous CPU byte tensor someone else owns, such as
+    vLLM's shared offload region) the tier lives inside it, as
+    :meth:`HostTier.over` places it, and ``buffer`` is registered as it is, never
+    copied; give it as ``(rows, row_bytes)`` to make the registration chunks
+    end on row boundaries. Release unregisters it and leaves the memory to its
+    owner.
+    """
     if not isinstance(runtime, DeviceRuntime) or not isinstance(layout, KVLayout):
         raise TypeError(
             f"pinned_host_tier takes a DeviceRuntime and a KVLayout, got "
@@ -545,12 +578,41 @@ def pinned_host_tier(
     for key, value in (("num_blocks", num_blocks), ("factor", factor)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"pinned_host_tier {key} must be a positive int, got {value!r}")
-    rows = num_blocks * factor
-    memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
-    unpin = runtime.pin_host(memory)
-    return HostTier(
-        num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
-    )
+    if buffer is None:
+        rows = num_blocks * factor
+        memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
+        unpin = runtime.pin_host(memory)
+        return HostTier(
+            num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
+        )
+    # place (and validate) the tier before registering anything
+    HostTier.over(
+        buffer,
+        num_blocks=num_blocks,
+        slot_bytes=layout.slot_bytes,
+        factor=factor,
+        offset=offset,
+        page_bytes=page_bytes,
+        block_stride=block_stride,
+        owner=owner,
+    ).release()
+    unpin = runtime.pin_host(buffer)
+    try:
+        return HostTier.over(
+            buffer,
+            num_blocks=num_blocks,
+            slot_bytes=layout.slot_bytes,
+            factor=factor,
+            offset=offset,
+            page_bytes=page_bytes,
+            block_stride=block_stride,
+            release=unpin,
+            pinned=True,
+            owner=owner,
+        )
+    except BaseException:
+        unpin()
+        raise
 
 
 def make_device_handlers(
