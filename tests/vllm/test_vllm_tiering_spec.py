@@ -36,6 +36,21 @@ GROUPS = (((0, 240), (1, 240)), ((2, 160),))
 PADDED = 256 + 256 + 192  # the fake caches' padded pages: vLLM's bytes per block
 
 
+ENGINE_IDS: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def no_region_left_behind() -> Iterator[None]:
+    """Each test's shared offload regions are gone when it ends (removed, if a failed
+    test left one, so /dev/shm does not fill up)."""
+    yield
+    left = [p for e in ENGINE_IDS for p in Path("/dev/shm").glob(f"vllm_offload_{e}.mmap*")]
+    ENGINE_IDS.clear()
+    for p in left:
+        p.unlink()
+    assert not left, f"shared offload regions left behind: {left}"
+
+
 def offloading_config(
     extra: dict[str, Any],
     *,
@@ -53,13 +68,15 @@ def offloading_config(
         OffloadingParallelConfig,
     )
 
+    # the region is /dev/shm/vllm_offload_<engine_id>.mmap: unique per test
+    engine_id = f"oe-test-{uuid.uuid4().hex}"
+    ENGINE_IDS.append(engine_id)
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=bytes_per_block,
         enable_kv_cache_events=False,
         extra_config={**SPEC_KEYS, **extra},
-        # the region is /dev/shm/vllm_offload_<engine_id>.mmap: unique per test
-        engine_id=f"oe-test-{uuid.uuid4().hex}",
+        engine_id=engine_id,
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
