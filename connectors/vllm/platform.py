@@ -55,6 +55,16 @@ class TierPlacement:
     block_stride: int
     owner: str
 
+    def tier_kwargs(self) -> dict[str, Any]:
+        """The keywords :meth:`HostTier.over` and :func:`pinned_host_tier` take."""
+        return {
+            "buffer": self.buffer,
+            "offset": self.offset,
+            "page_bytes": self.page_bytes,
+            "block_stride": self.block_stride,
+            "owner": self.owner,
+        }
+
 
 class BuildHandlers(Protocol):
     """``build(layout, num_tier_blocks, config, placement) -> (handlers, tier)``;
@@ -102,14 +112,10 @@ def build_host_handlers(
         tier = HostTier.for_layout(layout, num_tier_blocks, factor=config.blocks_per_chunk)
     else:
         tier = HostTier.over(
-            placement.buffer,
             num_blocks=num_tier_blocks,
             slot_bytes=layout.slot_bytes,
             factor=config.blocks_per_chunk,
-            offset=placement.offset,
-            page_bytes=placement.page_bytes,
-            block_stride=placement.block_stride,
-            owner=placement.owner,
+            **placement.tier_kwargs(),
         )
     try:
         handler = HostCopyHandler(layout, tier, workers=config.host_workers)
@@ -128,20 +134,10 @@ def build_device_handlers(
 ) -> tuple[list[TransferHandler[Any]], HostTier]:
     """A device platform: a store and a load handler over one pinned host tier
     (the placement's memory registered with the runtime, never copied)."""
-    if placement is None:
-        tier = pinned_host_tier(runtime, layout, num_tier_blocks, factor=config.blocks_per_chunk)
-    else:
-        tier = pinned_host_tier(
-            runtime,
-            layout,
-            num_tier_blocks,
-            factor=config.blocks_per_chunk,
-            buffer=placement.buffer,
-            offset=placement.offset,
-            page_bytes=placement.page_bytes,
-            block_stride=placement.block_stride,
-            owner=placement.owner,
-        )
+    where = placement.tier_kwargs() if placement is not None else {}
+    tier = pinned_host_tier(
+        runtime, layout, num_tier_blocks, factor=config.blocks_per_chunk, **where
+    )
     try:
         handlers = make_device_handlers(
             runtime,

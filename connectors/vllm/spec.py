@@ -18,9 +18,10 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from connectors.vllm.bridge import build_bridge
+from connectors.vllm.bridge import EngineBridge, build_bridge
 from connectors.vllm.compat import SUPPORTED_VLLM, vllm_version
 from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
+from connectors.vllm.platform import TierPlacement
 from connectors.vllm.worker import EngineOffloadingWorker
 from offload_engine.errors import ConfigError
 
@@ -70,6 +71,24 @@ def check_chunks(spec: CPUOffloadingSpec, cfg: EngineOffloadingConfig) -> None:
         )
 
 
+def engine_bridge(
+    spec: CPUOffloadingSpec,
+    kv_caches: CanonicalKVCaches,
+    placement: TierPlacement | None = None,
+) -> EngineBridge:
+    """The worker's engine, on vLLM's current platform, for either spec."""
+    engine_config: EngineOffloadingConfig = spec.engine_config  # type: ignore[attr-defined]
+    return build_bridge(
+        kv_caches,
+        current_platform,
+        engine_config,
+        spec.num_chunks,
+        rank=spec.config.parallel.rank,
+        log=logger,
+        placement=placement,
+    )
+
+
 class EngineOffloadingSpec(CPUOffloadingSpec):
     """Load with ``"spec_name": "EngineOffloadingSpec", "spec_module_path": "connectors.vllm"``."""
 
@@ -89,13 +108,5 @@ class EngineOffloadingSpec(CPUOffloadingSpec):
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._engine_worker is None:
-            bridge = build_bridge(
-                kv_caches,
-                current_platform,
-                self.engine_config,
-                self.num_chunks,
-                rank=self.config.parallel.rank,
-                log=logger,
-            )
-            self._engine_worker = EngineOffloadingWorker(bridge)
+            self._engine_worker = EngineOffloadingWorker(engine_bridge(self, kv_caches))
         return self._engine_worker

@@ -34,17 +34,16 @@ from typing import Any
 
 from typing_extensions import override
 from vllm.logger import init_logger
-from vllm.platforms import current_platform
 from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata, OffloadingWorker
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from connectors.vllm.bridge import EngineBridge, build_bridge
+from connectors.vllm.bridge import EngineBridge
 from connectors.vllm.compat import open_worker_region, region_rows
 from connectors.vllm.config import EngineOffloadingConfig
 from connectors.vllm.platform import TierPlacement
-from connectors.vllm.spec import check_chunks, parse_engine_config
+from connectors.vllm.spec import check_chunks, engine_bridge, parse_engine_config
 from connectors.vllm.worker import EngineOffloadingWorker
 from offload_engine.errors import ConfigError, LayoutError
 
@@ -195,15 +194,7 @@ class EngineTieringSpec(TieringOffloadingSpec):
                     f"cpu_page_size_per_worker={page} bytes in rows of {row} bytes)"
                 ),
             )
-            bridge = build_bridge(
-                kv_caches,
-                current_platform,
-                self.engine_config,
-                self.num_chunks,
-                rank=self.config.parallel.rank,
-                log=logger,
-                placement=placement,
-            )
+            bridge = engine_bridge(self, kv_caches, placement)
             del placement
         except BaseException:
             region.cleanup()

@@ -585,31 +585,19 @@ def pinned_host_tier(
         return HostTier(
             num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
         )
-    # place (and validate) the tier before registering anything
-    HostTier.over(
-        buffer,
-        num_blocks=num_blocks,
-        slot_bytes=layout.slot_bytes,
-        factor=factor,
-        offset=offset,
-        page_bytes=page_bytes,
-        block_stride=block_stride,
-        owner=owner,
-    ).release()
+    place: dict[str, Any] = {
+        "num_blocks": num_blocks,
+        "slot_bytes": layout.slot_bytes,
+        "factor": factor,
+        "offset": offset,
+        "page_bytes": page_bytes,
+        "block_stride": block_stride,
+        "owner": owner,
+    }
+    HostTier.over(buffer, **place).release()  # validate before registering anything
     unpin = runtime.pin_host(buffer)
     try:
-        return HostTier.over(
-            buffer,
-            num_blocks=num_blocks,
-            slot_bytes=layout.slot_bytes,
-            factor=factor,
-            offset=offset,
-            page_bytes=page_bytes,
-            block_stride=block_stride,
-            release=unpin,
-            pinned=True,
-            owner=owner,
-        )
+        return HostTier.over(buffer, release=unpin, pinned=True, **place)
     except BaseException:
         unpin()
         raise

@@ -18,12 +18,13 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
+import vllm_configs
+
 from connectors.vllm import platform
 from connectors.vllm.testing import FakeCanonicalKVCaches, fake_canonical_kv_caches, page_bytes
 from offload_engine import ConfigError, LayoutError
-from offload_engine.runtimes import npu as npu_module
 from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.runtimes.fake_npu import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
+from offload_engine.runtimes.fake_npu import FakeAscend
 from offload_engine.testing import engine_threads
 
 pytestmark = [
@@ -51,48 +52,12 @@ def no_region_left_behind() -> Iterator[None]:
     assert not left, f"shared offload regions left behind: {left}"
 
 
-def offloading_config(
-    extra: dict[str, Any],
-    *,
-    blocks_per_chunk: int = 1,
-    bytes_per_block: int = PADDED,
-    world_size: int = 1,
-    rank: int = 0,
-    replicated: bool = False,
-) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
+def offloading_config(extra: dict[str, Any], **kwargs: Any) -> Any:
     # the region is /dev/shm/vllm_offload_<engine_id>.mmap: unique per test
     engine_id = f"oe-test-{uuid.uuid4().hex}"
     ENGINE_IDS.append(engine_id)
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=False,
-        extra_config={**SPEC_KEYS, **extra},
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=rank,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-        replicated_layout=replicated,
-    )
+    kwargs.setdefault("bytes_per_block", PADDED)
+    return vllm_configs.offloading_config(extra, spec_keys=SPEC_KEYS, engine_id=engine_id, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -198,22 +163,12 @@ def test_cpu_platform_worker_and_fs_tier_share_the_region(
     worker.shutdown()  # idempotent
 
 
-@pytest.fixture
-def ascend(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAscend]:
-    device = FakeAscend()
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu_module(device))
-    monkeypatch.setattr(npu_module, "load_ascendcl", lambda: device.acl)
-    monkeypatch.setattr(npu_module, "NpuRuntime", lambda: FakeNpuRuntime(device, via_import=True))
-    yield device
-    device.close()
-
-
 def test_npu_platform_registers_the_region_and_unregisters_it_at_shutdown(
     spec_cls: Any, tmp_path: Path, ascend: FakeAscend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from connectors.vllm import tiering
+    from connectors.vllm import spec as spec_module
 
-    monkeypatch.setattr(tiering, "current_platform", types.SimpleNamespace(device_type="npu"))
+    monkeypatch.setattr(spec_module, "current_platform", types.SimpleNamespace(device_type="npu"))
     spec = spec_cls(offloading_config(fs_extra(tmp_path, strategy="dma"), blocks_per_chunk=2))
     manager = spec.get_manager()
     kv = fake_canonical_kv_caches(num_blocks=24, groups=GROUPS, empty=ascend.empty)
@@ -233,7 +188,7 @@ def test_npu_platform_registers_the_region_and_unregisters_it_at_shutdown(
 def test_cuda_platform_on_the_fake_runtime(
     spec_cls: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
-    from connectors.vllm import tiering
+    from connectors.vllm import spec as spec_module
 
     fake = FakeRuntime()
     try:
@@ -241,7 +196,9 @@ def test_cuda_platform_on_the_fake_runtime(
         module.Runtime = lambda: fake  # type: ignore[attr-defined]
         monkeypatch.setitem(sys.modules, "fake_cuda_runtime_module", module)
         monkeypatch.setattr(platform, "CUDA_RUNTIME", "fake_cuda_runtime_module:Runtime")
-        monkeypatch.setattr(tiering, "current_platform", types.SimpleNamespace(device_type="cuda"))
+        monkeypatch.setattr(
+            spec_module, "current_platform", types.SimpleNamespace(device_type="cuda")
+        )
         extra = fs_extra(tmp_path, strategy=strategy, staging_bytes=1 << 14)
         spec = spec_cls(offloading_config(extra))
         manager = spec.get_manager()
