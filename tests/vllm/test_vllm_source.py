@@ -135,6 +135,7 @@ def test_the_tiering_spec_builds_its_worker_region_with_the_same_arguments(src: 
 
 
 def test_our_worker_takes_every_argument_vllms_worker_api_passes(src: Path) -> None:
+    pytest.importorskip("vllm.v1.kv_offload.base")  # our worker subclasses the installed one
     from connectors.vllm.worker import EngineOffloadingWorker
 
     api = cls(module(src, "vllm.v1.kv_offload.base"), "OffloadingWorker")
@@ -174,6 +175,7 @@ def test_the_connector_worker_calls_the_spec_and_worker_as_the_adapter_expects(s
 
 
 def test_secondary_tiers_are_built_as_the_config_check_assumes(src: Path) -> None:
+    pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
     from connectors.vllm.tiering import _FACTORY_ARGS, _FACTORY_KEYS
 
     factory = cls(module(src, "vllm.v1.kv_offload.tiering.factory"), "SecondaryTierFactory")
@@ -234,5 +236,6 @@ def test_the_kv_cache_registration_has_the_fields_the_layout_reads(src: Path) ->
 
 
 def test_only_the_releases_that_ran_are_claimed_end_to_end() -> None:
+    pytest.importorskip("vllm")
     assert set(compat.RAN_END_TO_END) <= set(compat.SUPPORTED_VLLM)
     assert compat.vllm_version() in compat.RAN_END_TO_END
