@@ -27,18 +27,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.handler import TransferHandler
-from offload_engine.handlers.device import (
+from offload_engine import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
+    HostCopyHandler,
+    HostTier,
+    KVLayout,
+    SyncOffloadingEngine,
+    TransferHandler,
+    TransferSpec,
+    cpu_blocks,
+    gpu_blocks,
+    host_cache_blocks,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.handlers.host import HostCopyHandler
-from offload_engine.layout import KVLayout
-from offload_engine.tier import HostTier
-from offload_engine.vocabulary import host_cache_blocks
 
 
 def build_cache(device: str, layers: int, num_blocks: int) -> KVLayout:
@@ -108,7 +111,7 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     runtime = None
     if args.device == "cuda":
-        from offload_engine.runtimes.cuda import CudaRuntime
+        from offload_engine import CudaRuntime
 
         runtime = CudaRuntime()
     layout = build_cache(args.device, args.layers, 256)
@@ -125,7 +128,7 @@ def main() -> int:
                         handlers: list[TransferHandler[Any]] = [HostCopyHandler(layout, tier)]
                         cache = host_cache_blocks
                     else:
-                        cfg = DeviceHandlerConfig(strategy=Strategy(mode))
+                        cfg = DeviceHandlerConfig(strategy=CopyStrategy(mode))
                         handlers = list(make_device_handlers(runtime, layout, tier, cfg))
                         cache = gpu_blocks
                     with SyncOffloadingEngine(handlers) as engine:

@@ -17,7 +17,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
+from offload_engine._checks import check_int
+from offload_engine.errors import InvalidTransferError, LayoutError
 from offload_engine.layout import (
     GroupMapping,
     KVLayout,
@@ -49,7 +50,12 @@ class HostTier:
         release: Callable[[], None] | None = None,
         pinned: bool = False,
     ) -> None:
-        _check_positive("HostTier", num_blocks=num_blocks, slot_bytes=slot_bytes, factor=factor)
+        for key, value in (
+            ("num_blocks", num_blocks),
+            ("slot_bytes", slot_bytes),
+            ("factor", factor),
+        ):
+            check_int(value, f"HostTier {key}")
         rows = num_blocks * factor
         if memory is None:
             memory = torch.empty((rows, slot_bytes), dtype=torch.uint8)
@@ -100,9 +106,12 @@ class HostTier:
         not fit its page or the blocks do not fit the buffer. ``owner`` names the
         buffer in those messages.
         """
-        _check_positive(
-            "HostTier.over", num_blocks=num_blocks, slot_bytes=slot_bytes, factor=factor
-        )
+        for key, value in (
+            ("num_blocks", num_blocks),
+            ("slot_bytes", slot_bytes),
+            ("factor", factor),
+        ):
+            check_int(value, f"HostTier.over {key}")
         if not isinstance(buffer, torch.Tensor):
             raise TypeError(f"HostTier.over takes a torch.Tensor, got {type(buffer).__name__}")
         if buffer.device.type != "cpu" or buffer.element_size() != 1 or not buffer.is_contiguous():
@@ -114,8 +123,7 @@ class HostTier:
         page = need if page_bytes is None else page_bytes
         stride = page if block_stride is None else block_stride
         for key, value in (("offset", offset), ("page_bytes", page), ("block_stride", stride)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"HostTier.over {key} must be an int >= 0, got {value!r}")
+            check_int(value, f"HostTier.over {key}", minimum=0)
         if page < need:
             raise LayoutError(
                 f"{owner} gives each tier block a page of {page} bytes, but the engine's tier "
@@ -263,12 +271,6 @@ class HostTier:
         )
 
 
-def _check_positive(who: str, **values: int) -> None:
-    for key, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"{who} {key} must be a positive int, got {value!r}")
-
-
 @dataclass(frozen=True)
 class TierTransfer:
     """A job between a KV layout and a host tier, mapped at submit."""
@@ -315,7 +317,7 @@ def map_transfer(
     )
     check_destinations(
         groups,
-        store=direction is Direction.STORE,
+        direction=direction,
         aliases=layout.group_aliases,
         factor=tier.factor,
     )

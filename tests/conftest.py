@@ -18,11 +18,7 @@ def ascend(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     import sys
 
     from offload_engine.runtimes import npu as npu_module
-    from offload_engine.runtimes.fake_npu import (
-        FakeAscend,
-        FakeNpuRuntime,
-        fake_torch_npu_module,
-    )
+    from offload_engine.testing import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
 
     device = FakeAscend()
     monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu_module(device))

@@ -15,27 +15,24 @@ import torch
 
 from offload_engine import (
     ConfigError,
+    CopyStrategy,
+    DeviceHandlerConfig,
+    HostCopyHandler,
+    HostTier,
     KVLayout,
     LayoutError,
     Medium,
     SyncOffloadingEngine,
+    TransferHandler,
     TransferSpec,
     cpu_blocks,
     gpu_blocks,
     host_cache_blocks,
-)
-from offload_engine.handler import TransferHandler
-from offload_engine.handlers.device import (
-    DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.layout import byte_view
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
-from offload_engine.tier import HostTier
+from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout, cache_block_bytes
 
 POISON = 0xA5
 OTHER = 0x3C  # the other workers' bytes
@@ -145,11 +142,11 @@ def test_host_handler_round_trip_inside_a_shared_region(kind: str, factor: int, 
     assert not bool((buffer[:, offset : offset + page] == POISON).all())
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("kind", ["flash-attention", "separate-kv", "groups"])
 @pytest.mark.parametrize("factor", [1, 3])
 def test_device_handlers_round_trip_inside_a_registered_region(
-    fake: FakeRuntime, strategy: Strategy, kind: str, factor: int
+    fake: FakeRuntime, strategy: CopyStrategy, kind: str, factor: int
 ) -> None:
     layout = build_layout(kind, fake.empty, num_blocks=24, seed=factor)
     buffer, page, row_bytes = region_for(layout, 10, factor)
@@ -169,7 +166,7 @@ def test_device_handlers_round_trip_inside_a_registered_region(
         tier.memory.fill_(POISON)
         outside = outside_pages(buffer, offset, page)
         cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=4 * layout.slot_bytes)
-        if strategy is Strategy.KERNEL and factor > 1:
+        if strategy is CopyStrategy.KERNEL and factor > 1:
             with pytest.raises(ConfigError, match="evenly spaced tier slots"):
                 make_device_handlers(fake, layout, tier, cfg)
             return

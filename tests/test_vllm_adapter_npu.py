@@ -32,8 +32,8 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.handlers.device import DeviceCopyHandler
-from offload_engine.runtimes.fake_npu import FakeAscend
 from offload_engine.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
+from offload_engine.testing import FakeAscend
 
 GROUPS = (((0, 240), (1, 240)), ((2, 160),))
 
@@ -67,7 +67,7 @@ def d2h_bytes(ascend: FakeAscend) -> int:
 
 
 def test_the_npu_platform_builds_device_handlers_on_the_npu_runtime(ascend: FakeAscend) -> None:
-    assert platform.NPU_RUNTIME == "offload_engine.runtimes.npu:NpuRuntime"
+    assert platform.NPU_RUNTIME == "offload_engine:NpuRuntime"
     backend = select_backend(NpuPlatform())
     assert (backend.name, backend.cache_medium) == ("NPU", Medium.NPU)
     kv = kv_caches(ascend, 8)

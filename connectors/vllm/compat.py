@@ -81,7 +81,7 @@ def region_rows(region: Any, num_rows: int, row_bytes: int) -> torch.Tensor:
     base: torch.Tensor = region.base_tensor
     total = int(region.total_size_bytes)
     if total != num_rows * row_bytes or base.numel() != total:
-        from offload_engine.errors import LayoutError
+        from offload_engine import LayoutError
 
         raise LayoutError(
             f"vLLM's shared offload region holds {total} bytes ({base.numel()} mapped); "

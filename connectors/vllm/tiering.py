@@ -45,7 +45,7 @@ from connectors.vllm.config import EngineOffloadingConfig
 from connectors.vllm.platform import TierPlacement
 from connectors.vllm.spec import check_chunks, engine_bridge, parse_engine_config
 from connectors.vllm.worker import EngineOffloadingWorker
-from offload_engine.errors import ConfigError, LayoutError
+from offload_engine import ConfigError, LayoutError
 
 logger = init_logger("vllm.offload_engine")
 

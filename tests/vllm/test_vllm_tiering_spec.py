@@ -23,9 +23,7 @@ import vllm_configs
 from connectors.vllm import platform
 from connectors.vllm.testing import FakeCanonicalKVCaches, fake_canonical_kv_caches, page_bytes
 from offload_engine import ConfigError, LayoutError
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.runtimes.fake_npu import FakeAscend
-from offload_engine.testing import engine_threads
+from offload_engine.testing import FakeAscend, FakeRuntime, engine_threads
 
 pytestmark = [
     pytest.mark.vllm,
