@@ -36,28 +36,26 @@ PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
 CPU_BYTES = 8 * 32 * 1024
 
 
-def remote_args(server: RedisServer) -> list[str]:
-    tier = {
+def remote_tier(server: RedisServer) -> dict[str, Any]:
+    return {
         "type": "EngineRemoteTier",
         "module_path": "connectors.vllm",
         "backend": "redis",
         "url": server.url,
         "workers": 2,
     }
+
+
+def tiering_args(*tiers: dict[str, Any]) -> list[str]:
     return [
-        "--offload",
-        "--spec-name",
-        "EngineTieringSpec",
-        "--spec-module",
-        "connectors.vllm",
-        "--cpu-bytes",
-        str(CPU_BYTES),
-        "--extra",
-        json.dumps({"secondary_tiers": [tier]}),
-        *PROMPTS,
-        "--rounds",
-        "1",
-    ]
+        "--offload", "--spec-name", "EngineTieringSpec", "--spec-module", "connectors.vllm",
+        "--cpu-bytes", str(CPU_BYTES), "--extra", json.dumps({"secondary_tiers": list(tiers)}),
+        *PROMPTS, "--rounds", "1",
+    ]  # fmt: skip
+
+
+def remote_args(server: RedisServer) -> list[str]:
+    return tiering_args(remote_tier(server))
 
 
 def test_a_second_instance_gets_hits_from_redis_with_identical_tokens(tmp_path: Path) -> None:
@@ -79,3 +77,37 @@ def test_a_second_instance_gets_hits_from_redis_with_identical_tokens(tmp_path: 
     # ... which run B, a fresh process with an empty host tier, read back as external hits
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0
+
+
+@pytest.mark.skipif(
+    "EngineDiskTier" not in connectors.vllm.__all__, reason="needs EngineDiskTier (issue [disk])"
+)
+def test_disk_then_remote_a_second_instance_gets_hits_from_redis(tmp_path: Path) -> None:
+    """Two secondary tiers, EngineDiskTier then EngineRemoteTier. Run B has an empty
+    disk directory of its own, so its external hits can only come from Redis."""
+    model = tmp_path / "model"
+    plain: dict[str, Any] = run_vllm(tmp_path, "plain", model, *PROMPTS, "--rounds", "1")
+    dir_a, dir_b = tmp_path / "kv-a", tmp_path / "kv-b"
+    dir_a.mkdir()
+    dir_b.mkdir()
+
+    def disk(path: Path) -> dict[str, Any]:
+        return {
+            "type": "EngineDiskTier",
+            "module_path": "connectors.vllm",
+            "path": str(path),
+            "capacity_bytes": 200_000_000,
+        }
+
+    with RedisServer() as server:
+        first = run_vllm(
+            tmp_path, "tiers-a", model, *tiering_args(disk(dir_a), remote_tier(server))
+        )
+        second = run_vllm(
+            tmp_path, "tiers-b", model, *tiering_args(disk(dir_b), remote_tier(server))
+        )
+    want = plain["rounds"][0]
+    assert first["rounds"] == [want] and second["rounds"] == [want]
+    assert list(dir_a.joinpath("objects").rglob("*.kv")), "run A wrote nothing to disk"
+    assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0, second["log"]
+    assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
