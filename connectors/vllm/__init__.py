@@ -9,6 +9,10 @@ Load it with no patching::
 Importing this package does not import vLLM: the config, layout and platform
 modules are vLLM-free, and :class:`EngineOffloadingSpec` and
 :class:`EngineOffloadingWorker` are imported (with vLLM) on first access.
+``EngineDiskTier`` (also lazy) is the engine's disk tier as a vLLM secondary
+tier: ``{"type": "EngineDiskTier", "module_path": "connectors.vllm", "path": ...,
+"capacity_bytes": ...}`` in ``secondary_tiers``.
+
 See docs/vllm.md.
 """
 
@@ -20,6 +24,7 @@ from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
 from connectors.vllm.platform import Backend, select_backend
 
 if TYPE_CHECKING:
+    from connectors.vllm.disk_tier import EngineDiskTier
     from connectors.vllm.spec import EngineOffloadingSpec
     from connectors.vllm.worker import EngineOffloadingWorker
 
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 SUPPORTED_VLLM = ("0.32.0",)
 
 _LAZY = {
+    "EngineDiskTier": "connectors.vllm.disk_tier",
     "EngineOffloadingSpec": "connectors.vllm.spec",
     "EngineOffloadingWorker": "connectors.vllm.worker",
 }
@@ -56,6 +62,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SUPPORTED_VLLM",
     "Backend",
+    "EngineDiskTier",
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",
     "EngineOffloadingWorker",

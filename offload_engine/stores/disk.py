@@ -442,6 +442,14 @@ class DiskStore:
                 n += 1
         return n
 
+    def state(self, key: bytes) -> Literal["stored", "writing", "absent"]:
+        """Whether ``key`` is stored, being written (ask again later), or absent."""
+        with self._lock:
+            entry = self._index.get(key)
+        if entry is None:
+            return "absent"
+        return "stored" if entry.state == _READY else "writing"
+
     def touch(self, keys: Iterable[bytes]) -> None:
         """Mark stored ``keys`` as recently used."""
         with self._lock:
