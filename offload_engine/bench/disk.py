@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -202,9 +203,11 @@ def _fs_tier_spec(plan: DiskBenchPlan) -> Any:
 
 def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
     try:
-        from vllm.v1.kv_offload.base import OffloadKey, ReqContext
-        from vllm.v1.kv_offload.tiering.base import TransferJob
-        from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+        with warnings.catch_warnings():  # vLLM's imports warn about torch APIs; not ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+            from vllm.v1.kv_offload.tiering.base import TransferJob
+            from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
     except ImportError:
         return []
     n, per, qd = plan.chunks, plan.chunks_per_job, plan.queue_depth
@@ -264,24 +267,34 @@ def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Dis
     return out
 
 
-def run_disk_bench(directory: Path, plan: DiskBenchPlan) -> dict[str, Any]:
-    """Run all three in fresh subdirectories of ``directory``; remove them after."""
+def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) -> dict[str, Any]:
+    """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
+    in fresh subdirectories of ``directory`` that are removed at the end; report
+    the median of each (system, direction)."""
     data = np.random.default_rng(0).integers(
         0, 256, (plan.chunks, plan.chunk_bytes), dtype=np.uint8
     )
-    figures: list[DiskFigure] = []
     runs: tuple[tuple[str, Callable[[Path], list[DiskFigure]]], ...] = (
         ("engine", lambda p: bench_engine(p, plan, data)),
         ("fio", lambda p: bench_fio(p, plan)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
     )
-    for name, run in runs:
-        where = directory / f"disk-bench-{name}-{os.getpid()}"
-        where.mkdir(parents=True)
-        try:
-            figures += run(where)
-        finally:
+    samples: dict[tuple[str, str], list[DiskFigure]] = {}
+    made: list[Path] = []
+    try:
+        for rep in range(repeats):
+            for name, run in runs:
+                where = directory / f"disk-bench-{name}-{os.getpid()}-{rep}"
+                where.mkdir(parents=True)
+                made.append(where)
+                for f in run(where):
+                    samples.setdefault((f.system, f.direction), []).append(f)
+    finally:
+        # deleted only at the end: with `discard` mounts, deleting hundreds of MiB
+        # starts a TRIM that would slow whichever system runs next
+        for where in made:
             shutil.rmtree(where, ignore_errors=True)
+    figures = [sorted(fs, key=lambda f: f.gbps)[len(fs) // 2] for fs in samples.values()]
     by = {(f.system, f.direction): f for f in figures}
     ratios: dict[str, float] = {}
     for d in ("write", "read"):
@@ -292,7 +305,9 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan) -> dict[str, Any]:
                 ratios[f"{d} engine/{other}"] = ours.gbps / theirs.gbps
     return {
         "plan": asdict(plan),
+        "repeats": repeats,
         "directory": str(directory),
         "figures": [asdict(f) for f in figures],
+        "all_gbps": {f"{s} {d}": [round(f.gbps, 3) for f in fs] for (s, d), fs in samples.items()},
         "ratios": ratios,
     }

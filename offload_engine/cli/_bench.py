@@ -84,7 +84,10 @@ def _latency_table(series: list[LatencySeries]) -> Any:
 def _disk_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    table = Table(title="disk tier, cold (O_DIRECT), side by side", title_justify="left")
+    table = Table(
+        title=f"disk tier, cold (O_DIRECT), side by side, median of {report['repeats']}",
+        title_justify="left",
+    )
     for col in ("system", "direction", "GB/s", "seconds", "O_DIRECT", "submit us/chunk"):
         table.add_column(col, justify="left" if col in ("system", "direction") else "right")
     for f in report["figures"]:
@@ -125,7 +128,7 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     if not directory.is_dir():
         raise OSError(f"--dir {directory} is not a directory")
-    report = run_disk_bench(directory, plan)
+    report = run_disk_bench(directory, plan, repeats=1 if args.quick else 3)
     report.update(
         schema=SCHEMA,
         command=shlex.join(["offload-engine", *args.argv]),
