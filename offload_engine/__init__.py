@@ -33,6 +33,7 @@ from offload_engine.errors import (
     WrongThreadError,
 )
 from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.disk import DiskHandler, disk_handlers, page_aligned_tier
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.hosts import SyncOffloadingEngine
@@ -40,6 +41,7 @@ from offload_engine.keyed import LayoutDigest, Trailer
 from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
 from offload_engine.stats import EngineStats, HandlerStats
+from offload_engine.stores.disk import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockSpec,
@@ -66,12 +68,16 @@ __all__ = [
     "CacheBlocks",
     "ConfigError",
     "Direction",
+    "DiskHandler",
+    "DiskStore",
+    "DiskStoreStats",
     "DuplicateJobIdError",
     "EngineBrokenError",
     "EngineClosedError",
     "EngineNotRunningError",
     "EngineNotStartedError",
     "EngineStats",
+    "EvictionPolicy",
     "HandlerContext",
     "HandlerRegistrationError",
     "HandlerStats",
@@ -86,6 +92,7 @@ __all__ = [
     "KVLayout",
     "KeyMissError",
     "KeyedBlocks",
+    "LRUPolicy",
     "LaunchedJob",
     "LayoutDigest",
     "LayoutError",
@@ -113,8 +120,10 @@ __all__ = [
     "__version__",
     "cpu_blocks",
     "disk_blocks",
+    "disk_handlers",
     "gpu_blocks",
     "host_cache_blocks",
     "npu_blocks",
+    "page_aligned_tier",
     "remote_blocks",
 ]

@@ -25,6 +25,9 @@ PUBLIC_API = {
     "InvalidKeyError", "KeyMissError", "KeyedBlocks", "LayoutDigest", "LayoutMismatchError",
     "TierFullError", "TierUnavailableError", "Trailer", "TrailerError", "disk_blocks",
     "remote_blocks",
+    # the disk tier
+    "DiskHandler", "DiskStore", "DiskStoreStats", "EvictionPolicy", "LRUPolicy", "disk_handlers",
+    "page_aligned_tier",
 }  # fmt: skip
 
 
