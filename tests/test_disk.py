@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from offload_engine import (
+    ConfigError,
     EngineClosedError,
     InvalidTransferError,
     KeyMissError,
@@ -564,3 +565,61 @@ def test_a_writer_killed_mid_write_leaves_no_half_file_in_the_index(
         assert run(engine, load_spec(keys, [8, 9, 10])).success  # type: ignore[attr-defined]
         assert all(block_bytes(tier, 8 + i) == block_bytes(tier, i) for i in range(3))
     assert not list(tmp_path.rglob("*.tmp"))
+
+
+# ------------------------------------------------------------------ options
+
+
+@pytest.mark.parametrize("fsync", ["data", "always"])
+def test_fsync_policies_round_trip(tmp_path: Path, tier: HostTier, fsync: str) -> None:
+    with disk_engine(tmp_path, tier, fsync=fsync) as (store, engine):
+        assert run(engine, store_spec([0, 1], [b"a", b"b"])).success  # type: ignore[attr-defined]
+        assert run(engine, load_spec([b"b", b"a"], [9, 8])).success  # type: ignore[attr-defined]
+        assert block_bytes(tier, 8) == block_bytes(tier, 0)
+        assert block_bytes(tier, 9) == block_bytes(tier, 1)
+        assert store.fsync == fsync
+
+
+def test_the_eviction_policy_is_pluggable(tmp_path: Path, tier: HostTier) -> None:
+    class NewestFirst:
+        """Evicts the most recently stored object (not LRU), to show the store obeys it."""
+
+        def __init__(self) -> None:
+            self.order: list[bytes] = []
+
+        def inserted(self, key: bytes) -> None:
+            self.order.append(key)
+
+        def touched(self, key: bytes) -> None:
+            pass
+
+        def removed(self, key: bytes) -> None:
+            self.order.remove(key)
+
+        def victims(self) -> Iterator[bytes]:
+            return iter(self.order[::-1])
+
+    keys = [key(i) for i in range(3)]
+    with disk_engine(tmp_path, tier, capacity_bytes=2 * OBJECT, policy=NewestFirst()) as (
+        store,
+        engine,
+    ):
+        assert run(engine, store_spec([0, 1], keys[:2])).success  # type: ignore[attr-defined]
+        assert run(engine, store_spec([2], keys[2:])).success  # type: ignore[attr-defined]
+        assert [store.contains([k]) for k in keys] == [1, 0, 1]
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"capacity_bytes": 0}, "capacity_bytes"),
+        ({"capacity_bytes": OBJECT, "queue_depth": 0}, "queue_depth"),
+        ({"capacity_bytes": OBJECT, "fsync": "sometimes"}, "fsync"),
+        ({"capacity_bytes": OBJECT, "direct": "yes"}, "direct"),
+    ],
+)
+def test_bad_store_options_are_config_errors(
+    tmp_path: Path, args: dict[str, object], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DiskStore(tmp_path, digest(), **args)  # type: ignore[arg-type]
