@@ -86,6 +86,28 @@ def load_spec(keys: list[bytes], ids: list[int]) -> TransferSpec:
     return TransferSpec(disk_blocks(keys), cpu_blocks(ids))
 
 
+@contextlib.contextmanager
+def gated(
+    monkeypatch: pytest.MonkeyPatch, call: str
+) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """Hold the store's ``_pwritev`` or ``_preadv`` until ``release`` is set;
+    ``entered`` is set once a thread is inside it."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(disk_mod, call)
+
+    def held(fd: int, bufs: list[memoryview], offset: int) -> int:
+        entered.set()
+        release.wait(10)
+        return int(real(fd, bufs, offset))
+
+    monkeypatch.setattr(disk_mod, call, held)
+    try:
+        yield entered, release
+    finally:
+        release.set()
+        monkeypatch.setattr(disk_mod, call, real)
+
+
 @pytest.fixture
 def tier() -> HostTier:
     t = page_aligned_tier(16, BLOCK)
@@ -400,16 +422,10 @@ def test_an_io_error_is_a_failed_store(
 def test_the_same_key_stored_twice_at_once(
     tmp_path: Path, tier: HostTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = disk_mod._pwritev
-
-    def pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
-        entered.set()
-        release.wait(10)
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(disk_mod, "_pwritev", pwritev)
-    with disk_engine(tmp_path, tier) as (store, engine):
+    with (
+        gated(monkeypatch, "_pwritev") as (entered, release),
+        disk_engine(tmp_path, tier) as (store, engine),
+    ):
         first = engine.submit(store_spec([0], [b"same"]))
         assert entered.wait(10)  # the first write is under way
         second = engine.submit(store_spec([1], [b"same"]))
@@ -427,40 +443,31 @@ def test_the_same_key_stored_twice_at_once(
 def test_a_load_racing_an_eviction_gets_whole_bytes_or_a_miss(
     tmp_path: Path, tier: HostTier, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = disk_mod._preadv
-
-    def preadv(fd: int, bufs: list[memoryview], offset: int) -> int:
-        entered.set()
-        release.wait(10)
-        return real(fd, bufs, offset)
-
     keys = [key(i) for i in range(3)]
     with disk_engine(tmp_path, tier, capacity_bytes=2 * OBJECT) as (store, engine):
         assert run(engine, store_spec([0, 1], keys[:2])).success  # type: ignore[attr-defined]
-        monkeypatch.setattr(disk_mod, "_preadv", preadv)
-        loading = engine.submit(load_spec([keys[0]], [8]))  # keys[0] is the LRU victim
-        assert entered.wait(10)
-        # the load pinned keys[0]: the eviction this store needs takes keys[1] instead.
-        # (The store is started on the store directly: its eviction happens at start,
-        # and its write waits for the load, which has priority.)
-        stored: list[object] = []
-        finished = threading.Event()
+        with gated(monkeypatch, "_preadv") as (entered, release):
+            loading = engine.submit(load_spec([keys[0]], [8]))  # keys[0] is the LRU victim
+            assert entered.wait(10)
+            # the load pinned keys[0]: the eviction this store needs takes keys[1] instead.
+            # (The store is started on the store directly: its eviction happens at start,
+            # and its write waits for the load, which has priority.)
+            stored: list[object] = []
+            finished = threading.Event()
 
-        def done(nbytes: int, error: BaseException | None) -> None:
-            stored.append(error)
-            finished.set()
+            def done(nbytes: int, error: BaseException | None) -> None:
+                stored.append(error)
+                finished.set()
 
-        payload = memoryview(tier.memory[2].numpy())  # type: ignore[arg-type]
-        store.start_store([keys[2]], [payload], direct=False, done=done)
-        assert [store.contains([k]) for k in keys] == [1, 0, 0]  # keys[2] is being written
-        assert not finished.is_set()  # held back while the load runs
-        release.set()
-        [r] = engine.wait([loading], timeout=10)
-        assert r.success and block_bytes(tier, 8) == block_bytes(tier, 0)
-        assert finished.wait(10) and stored == [None]
-        assert [store.contains([k]) for k in keys] == [1, 0, 1]
-        monkeypatch.setattr(disk_mod, "_preadv", real)
+            payload = memoryview(tier.memory[2].numpy())  # type: ignore[arg-type]
+            store.start_store([keys[2]], [payload], direct=False, done=done)
+            assert [store.contains([k]) for k in keys] == [1, 0, 0]  # keys[2] is being written
+            assert not finished.is_set()  # held back while the load runs
+            release.set()
+            [r] = engine.wait([loading], timeout=10)
+            assert r.success and block_bytes(tier, 8) == block_bytes(tier, 0)
+            assert finished.wait(10) and stored == [None]
+            assert [store.contains([k]) for k in keys] == [1, 0, 1]
         # evicted first, loaded after: a miss, never stale bytes
         r = run(engine, load_spec([keys[1]], [9]))
         assert isinstance(r.error, KeyMissError)  # type: ignore[attr-defined]

@@ -9,7 +9,6 @@ submits, polling, drain, shutdown.
 from __future__ import annotations
 
 import mmap
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -25,7 +24,7 @@ from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
 from connectors.vllm.disk_tier import EngineDiskTier
 from offload_engine import LayoutMismatchError
-from offload_engine.stores import disk as disk_mod
+from tests.test_disk import gated
 
 pytestmark = pytest.mark.vllm
 
@@ -138,27 +137,18 @@ def test_a_corrupt_chunk_is_a_partial_failure_with_the_verified_keys(tmp_path: P
 def test_lookup_says_retry_while_the_chunk_is_being_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    entered, release = threading.Event(), threading.Event()
-    real = disk_mod._pwritev
-
-    def pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
-        entered.set()
-        release.wait(10)
-        return real(fd, bufs, offset)
-
-    monkeypatch.setattr(disk_mod, "_pwritev", pwritev)
     view, _array = primary_view()
     tier = make_tier(tmp_path, view)
     try:
-        tier.submit_store(job(1, [key(0)], [0], False))
-        assert entered.wait(10)
-        assert tier.lookup(key(0), ReqContext("r")) is LookupResult.RETRY
-        assert tier.get_finished_jobs() == []  # never waits
-        release.set()
-        assert finish(tier)[1].success
+        with gated(monkeypatch, "_pwritev") as (entered, release):
+            tier.submit_store(job(1, [key(0)], [0], False))
+            assert entered.wait(10)
+            assert tier.lookup(key(0), ReqContext("r")) is LookupResult.RETRY
+            assert tier.get_finished_jobs() == []  # never waits
+            release.set()
+            assert finish(tier)[1].success
         assert tier.lookup(key(0), ReqContext("r")) is LookupResult.HIT
     finally:
-        release.set()
         tier.shutdown()
 
 

@@ -105,8 +105,8 @@ def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Disk
             digest,
             capacity_bytes=2 * n * (plan.chunk_bytes + 4096),
             queue_depth=plan.queue_depth,
-        ) as store,
-        SyncOffloadingEngine(disk_handlers(store, tier)) as engine,
+        ) as disk,
+        SyncOffloadingEngine(disk_handlers(disk, tier)) as engine,
     ):
         pending: list[int] = []
 
@@ -116,46 +116,19 @@ def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Disk
                 raise r.error  # type: ignore[misc]
             return 1
 
-        def store_job(j: int) -> None:
-            ids = range(j * per, (j + 1) * per)
-            pending.append(
-                engine.submit_nowait(
-                    TransferSpec(cpu_blocks(ids), disk_blocks(keys[j * per : (j + 1) * per]))
-                )
-            )
+        for direction in ("write", "read"):
+            if direction == "read":
+                tier.memory.zero_()
 
-        secs, cpu = _drive(store_job, finish, jobs, plan.jobs_in_flight)
-        out.append(
-            DiskFigure(
-                "engine",
-                "write",
-                n * plan.chunk_bytes / secs / 1e9,
-                secs,
-                store.direct,
-                cpu / n * 1e6,
-            )
-        )
-        tier.memory.zero_()
+            def submit(j: int, store: bool = direction == "write") -> None:
+                host = cpu_blocks(range(j * per, (j + 1) * per))
+                keyed = disk_blocks(keys[j * per : (j + 1) * per])
+                spec = TransferSpec(host, keyed) if store else TransferSpec(keyed, host)
+                pending.append(engine.submit_nowait(spec))
 
-        def load_job(j: int) -> None:
-            ids = range(j * per, (j + 1) * per)
-            pending.append(
-                engine.submit_nowait(
-                    TransferSpec(disk_blocks(keys[j * per : (j + 1) * per]), cpu_blocks(ids))
-                )
-            )
-
-        secs, cpu = _drive(load_job, finish, jobs, plan.jobs_in_flight)
-        out.append(
-            DiskFigure(
-                "engine",
-                "read",
-                n * plan.chunk_bytes / secs / 1e9,
-                secs,
-                store.direct,
-                cpu / n * 1e6,
-            )
-        )
+            secs, cpu = _drive(submit, finish, jobs, plan.jobs_in_flight)
+            gbps = n * plan.chunk_bytes / secs / 1e9
+            out.append(DiskFigure("engine", direction, gbps, secs, disk.direct, cpu / n * 1e6))
         if not np.array_equal(tier.memory.numpy(), data):
             raise RuntimeError("engine bench: the loaded bytes differ from the stored ones")
     return out
