@@ -20,9 +20,16 @@ from pathlib import Path
 
 import torch
 
-from offload_engine import LayoutDigest, SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
-from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
-from offload_engine.stores.disk import DiskStore
+from offload_engine import (
+    DiskStore,
+    LayoutDigest,
+    SyncOffloadingEngine,
+    TransferSpec,
+    cpu_blocks,
+    disk_blocks,
+    disk_handlers,
+    page_aligned_tier,
+)
 
 BLOCKS = 8
 BLOCK_BYTES = 256 * 1024

@@ -1,7 +1,19 @@
 """offload-engine: move LLM KV-cache blocks between memory tiers, fast.
 
-The curated public API. Everything not named here is private.
+The curated public API. Everything not named here is private, except three
+public subpackages: :mod:`offload_engine.runtimes` (device runtimes and
+:func:`~offload_engine.runtimes.probe_runtimes`), :mod:`offload_engine.testing`
+(the testing kit) and :mod:`offload_engine.connectors` (serving-system adapters).
+
+The device runtimes :class:`CudaRuntime` and :class:`NpuRuntime` are imported
+on first use (module ``__getattr__``), so ``import offload_engine`` never loads
+a runtime module, the CUDA driver bindings or ``torch_npu``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from offload_engine.errors import (
     BlockCountMismatchError,
@@ -32,16 +44,24 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.device import (
+    CopyStrategy,
+    DeviceCopyHandler,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
 from offload_engine.handlers.disk import DiskHandler, disk_handlers, page_aligned_tier
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest, Trailer
 from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
+from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.stats import EngineStats, HandlerStats
 from offload_engine.stores.disk import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockSpec,
@@ -60,13 +80,41 @@ from offload_engine.vocabulary import (
     remote_blocks,
 )
 
+if TYPE_CHECKING:
+    from offload_engine.runtimes.cuda import CudaRuntime
+    from offload_engine.runtimes.npu import NpuRuntime
+
 __version__ = "0.1.0"
+
+#: exported names whose modules load on first use: name -> module
+_LAZY = {
+    "CudaRuntime": "offload_engine.runtimes.cuda",
+    "NpuRuntime": "offload_engine.runtimes.npu",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # not cached here: the runtime module stays the one place the name is bound
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "BlockCountMismatchError",
     "BlockSpec",
     "CacheBlocks",
     "ConfigError",
+    "CopyStrategy",
+    "CudaRuntime",
+    "DeviceCopyHandler",
+    "DeviceHandlerConfig",
+    "DeviceRuntime",
     "Direction",
     "DiskHandler",
     "DiskStore",
@@ -99,6 +147,7 @@ __all__ = [
     "LayoutMismatchError",
     "Medium",
     "NoHandlerError",
+    "NpuRuntime",
     "OffloadError",
     "OffloadingQueueManager",
     "QueueFullError",
@@ -123,7 +172,9 @@ __all__ = [
     "disk_handlers",
     "gpu_blocks",
     "host_cache_blocks",
+    "make_device_handlers",
     "npu_blocks",
     "page_aligned_tier",
+    "pinned_host_tier",
     "remote_blocks",
 ]

@@ -33,13 +33,13 @@ import numpy.typing as npt
 from connectors.vllm.config import EngineOffloadingConfig
 from connectors.vllm.layout import layout_from_canonical
 from connectors.vllm.platform import select_backend
-from offload_engine.errors import OffloadError
-from offload_engine.hosts import SyncOffloadingEngine
-from offload_engine.tier import HostTier
-from offload_engine.vocabulary import (
+from offload_engine import (
     CacheBlocks,
     Direction,
+    HostTier,
     Medium,
+    OffloadError,
+    SyncOffloadingEngine,
     TransferResult,
     TransferSpec,
     cpu_blocks,

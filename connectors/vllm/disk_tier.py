@@ -44,6 +44,8 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from offload_engine import (
     ConfigError,
+    DiskStore,
+    HostTier,
     KeyMissError,
     LayoutDigest,
     OffloadError,
@@ -52,10 +54,8 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
     disk_blocks,
+    disk_handlers,
 )
-from offload_engine.handlers.disk import disk_handlers
-from offload_engine.stores.disk import DiskStore
-from offload_engine.tier import HostTier
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 
 from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
-from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
 from offload_engine.stores.disk import DiskStore
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, disk_blocks
 
 

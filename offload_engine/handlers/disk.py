@@ -19,13 +19,13 @@ import mmap
 
 import torch
 
+from offload_engine._checks import check_int
 from offload_engine.errors import (
-    ConfigError,
     EngineClosedError,
     InvalidTransferError,
     LayoutError,
 )
-from offload_engine.handler import LaunchedJob, TransferHandler
+from offload_engine.handlers.base import LaunchedJob, TransferHandler
 from offload_engine.keyed import KeyedTransfer, map_keyed
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
@@ -37,10 +37,8 @@ log = logging.getLogger("offload_engine.disk")
 def page_aligned_tier(num_blocks: int, block_bytes: int) -> HostTier:
     """A host tier of ``num_blocks`` blocks in page-aligned memory (anonymous
     ``mmap``), so the disk tier can use O_DIRECT on it."""
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-        raise ConfigError(f"num_blocks must be a positive int, got {num_blocks!r}")
-    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) or block_bytes < 1:
-        raise ConfigError(f"block_bytes must be a positive int, got {block_bytes!r}")
+    check_int(num_blocks, "num_blocks")
+    check_int(block_bytes, "block_bytes")
     buf = mmap.mmap(-1, num_blocks * block_bytes)
     memory = torch.frombuffer(buf, dtype=torch.uint8).view(num_blocks, block_bytes)
     return HostTier(num_blocks, block_bytes, memory=memory)
@@ -64,8 +62,7 @@ class DiskHandler(TransferHandler[KeyedTransfer]):
                 f"DiskHandler takes a DiskStore and a HostTier, got {type(store).__name__} and "
                 f"{type(tier).__name__}"
             )
-        if isinstance(max_inflight, bool) or not isinstance(max_inflight, int) or max_inflight < 1:
-            raise ConfigError(f"max_inflight must be a positive int, got {max_inflight!r}")
+        check_int(max_inflight, "max_inflight")
         block_bytes = tier.factor * tier.slot_bytes
         if block_bytes != store.payload_bytes:
             raise LayoutError(

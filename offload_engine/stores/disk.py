@@ -60,6 +60,7 @@ from typing import Literal, Protocol
 
 import xxhash
 
+from offload_engine._checks import check_int
 from offload_engine.errors import (
     ConfigError,
     EngineClosedError,
@@ -249,12 +250,6 @@ def _probe_direct(path: Path) -> bool:
             os.unlink(probe)
 
 
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"DiskStore {name} must be a positive int, got {value!r}")
-    return value
-
-
 class DiskStore:
     """Objects of ``digest.page_bytes`` payload bytes, one file each, under ``path``.
 
@@ -278,8 +273,8 @@ class DiskStore:
     ) -> None:
         if not isinstance(digest, LayoutDigest):
             raise ConfigError(f"DiskStore takes a LayoutDigest, got {type(digest).__name__}")
-        _positive_int("capacity_bytes", capacity_bytes)
-        _positive_int("queue_depth", queue_depth)
+        check_int(capacity_bytes, "DiskStore capacity_bytes")
+        check_int(queue_depth, "DiskStore queue_depth")
         if fsync not in ("never", "data", "always"):
             raise ConfigError(f"DiskStore fsync must be never|data|always, got {fsync!r}")
         if direct not in (None, True, False):
