@@ -481,9 +481,19 @@ class DiskStore:
         return gone
 
     def _unlink(self, keys: Iterable[bytes]) -> None:
+        """Delete dropped objects' files, unless the key was stored again since.
+
+        The check and the unlink share the lock: a new store of the key adds its
+        index entry before it writes, so the file removed here is never its.
+        (A new store that is still writing replaces the old file when it publishes.)
+        """
         for key in keys:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.file_of(key))
+            path = self.file_of(key)
+            with self._lock:
+                if key in self._index:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
 
     # ------------------------------------------------------------ stores
 
@@ -510,6 +520,7 @@ class DiskStore:
             for key, payload in zip(keys, payloads, strict=True):
                 if key in self._index:
                     self._counts["already_stored"] += 1
+                    self.policy.touched(key)
                     continue
                 size = self._file_bytes(key)
                 over = self._used + size - self.capacity_bytes
