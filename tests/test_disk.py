@@ -630,3 +630,21 @@ def test_bad_store_options_are_config_errors(
 ) -> None:
     with pytest.raises(ConfigError, match=match):
         DiskStore(tmp_path, digest(), **args)  # type: ignore[arg-type]
+
+
+def test_a_tier_with_gaps_between_blocks_round_trips(tmp_path: Path) -> None:
+    """A host tier inside someone else's buffer (HostTier.over), blocks 3 pages apart."""
+    stride = BLOCK + PAGE
+    buffer = page_aligned_tier(1, 4 * stride).memory.view(-1)
+    buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8))
+    tier = HostTier.over(buffer, num_blocks=4, slot_bytes=BLOCK, block_stride=stride)
+    gaps = [buffer[b * stride + BLOCK : (b + 1) * stride].clone() for b in range(4)]
+    want = [tier.memory[b].numpy().tobytes() for b in range(2)]
+    with disk_engine(tmp_path, tier) as (_store, engine):
+        assert engine.manager.handlers[0].direct  # type: ignore[attr-defined]
+        assert run(engine, store_spec([0, 1], [b"a", b"b"])).success  # type: ignore[attr-defined]
+        tier.memory[2:].fill_(0)
+        assert run(engine, load_spec([b"b", b"a"], [2, 3])).success  # type: ignore[attr-defined]
+    assert [tier.memory[b].numpy().tobytes() for b in (3, 2)] == want
+    for b in range(4):  # the bytes between blocks are not the tier's: untouched
+        assert torch.equal(buffer[b * stride + BLOCK : (b + 1) * stride], gaps[b])

@@ -88,8 +88,13 @@ def host_tier_over(view: memoryview) -> HostTier:
             f"shape {view.shape} strides {view.strides}"
         )
     array = np.asarray(view)
-    memory = torch.from_numpy(array).view(torch.uint8)
-    return HostTier(int(array.shape[0]), int(array.shape[1]), memory=memory)
+    rows, row_bytes = (int(n) for n in array.shape)
+    return HostTier.over(
+        torch.from_numpy(array).view(-1),
+        num_blocks=rows,
+        slot_bytes=row_bytes,
+        owner="vLLM's primary tier",
+    )
 
 
 class EngineDiskTier(SecondaryTierManager):

@@ -74,9 +74,12 @@ class DiskHandler(TransferHandler[KeyedTransfer]):
         self.max_inflight = max_inflight
         self.store = store
         self.tier = tier
-        flat = tier.memory.view(-1).numpy()
+        # block b's bytes start at b * block_stride of the tier's span (a tier made by
+        # HostTier.over may leave gaps between blocks)
+        flat = tier.span.numpy()
         self._memory = memoryview(flat)  # type: ignore[arg-type]
-        aligned = flat.ctypes.data % PAGE == 0
+        self._stride = tier.block_stride
+        aligned = flat.ctypes.data % PAGE == 0 and self._stride % PAGE == 0
         self.direct = store.direct and aligned
         if store.direct and not aligned:
             log.warning(
@@ -95,9 +98,9 @@ class DiskHandler(TransferHandler[KeyedTransfer]):
 
     def launch(self, job: LaunchedJob[KeyedTransfer]) -> None:
         plan = job.prepared
-        bb = plan.block_bytes
+        bb, stride = plan.block_bytes, self._stride
         mem = self._memory
-        views = [mem[b * bb : (b + 1) * bb] for b in plan.blocks.tolist()]
+        views = [mem[b * stride : b * stride + bb] for b in plan.blocks.tolist()]
 
         def done(nbytes: int, error: BaseException | None) -> None:
             if error is None:
