@@ -55,6 +55,7 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.handlers.disk import DiskHandler, disk_handlers, page_aligned_tier
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.remote import RemoteHandler, RemoteTier, RemoteTierStats
 from offload_engine.handlers.threadpool import ThreadPoolHandler
@@ -63,6 +64,7 @@ from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
 from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.stats import EngineStats, HandlerStats
+from offload_engine.stores.disk import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
 from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
@@ -118,12 +120,16 @@ __all__ = [
     "DeviceHandlerConfig",
     "DeviceRuntime",
     "Direction",
+    "DiskHandler",
+    "DiskStore",
+    "DiskStoreStats",
     "DuplicateJobIdError",
     "EngineBrokenError",
     "EngineClosedError",
     "EngineNotRunningError",
     "EngineNotStartedError",
     "EngineStats",
+    "EvictionPolicy",
     "HandlerContext",
     "HandlerRegistrationError",
     "HandlerStats",
@@ -138,6 +144,7 @@ __all__ = [
     "KVLayout",
     "KeyMissError",
     "KeyedBlocks",
+    "LRUPolicy",
     "LaunchedJob",
     "LayoutDigest",
     "LayoutError",
@@ -172,10 +179,12 @@ __all__ = [
     "__version__",
     "cpu_blocks",
     "disk_blocks",
+    "disk_handlers",
     "gpu_blocks",
     "host_cache_blocks",
     "make_device_handlers",
     "npu_blocks",
+    "page_aligned_tier",
     "pinned_host_tier",
     "remote_blocks",
 ]

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass, fields
 
 import xxhash
 
+from offload_engine._checks import check_int
 from offload_engine.errors import (
     BlockCountMismatchError,
     ConfigError,
@@ -134,12 +135,6 @@ class Trailer:
             raise TrailerError("checksum", f"checksum mismatch for key {self.key.hex()}")
 
 
-def _positive(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"LayoutDigest {name} must be a positive int, got {value!r}")
-    return value
-
-
 @dataclass(frozen=True)
 class LayoutDigest:
     """What the stored bytes mean. Two writers share objects only if every field agrees.
@@ -165,9 +160,8 @@ class LayoutDigest:
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"LayoutDigest {name} must be a non-empty str, got {value!r}")
         for name in ("block_size", "chunk_blocks", "page_bytes", "world_size", "format_version"):
-            _positive(name, getattr(self, name))
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
-            raise ConfigError(f"LayoutDigest rank must be a non-negative int, got {self.rank!r}")
+            check_int(getattr(self, name), f"LayoutDigest {name}")
+        check_int(self.rank, "LayoutDigest rank", minimum=0)
         if self.rank >= self.world_size:
             raise ConfigError(
                 f"LayoutDigest rank {self.rank} is not below world_size {self.world_size}"

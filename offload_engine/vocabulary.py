@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
@@ -256,12 +256,12 @@ class KeyedBlocks:
         return f"KeyedBlocks({self.medium.value}, {shown}{more})"
 
 
-def disk_blocks(keys: Sequence[bytes]) -> KeyedBlocks:
+def disk_blocks(keys: Collection[bytes]) -> KeyedBlocks:
     """Blocks of the local-disk tier, named by key."""
     return KeyedBlocks(Medium.DISK, keys)  # type: ignore[arg-type]
 
 
-def remote_blocks(keys: Sequence[bytes]) -> KeyedBlocks:
+def remote_blocks(keys: Collection[bytes]) -> KeyedBlocks:
     """Blocks of a remote store, named by key."""
     return KeyedBlocks(Medium.REMOTE, keys)  # type: ignore[arg-type]
 

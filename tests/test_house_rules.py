@@ -34,6 +34,9 @@ PUBLIC_API = {
     # the remote tier
     "RemoteHandler", "RemoteTier", "RemoteTierStats", "StoreAuthError", "StoreError",
     "StoreUnavailableError",
+    # the disk tier
+    "DiskHandler", "DiskStore", "DiskStoreStats", "EvictionPolicy", "LRUPolicy", "disk_handlers",
+    "page_aligned_tier",
 }  # fmt: skip
 
 #: the public modules below the top level; every other offload_engine.* module is private

@@ -12,6 +12,10 @@ offload-engine moving the worker's bytes. Load either with no patching::
 Importing this package does not import vLLM: the config, compat, layout and
 platform modules are vLLM-free, and the specs and workers are imported (with
 vLLM) on first access.
+``EngineDiskTier`` (also lazy) is the engine's disk tier as a vLLM secondary
+tier: ``{"type": "EngineDiskTier", "module_path": "connectors.vllm", "path": ...,
+"capacity_bytes": ...}`` in ``secondary_tiers``.
+
 See docs/vllm.md.
 """
 
@@ -23,6 +27,7 @@ from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
 from connectors.vllm.platform import Backend, select_backend
 
 if TYPE_CHECKING:
+    from connectors.vllm.disk_tier import EngineDiskTier
     from connectors.vllm.remote_tier import EngineRemoteTier
     from connectors.vllm.spec import EngineOffloadingSpec
     from connectors.vllm.tiering import EngineTieringSpec, EngineTieringWorker
@@ -32,6 +37,7 @@ from connectors.vllm.compat import SUPPORTED_VLLM
 
 _LAZY = {
     "EngineRemoteTier": "connectors.vllm.remote_tier",
+    "EngineDiskTier": "connectors.vllm.disk_tier",
     "EngineOffloadingSpec": "connectors.vllm.spec",
     "EngineOffloadingWorker": "connectors.vllm.worker",
     "EngineTieringSpec": "connectors.vllm.tiering",
@@ -63,6 +69,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SUPPORTED_VLLM",
     "Backend",
+    "EngineDiskTier",
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",
     "EngineOffloadingWorker",

@@ -134,16 +134,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--tier",
-        choices=("host", "remote"),
+        choices=("host", "disk", "remote"),
         default="host",
-        help="host (default: host and GPU cases) or remote (a remote store against its raw "
-        "client, on a server started on 127.0.0.1)",
+        help="host (default): host-memory and GPU cases; disk: the disk tier against fio and "
+        "vLLM's fs tier in --dir; remote: a remote store against its raw client, on a server "
+        "started on 127.0.0.1 (--backend)",
     )
     bench.add_argument(
         "--backend",
         choices=("redis", "mooncake", "both"),
         default="redis",
-        help="the remote store for --tier remote (default redis)",
+        help="--tier remote: the store (default redis)",
+    )
+    bench.add_argument(
+        "--dir",
+        default=".",
+        metavar="DIR",
+        help="--tier disk: an existing directory on the drive to measure (default .)",
+    )
+    bench.add_argument(
+        "--queue-depth",
+        type=positive_int,
+        default=4,
+        help="--tier disk: I/O threads per direction, and fio's numjobs (default 4)",
+    )
+    bench.add_argument(
+        "--chunk-kib",
+        type=positive_int,
+        default=2048,
+        help="--tier disk: bytes per chunk (one object, one request), in KiB (default 2048)",
     )
     bench.set_defaults(func=_bench.cmd_bench, parser=bench)
     return parser

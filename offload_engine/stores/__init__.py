@@ -1,6 +1,8 @@
-"""Distributed stores a remote tier keeps its objects in: Redis/Valkey and Mooncake Store.
+"""What keyed tiers talk to: local files (:mod:`offload_engine.stores.disk`, behind the
+disk tier), and the distributed stores a remote tier keeps its objects in: Redis/Valkey
+and Mooncake Store.
 
-A public package: the store protocol (:class:`RemoteStore`), its two backends
+A public package: the remote store protocol (:class:`RemoteStore`), its two backends
 and their configurations, and real servers on 127.0.0.1 for tests and
 benchmarks (:class:`RedisServer`, :class:`RedisClusterServers`,
 :class:`MooncakeMaster`).
