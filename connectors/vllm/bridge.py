@@ -30,9 +30,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from connectors.vllm.config import EngineOffloadingConfig
-from connectors.vllm.layout import layout_from_canonical
-from connectors.vllm.platform import select_backend
 from offload_engine.errors import OffloadError
 from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.tier import HostTier
@@ -44,6 +41,10 @@ from offload_engine.vocabulary import (
     TransferSpec,
     cpu_blocks,
 )
+
+from .config import EngineOffloadingConfig
+from .layout import layout_from_canonical
+from .platform import select_backend
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 from offload_engine.errors import RuntimeUnavailableError
 from offload_engine.handler import TransferHandler
 from offload_engine.handlers.device import (
@@ -38,6 +37,8 @@ from offload_engine.layout import KVLayout
 from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import Medium
+
+from .config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 
 #: ``build(layout, num_tier_blocks, config) -> (handlers, tier)``
 BuildHandlers = Callable[

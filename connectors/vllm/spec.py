@@ -3,7 +3,7 @@
 Scheduler side: vLLM's own ``CPUOffloadingSpec`` (its ``CPUOffloadingManager``
 with the LRU/ARC policies, chunk sizing from ``cpu_bytes_to_use``), unchanged.
 Worker side: an :class:`EngineOffloadingWorker` on offload-engine, on every
-platform :func:`~connectors.vllm.platform.select_backend` knows, vLLM's CPU
+platform :func:`~offload_engine.connectors.vllm.platform.select_backend` knows, vLLM's CPU
 platform included (which ``CPUOffloadingSpec.get_worker`` refuses).
 
 This module imports vLLM.
@@ -19,18 +19,20 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from connectors.vllm import SUPPORTED_VLLM
-from connectors.vllm.bridge import build_bridge
-from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
-from connectors.vllm.worker import EngineOffloadingWorker
 from offload_engine.errors import ConfigError
+
+from . import SUPPORTED_VLLM
+from .bridge import build_bridge
+from .config import EngineOffloadingConfig, parse_extra_config
+from .worker import EngineOffloadingWorker
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration shows our lines
 logger = init_logger("vllm.offload_engine")
 
 
 class EngineOffloadingSpec(CPUOffloadingSpec):
-    """Load with ``"spec_name": "EngineOffloadingSpec", "spec_module_path": "connectors.vllm"``."""
+    """Load with ``"spec_name": "EngineOffloadingSpec"`` and
+    ``"spec_module_path": "offload_engine.connectors.vllm"``."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         # Parse our keys first, so a bad config fails here with one ConfigError

@@ -2,7 +2,7 @@
 
 This module imports vLLM. It only translates: vLLM's load/store specs to block
 ids, engine results to vLLM's ``TransferResult``. The bookkeeping lives in
-:mod:`connectors.vllm.bridge`.
+:mod:`offload_engine.connectors.vllm.bridge`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
-from connectors.vllm.bridge import EngineBridge
+from .bridge import EngineBridge
 
 
 class EngineOffloadingWorker(OffloadingWorker):

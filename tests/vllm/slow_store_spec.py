@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from connectors.vllm.spec import EngineOffloadingSpec
+from offload_engine.connectors.vllm.spec import EngineOffloadingSpec
 from offload_engine.handlers.host import HostCopyHandler
 
 STORE_DELAY_S = 0.1
