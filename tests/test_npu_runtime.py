@@ -554,10 +554,12 @@ def test_without_torch_npu_the_runtime_says_how_to_install_it(
     no_torch_npu: pytest.MonkeyPatch,
 ) -> None:
     no_torch_npu.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> not found
-    with pytest.raises(RuntimeUnavailableError, match=r"not installed.*\[npu\]"):
+    with pytest.raises(RuntimeUnavailableError, match=r"not installed.*\[npu\]") as refused:
         NpuRuntime()
     info = probe_npu()
-    assert not info.available and "not installed" in info.reason
+    # info and the runtime give the same install hint
+    assert not info.available and info.reason == str(refused.value)
+    assert "pip install -e '.[npu]'" in info.reason and "CANN" in info.reason
 
 
 def test_a_torch_npu_without_its_npu_module_is_refused(no_torch_npu: pytest.MonkeyPatch) -> None:
