@@ -8,7 +8,9 @@ import pathlib
 import offload_engine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LIBRARY = [p for d in ("offload_engine", "connectors", "deprecated") for p in (ROOT / d).rglob("*.py")]
+LIBRARY = [
+    p for d in ("offload_engine", "connectors", "deprecated") for p in (ROOT / d).rglob("*.py")
+]
 
 PUBLIC_API = {
     "BlockCountMismatchError", "BlockSpec", "CacheBlocks", "ConfigError", "Direction",
