@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import email
 import os
 import shutil
 import subprocess
@@ -101,6 +102,15 @@ def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
         for p in (ROOT / "connectors").rglob("*.py")
     } | {str(p.relative_to(ROOT)) for p in (ROOT / "offload_engine").rglob("*.py")}
     assert expected <= names, sorted(expected - names)
+
+    # what `pip show` and an index page show
+    [meta_name] = [n for n in names if n.endswith(".dist-info/METADATA")]
+    meta = email.message_from_bytes(zipfile.ZipFile(wheel).read(meta_name))
+    assert meta["Name"] == "offload-engine" and meta["License-Expression"] == "Apache-2.0"
+    assert meta["Author"] and meta["Maintainer"] and meta["Keywords"]
+    classifiers = meta.get_all("Classifier") or []
+    assert "Programming Language :: Python :: 3.12" in classifiers
+    assert "Typing :: Typed" in classifiers
 
     target = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(target)
