@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import email
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -117,3 +118,39 @@ def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
     files = _run_check(tmp_path, target)
     assert Path(files["new"]).is_relative_to(target / "offload_engine" / "connectors")
     assert Path(files["old"]).is_relative_to(target / "connectors" / "vllm")
+
+
+# Where the old path may appear: the alias itself, and the pages that explain it.
+OLD_PATH_ALLOWED = {
+    "README.md", "setup.py", "docs/vllm.md", "docs/architecture.md", "tests/test_packaging.py",
+}  # fmt: skip
+OLD_PATH = re.compile(r"(^|[^\w.])connectors\.vllm")
+
+
+def _sources() -> list[Path]:
+    dirs = ("offload_engine", "connectors", "tests", "docs", "benchmarks", "examples", "tools")
+    found = [p for d in dirs for p in (ROOT / d).rglob("*") if p.suffix in (".py", ".md")]
+    return found + [p for p in ROOT.glob("*") if p.suffix in (".py", ".md", ".toml")]
+
+
+def test_only_the_alias_uses_the_old_import_path() -> None:
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in _sources()
+        if str(p.relative_to(ROOT)) not in OLD_PATH_ALLOWED
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if OLD_PATH.search(line)
+    ]
+    assert offenders == [], "write offload_engine.connectors.vllm (connectors.vllm is deprecated)"
+
+
+def test_connectors_import_each_other_relatively() -> None:
+    # mypy checks the folder as the package `connectors`: an absolute offload_engine.connectors
+    # import inside it cannot be resolved there (the name exists only once installed)
+    absolute = re.compile(r"^\s*(from|import)\s+(offload_engine\.)?connectors\b", re.M)
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "connectors").rglob("*.py")
+        if absolute.search(p.read_text())
+    ]
+    assert offenders == [], "inside connectors/, import sibling modules relatively (from .x import)"
