@@ -25,8 +25,7 @@ from offload_engine.connectors.vllm.layout import layout_from_canonical
 from offload_engine.connectors.vllm.platform import select_backend
 from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
 from offload_engine.handlers.device import DeviceCopyHandler
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import cache_block_bytes
+from offload_engine.testing import FakeRuntime, cache_block_bytes
 
 
 @dataclass

@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from offload_engine.errors import OffloadError
-from offload_engine.hosts import SyncOffloadingEngine
-from offload_engine.tier import HostTier
-from offload_engine.vocabulary import (
+from offload_engine import (
     CacheBlocks,
     Direction,
+    HostTier,
     Medium,
+    OffloadError,
+    SyncOffloadingEngine,
     TransferResult,
     TransferSpec,
     cpu_blocks,

@@ -19,7 +19,7 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from offload_engine.errors import ConfigError
+from offload_engine import ConfigError
 
 from . import SUPPORTED_VLLM
 from .bridge import build_bridge
