@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from offload_engine import LaunchedJob, Medium, runtimes
+from offload_engine import Direction, LaunchedJob, Medium, runtimes
 from offload_engine.bench.cuda import open_rig
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.cli import EXIT_UNAVAILABLE, main
@@ -145,7 +145,7 @@ class CorruptingHostHandler(HostCopyHandler):
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         nbytes = super().execute(job)
-        if not job.prepared.store:
+        if job.prepared.direction is Direction.LOAD:
             self.loads += 1
             if self.loads == 3:
                 block = int(job.spec.dst.block_ids[-1])
