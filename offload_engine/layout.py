@@ -117,6 +117,8 @@ def merge_runs(dst: U64, src: U64, sizes: U64) -> tuple[U64, U64, U64]:
     ends_src = src[:-1] + sizes[:-1]
     ends_dst = dst[:-1] + sizes[:-1]
     breaks = (ends_src != src[1:]) | (ends_dst != dst[1:])
+    if breaks.all():  # nothing to merge (scattered blocks, the common case)
+        return dst, src, sizes
     if not breaks.any():
         return dst[:1], src[:1], np.array([sizes.sum()], dtype=np.uint64)
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
@@ -145,29 +147,6 @@ def chunk_descriptors(
     if direction is Direction.STORE:
         return merge_runs(tier, cache, sizes)
     return merge_runs(cache, tier, sizes)
-
-
-def slot_descriptors(
-    count: int,
-    slots: BlockIds,
-    *,
-    staging_base: int,
-    staging_row_bytes: int,
-    tier_base: int,
-    slot_bytes: int,
-    used_bytes: int,
-    direction: Direction,
-) -> tuple[U64, U64, U64]:
-    """``(dst, src, sizes)`` moving ``used_bytes`` of each of ``count`` staging rows
-    (filled in order) to or from its tier slot, merged where both sides continue."""
-    staging = np.uint64(staging_base) + np.arange(count, dtype=np.uint64) * np.uint64(
-        staging_row_bytes
-    )
-    tier = np.uint64(tier_base) + slots.astype(np.uint64) * np.uint64(slot_bytes)
-    sizes = np.full(count, used_bytes, dtype=np.uint64)
-    if direction is Direction.STORE:
-        return merge_runs(tier, staging, sizes)
-    return merge_runs(staging, tier, sizes)
 
 
 def _coalesce(regions: Sequence[Region]) -> tuple[Region, ...]:
@@ -524,6 +503,15 @@ def map_blocks(
             f"the cache spec has {len(cache.group_sizes)} KV groups, the layout {num_groups}"
         )
     cache_ids, tier_ids = cache.block_ids, tier.block_ids
+    if (
+        factor == 1
+        and num_groups == 1
+        and len(cache.group_sizes) == 1
+        and 0 < cache_ids.size == tier_ids.size <= 64
+        and max(cache_ids.tolist()) < num_cache_blocks
+        and max(tier_ids.tolist()) < num_tier_blocks
+    ):  # the common small job, without the general path's numpy calls (a step's submit)
+        return [GroupMapping(0, cache_ids, tier_ids)]
     if cache_ids.size and int(cache_ids.max()) >= num_cache_blocks:
         raise InvalidBlockIdsError(
             f"cache block id {int(cache_ids.max())} is out of range (the cache has "
