@@ -98,6 +98,28 @@ class Server:
             if text in line:
                 return
 
+    def wait_until_listening(self, port: int, timeout: float) -> None:
+        """Wait for the first answered GET /health.
+
+        vLLM binds its socket itself and hands it to uvicorn, which starts listening just
+        after "Application startup complete" and then logs nothing more; until then a
+        connection is refused at once. So this asks /health, with a short pause between
+        refusals, until it answers or the deadline passes.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as r:
+                    if r.status == 200:
+                        return
+            except OSError:  # refused: not listening yet
+                pass
+            if self.proc.poll() is not None:
+                pytest.fail(f"the server exited ({self.proc.returncode}):\n{self.tail()}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not answer /health in {timeout} s:\n{self.tail()}")
+            time.sleep(0.05)
+
     def tail(self, chars: int = 6000) -> str:
         return self.log.read_text()[-chars:] if self.log.exists() else ""
 
@@ -138,6 +160,7 @@ def server(tmp_path: Path) -> Iterator[tuple[Server, int]]:
     srv = Server(cmd, tmp_path / "server.log", dict(os.environ))
     try:
         srv.wait_for_line(READY, START_TIMEOUT_S)
+        srv.wait_until_listening(port, 60)
         yield srv, port
     finally:
         srv.close()
