@@ -44,7 +44,7 @@ from offload_engine import (
 
 from .config import EngineOffloadingConfig
 from .layout import layout_from_canonical
-from .platform import select_backend
+from .platform import TierPlacement, select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -287,16 +287,18 @@ def build_bridge(
     *,
     rank: int = 0,
     log: logging.Logger | None = None,
+    placement: TierPlacement | None = None,
 ) -> EngineBridge:
     """Layout, backend, handlers, engine: the worker side, from vLLM's registration.
 
     Raises :class:`LayoutError` for a KV cache the engine cannot move and
     :class:`RuntimeUnavailableError` for a platform without a handler, before
-    any memory is taken.
+    any memory is taken. With a ``placement`` the tier lives in that memory
+    (vLLM's shared offload region) instead of a private allocation.
     """
     layout = layout_from_canonical(kv_caches)
     backend = select_backend(platform)
-    handlers, tier = backend.build(layout, num_tier_blocks, config)
+    handlers, tier = backend.build(layout, num_tier_blocks, config, placement)
     try:
         engine = SyncOffloadingEngine(
             handlers,
