@@ -12,6 +12,10 @@ offload-engine moving the worker's bytes. Load either with no patching::
 Importing this package does not import vLLM: the config, compat, layout and
 platform modules are vLLM-free, and the specs and workers are imported (with
 vLLM) on first access.
+``EngineDiskTier`` (also lazy) is the engine's disk tier as a vLLM secondary
+tier: ``{"type": "EngineDiskTier", "module_path": "offload_engine.connectors.vllm", "path": ...,
+"capacity_bytes": ...}`` in ``secondary_tiers``.
+
 See docs/vllm.md.
 """
 
@@ -23,6 +27,7 @@ from .config import EngineOffloadingConfig, parse_extra_config
 from .platform import Backend, select_backend
 
 if TYPE_CHECKING:
+    from .disk_tier import EngineDiskTier
     from .spec import EngineOffloadingSpec
     from .tiering import EngineTieringSpec, EngineTieringWorker
     from .worker import EngineOffloadingWorker
@@ -30,6 +35,7 @@ if TYPE_CHECKING:
 from .compat import SUPPORTED_VLLM
 
 _LAZY = {
+    "EngineDiskTier": ".disk_tier",
     "EngineOffloadingSpec": ".spec",
     "EngineOffloadingWorker": ".worker",
     "EngineTieringSpec": ".tiering",
@@ -61,6 +67,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SUPPORTED_VLLM",
     "Backend",
+    "EngineDiskTier",
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",
     "EngineOffloadingWorker",
