@@ -3,9 +3,9 @@
 Loaded by vLLM's tiering manager (``EngineTieringSpec`` or vLLM's own
 ``TieringOffloadingSpec``) from a ``secondary_tiers`` entry::
 
-    {"type": "EngineRemoteTier", "module_path": "connectors.vllm",
+    {"type": "EngineRemoteTier", "module_path": "offload_engine.connectors.vllm",
      "backend": "redis", "url": "redis://10.0.0.5:6379/0", "password_env": "REDIS_PASSWORD"}
-    {"type": "EngineRemoteTier", "module_path": "connectors.vllm",
+    {"type": "EngineRemoteTier", "module_path": "offload_engine.connectors.vllm",
      "backend": "mooncake", "master": "10.0.0.5:50051", "local_hostname": "10.0.0.7"}
 
 It runs in the scheduler process and never blocks it: lookups go to a

@@ -24,7 +24,7 @@ with warnings.catch_warnings():
     )
     from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 
-    from connectors.vllm import EngineRemoteTier
+    from offload_engine.connectors.vllm import EngineRemoteTier
 
 from offload_engine import ConfigError
 from tests.remote.conftest import Backend

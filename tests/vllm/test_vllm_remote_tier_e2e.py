@@ -18,9 +18,9 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.base")
 
-import connectors.vllm
+import offload_engine.connectors.vllm
 
-if "EngineTieringSpec" not in connectors.vllm.__all__:
+if "EngineTieringSpec" not in offload_engine.connectors.vllm.__all__:
     pytest.skip("needs EngineTieringSpec (issue [tiering])", allow_module_level=True)
 if shutil.which("redis-server") is None:
     pytest.skip("needs redis-server (apt-get install redis-server)", allow_module_level=True)
@@ -31,6 +31,8 @@ from offload_engine.stores import RedisServer, RedisStore, RedisStoreConfig
 
 pytestmark = pytest.mark.vllm
 
+VLLM_MODULE = "offload_engine.connectors.vllm"
+
 PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
 #: 8 chunks of the tiny model's 32 KiB blocks: the host tier cannot hold the prompts
 CPU_BYTES = 8 * 32 * 1024
@@ -39,7 +41,7 @@ CPU_BYTES = 8 * 32 * 1024
 def remote_tier(server: RedisServer) -> dict[str, Any]:
     return {
         "type": "EngineRemoteTier",
-        "module_path": "connectors.vllm",
+        "module_path": VLLM_MODULE,
         "backend": "redis",
         "url": server.url,
         "workers": 2,
@@ -48,7 +50,7 @@ def remote_tier(server: RedisServer) -> dict[str, Any]:
 
 def tiering_args(*tiers: dict[str, Any]) -> list[str]:
     return [
-        "--offload", "--spec-name", "EngineTieringSpec", "--spec-module", "connectors.vllm",
+        "--offload", "--spec-name", "EngineTieringSpec", "--spec-module", VLLM_MODULE,
         "--cpu-bytes", str(CPU_BYTES), "--extra", json.dumps({"secondary_tiers": list(tiers)}),
         *PROMPTS, "--rounds", "1",
     ]  # fmt: skip
@@ -80,7 +82,8 @@ def test_a_second_instance_gets_hits_from_redis_with_identical_tokens(tmp_path: 
 
 
 @pytest.mark.skipif(
-    "EngineDiskTier" not in connectors.vllm.__all__, reason="needs EngineDiskTier (issue [disk])"
+    "EngineDiskTier" not in offload_engine.connectors.vllm.__all__,
+    reason="needs EngineDiskTier (issue [disk])",
 )
 def test_disk_then_remote_a_second_instance_gets_hits_from_redis(tmp_path: Path) -> None:
     """Two secondary tiers, EngineDiskTier then EngineRemoteTier. Run B has an empty
@@ -94,7 +97,7 @@ def test_disk_then_remote_a_second_instance_gets_hits_from_redis(tmp_path: Path)
     def disk(path: Path) -> dict[str, Any]:
         return {
             "type": "EngineDiskTier",
-            "module_path": "connectors.vllm",
+            "module_path": VLLM_MODULE,
             "path": str(path),
             "capacity_bytes": 200_000_000,
         }
