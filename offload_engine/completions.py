@@ -72,6 +72,14 @@ def check_job_ids(job_ids: object) -> list[int]:
     return [check_job_id(j) for j in list(job_ids)]
 
 
+def _seconds(value: numbers.Real) -> float:
+    """``float(value)``; an int too large for a float (10**400) is +-inf."""
+    try:
+        return float(value)
+    except OverflowError:
+        return -math.inf if value < 0 else math.inf
+
+
 def check_wait_timeout(timeout: object, *, what: str = "timeout") -> float | None:
     """Return a bound on a wait (``None``: no bound), or raise a typed error.
 
@@ -84,7 +92,7 @@ def check_wait_timeout(timeout: object, *, what: str = "timeout") -> float | Non
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds or None, got {timeout!r}")
-    value = float(timeout)
+    value = _seconds(timeout)
     if math.isnan(value):
         raise ValueError(f"{what} must be a number of seconds or None, got NaN")
     return None if value >= UNBOUNDED else value
@@ -103,7 +111,7 @@ def check_job_timeout(
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{what} must be a positive number of seconds or None, got {timeout!r}")
-    value = float(timeout)
+    value = _seconds(timeout)
     if not value > 0:  # NaN too
         raise error(f"{what} must be a positive number of seconds, got {timeout!r}")
     return None if value >= UNBOUNDED else value

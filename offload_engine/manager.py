@@ -908,7 +908,7 @@ class OffloadingQueueManager:
     def cancel(self, job_id: int) -> bool:
         """Cancel a queued job: True if it was queued and now has a cancelled
         result; False if it is already in flight or finished. Any thread."""
-        check_job_id(job_id)
+        job_id = check_job_id(job_id)  # a plain int: no caller code under the lock
         with self._lock:
             if self._state == _NEW:
                 raise EngineNotStartedError("enter the engine ('async with') first")
