@@ -4,7 +4,7 @@
                                [--json out.json]
 
 A :class:`~offload_engine.SyncOffloadingEngine` serves three routes of
-:class:`~offload_engine.faults.FaultyHandler` (one ordered with two workers,
+:class:`~offload_engine.testing.FaultyHandler` (one ordered with two workers,
 one unordered, one slow and narrow, so its queue fills). Each producer thread
 submits its share of the jobs with a mix of faults: jobs that succeed (on a
 worker or inside ``launch``), fail, raise in the worker or at launch,
@@ -16,7 +16,7 @@ the blocking ``submit``. Results are collected by the producers
 (``get_finished``, ``wait``), by a collector thread, and by ``close``.
 
 Every accepted job and every result goes through a
-:class:`~offload_engine.faults.Ledger`; the run fails (exit status 1) if a
+:class:`~offload_engine.testing.Ledger`; the run fails (exit status 1) if a
 result is lost, duplicated, unexpected, or impossible for its job's fault, if
 a confirmed cancel has no cancelled result, or if the engine's own counters
 disagree.
@@ -42,7 +42,7 @@ from offload_engine import (
     SyncOffloadingEngine,
     UnknownJobError,
 )
-from offload_engine.faults import Fault, FaultPlan, FaultyHandler, Ledger
+from offload_engine.testing import Fault, FaultPlan, FaultyHandler, Ledger
 
 # fault mix, per 1,000 jobs
 MIX = {

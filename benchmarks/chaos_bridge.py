@@ -17,10 +17,10 @@ Each thread plays a worker's model-runner step loop against one shared
 * at the end it waits for all of its jobs and drains.
 
 The engine behind the bridge serves a store route (GPU -> CPU) and a load route
-(CPU -> GPU) of :class:`~offload_engine.faults.FaultyHandler`, which act out the chaos
+(CPU -> GPU) of :class:`~offload_engine.testing.FaultyHandler`, which act out the chaos
 fault mix. A job's fault is coded in its first cache block id, so the handler can read
 it from any spec the bridge builds. Every job the bridge accepted and every result
-``get_finished`` handed out go through a :class:`~offload_engine.faults.Ledger`. The
+``get_finished`` handed out go through a :class:`~offload_engine.testing.Ledger`. The
 run fails (exit status 1) if a result is lost, handed out twice, unexpected or
 impossible for its fault, if the bridge still holds jobs or results at the end, or if
 ``shutdown`` finds results never handed out.
@@ -52,7 +52,7 @@ from offload_engine import (
     SyncOffloadingEngine,
     TransferSpec,
 )
-from offload_engine.faults import Fault, FaultPlan, FaultyHandler, Ledger
+from offload_engine.testing import Fault, FaultPlan, FaultyHandler, Ledger
 
 FAULTS = list(Fault)
 STRIDE = 1 << 20  # cache block ids of fault k lie in [k * STRIDE, (k + 1) * STRIDE)

@@ -1,4 +1,4 @@
-"""Engine overhead with an instant fake handler: jobs/s and submit->result latency.
+"""Engine overhead with an instant handler: jobs/s and submit->result latency.
 
     python benchmarks/engine_overhead.py [--jobs 100000] [--latency-samples 3000] [--json out.json]
 
@@ -37,7 +37,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
-    print(f"engine overhead, instant fake handler, {args.jobs:,} jobs, {report['date']}")
+    print(f"engine overhead, instant handler, {args.jobs:,} jobs, {report['date']}")
     print(f"{'host':<22} {'jobs/s':>12} {'p50 / p99 submit->result (us)':>32}")
     for r in results:
         lat = f"{r.p50_us:.0f} / {r.p99_us:.0f}"

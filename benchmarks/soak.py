@@ -66,16 +66,23 @@ from offload_engine import (
     UnknownJobError,
     cpu_blocks,
 )
-from offload_engine.faults import Fault, FaultPlan, FaultyHandler, Ledger
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
 from offload_engine.layout import byte_view
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import build_layout, cache_block_bytes, engine_threads
+from offload_engine.testing import (
+    FakeRuntime,
+    Fault,
+    FaultPlan,
+    FaultyHandler,
+    Ledger,
+    build_layout,
+    cache_block_bytes,
+    engine_threads,
+)
 
 MIX = {
     Fault.OK: 75,
@@ -328,7 +335,7 @@ def main() -> int:
         runtime,
         dev_layout,
         dev_tier,
-        DeviceHandlerConfig(strategy=Strategy.STAGED, staging_bytes=12 * dev_layout.slot_bytes),
+        DeviceHandlerConfig(strategy=CopyStrategy.STAGED, staging_bytes=12 * dev_layout.slot_bytes),
     )
     faulty_plan = FaultPlan(Medium.GPU, Medium.CPU)
     sync_ledger = Ledger()

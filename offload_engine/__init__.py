@@ -1,7 +1,19 @@
 """offload-engine: move LLM KV-cache blocks between memory tiers, fast.
 
-The curated public API. Everything not named here is private.
+The curated public API. Everything not named here is private, except three
+public subpackages: :mod:`offload_engine.runtimes` (device runtimes and
+:func:`~offload_engine.runtimes.probe_runtimes`), :mod:`offload_engine.testing`
+(the testing kit) and :mod:`offload_engine.connectors` (serving-system adapters).
+
+The device runtimes :class:`CudaRuntime` and :class:`NpuRuntime` are imported
+on first use (module ``__getattr__``), so ``import offload_engine`` never loads
+a runtime module, the CUDA driver bindings or ``torch_npu``.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from offload_engine.errors import (
     BlockCountMismatchError,
@@ -26,13 +38,21 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.device import (
+    CopyStrategy,
+    DeviceCopyHandler,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.hosts import SyncOffloadingEngine
 from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
+from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.stats import EngineStats, HandlerStats
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockSpec,
@@ -48,13 +68,41 @@ from offload_engine.vocabulary import (
     npu_blocks,
 )
 
+if TYPE_CHECKING:
+    from offload_engine.runtimes.cuda import CudaRuntime
+    from offload_engine.runtimes.npu import NpuRuntime
+
 __version__ = "0.1.0"
+
+#: exported names whose modules load on first use: name -> module
+_LAZY = {
+    "CudaRuntime": "offload_engine.runtimes.cuda",
+    "NpuRuntime": "offload_engine.runtimes.npu",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # not cached here: the runtime module stays the one place the name is bound
+    return getattr(importlib.import_module(module), name)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __all__ = [
     "BlockCountMismatchError",
     "BlockSpec",
     "CacheBlocks",
     "ConfigError",
+    "CopyStrategy",
+    "CudaRuntime",
+    "DeviceCopyHandler",
+    "DeviceHandlerConfig",
+    "DeviceRuntime",
     "Direction",
     "DuplicateJobIdError",
     "EngineBrokenError",
@@ -77,6 +125,7 @@ __all__ = [
     "LayoutError",
     "Medium",
     "NoHandlerError",
+    "NpuRuntime",
     "OffloadError",
     "OffloadingQueueManager",
     "QueueFullError",
@@ -95,5 +144,7 @@ __all__ = [
     "cpu_blocks",
     "gpu_blocks",
     "host_cache_blocks",
+    "make_device_handlers",
     "npu_blocks",
+    "pinned_host_tier",
 ]

@@ -48,13 +48,6 @@ class LoopBridge:
         except RuntimeError as exc:  # asyncio: loop closed; trio: run finished
             raise EngineBrokenError("the engine's event loop is no longer running") from exc
 
-    def call(self, fn: Callable[..., object], *args: Any) -> None:
-        """Run ``fn(*args)`` now if on the loop thread, else schedule it."""
-        if threading.current_thread() is self.thread:
-            fn(*args)
-        else:
-            self.call_soon(fn, *args)
-
 
 class ThreadSignal:
     """A one-shot signal set from any thread and awaited on the loop.
@@ -93,3 +86,22 @@ class ThreadSignal:
                 self._event = anyio.Event()
             event = self._event
         await event.wait()
+
+
+async def join_threads(
+    threads: list[threading.Thread], done: ThreadSignal | None, timeout: float, stuck: str
+) -> None:
+    """Close-time wait for a handler's threads: await ``done`` on the loop (the last
+    thread sets it) for at most ``timeout`` seconds, then join them; ``threads`` ends
+    empty. Past the timeout it raises :class:`EngineBrokenError` naming the threads
+    still alive, followed by ``stuck`` (what they are inside, what happens next)."""
+    if done is not None:
+        with anyio.move_on_after(timeout):
+            await done.wait()
+        if not done.is_set():
+            alive = ", ".join(t.name for t in threads if t.is_alive())
+            threads.clear()
+            raise EngineBrokenError(f"thread(s) {alive} {stuck} {timeout}s after close")
+    for t in threads:
+        t.join()
+    threads.clear()

@@ -147,9 +147,6 @@ class CompletionStore:
         self._pending.add(job_id)
         return job_id
 
-    def unreserve_locked(self, job_id: int) -> None:
-        self._pending.discard(job_id)
-
     def post_locked(self, result: TransferResult) -> None:
         self._pending.discard(result.job_id)
         self._ready[result.job_id] = result
@@ -180,10 +177,6 @@ class CompletionStore:
         self._cond.notify_all()
         event, self._changed = self._changed, None
         return event
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     @property
     def ready_count(self) -> int:

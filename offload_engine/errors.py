@@ -27,7 +27,7 @@ class EngineNotRunningError(OffloadError, RuntimeError):
 
 
 class EngineNotStartedError(EngineNotRunningError):
-    """The manager was used before ``async with`` (or ``start``) entered it."""
+    """The manager was used before ``async with`` entered it."""
 
 
 class EngineClosedError(EngineNotRunningError):
@@ -44,7 +44,8 @@ class WrongThreadError(OffloadError, RuntimeError):
 
 
 class QueueFullError(OffloadError):
-    """``submit_nowait`` found the handler's queue at its cap of queued + in-flight jobs."""
+    """The handler's queue is at its cap of queued + in-flight jobs: ``submit_nowait``
+    found it full, or ``submit_blocking`` waited ``wait_timeout`` seconds for room in vain."""
 
 
 # --------------------------------------------------------------------------- bad input

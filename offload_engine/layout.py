@@ -32,8 +32,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from offload_engine._checks import check_int
 from offload_engine.errors import BlockCountMismatchError, InvalidBlockIdsError, LayoutError
-from offload_engine.vocabulary import BlockIds, CacheBlocks, TierBlocks
+from offload_engine.vocabulary import BlockIds, CacheBlocks, Direction, TierBlocks
 
 U64 = npt.NDArray[np.uint64]
 
@@ -129,7 +130,7 @@ def chunk_descriptors(
     *,
     tier_base: int,
     slot_bytes: int,
-    store: bool,
+    direction: Direction,
 ) -> tuple[U64, U64, U64]:
     """``(dst, src, sizes)`` for every (block, region) chunk of one group, in
     block-major order (a block's regions are adjacent in its tier slot), merged."""
@@ -141,7 +142,7 @@ def chunk_descriptors(
         + tables.slot_offset[None, :]
     ).ravel()
     sizes = np.broadcast_to(tables.size, (cache_ids.shape[0], tables.size.shape[0])).ravel()
-    if store:
+    if direction is Direction.STORE:
         return merge_runs(tier, cache, sizes)
     return merge_runs(cache, tier, sizes)
 
@@ -155,7 +156,7 @@ def slot_descriptors(
     tier_base: int,
     slot_bytes: int,
     used_bytes: int,
-    store: bool,
+    direction: Direction,
 ) -> tuple[U64, U64, U64]:
     """``(dst, src, sizes)`` moving ``used_bytes`` of each of ``count`` staging rows
     (filled in order) to or from its tier slot, merged where both sides continue."""
@@ -164,7 +165,7 @@ def slot_descriptors(
     )
     tier = np.uint64(tier_base) + slots.astype(np.uint64) * np.uint64(slot_bytes)
     sizes = np.full(count, used_bytes, dtype=np.uint64)
-    if store:
+    if direction is Direction.STORE:
         return merge_runs(tier, staging, sizes)
     return merge_runs(staging, tier, sizes)
 
@@ -213,8 +214,7 @@ class KVLayout:
                     raise TypeError(f"group {g}: {r!r} is not a Region of ints")
         if not groups or any(not g for g in groups):
             raise LayoutError("a layout needs at least one group, each with a region")
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise LayoutError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        check_int(num_blocks, "num_blocks", error=LayoutError)
         device = tensors[0].device
         for i, t in enumerate(tensors):
             if t.device != device:
@@ -472,7 +472,11 @@ def _first_repeat(ids: BlockIds) -> int | None:
 
 
 def check_destinations(
-    mapping: Sequence[GroupMapping], *, store: bool, aliases: Sequence[int], factor: int = 1
+    mapping: Sequence[GroupMapping],
+    *,
+    direction: Direction,
+    aliases: Sequence[int],
+    factor: int = 1,
 ) -> None:
     """Refuse a job that writes one destination twice, with :class:`InvalidBlockIdsError`.
 
@@ -482,7 +486,7 @@ def check_destinations(
     that share a tensor (``aliases``, :attr:`KVLayout.group_aliases`) share too. Sources
     may repeat: reading a block twice is harmless.
     """
-    if store:
+    if direction is Direction.STORE:
         parts = [m.slots for m in mapping]
         if sum(p.size for p in parts) < 2:
             return

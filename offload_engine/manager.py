@@ -10,10 +10,15 @@ jobs) and one timer (expires deadlines). Every public method except the
 One ``threading.Lock`` guards all mutable state: queues, in-flight tables,
 counters and the result store. Sections under it are short and never await or
 call a handler. Work that must happen on the loop (setting an anyio event to
-wake a sleeping task) is collected under the lock into ``_todo`` and run
-either directly (when already on the loop thread) or by a single bridged
-callback; a second producer thread never schedules a second callback while
-one is pending, so a burst of completions costs one loop wake-up.
+wake a sleeping task) is collected under the lock and set after it, in one
+batch (:mod:`offload_engine._wakeups`).
+
+Concepts kept in their own private modules: the job record and a route's
+queue and counters (:mod:`offload_engine._jobs`; a job reports through a
+callable, not through the manager), the deadline heap
+(:mod:`offload_engine._deadlines`) and wake-up batching. This module keeps
+registration, the lifecycle and close sequence, task supervision, and the
+submit, report and settle transitions.
 
 A sleeping task publishes the event it sleeps on (``route.wake``,
 ``store._changed``, ...) under the lock after re-checking its condition, and a
@@ -26,13 +31,9 @@ timeout, a cancel, or abandonment at close. Later reports are ignored.
 
 from __future__ import annotations
 
-import heapq
-import itertools
-import math
 import threading
 import time
 import warnings
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from types import TracebackType
@@ -41,7 +42,11 @@ from typing import Any, Final
 import anyio
 import anyio.lowlevel
 
+from offload_engine._checks import check_int
+from offload_engine._deadlines import Deadlines
+from offload_engine._jobs import DONE, INFLIGHT, QUEUED, Job, Route
 from offload_engine._loop import LoopBridge
+from offload_engine._wakeups import Wakeups
 from offload_engine.completions import (
     CompletionStore,
     check_job_id,
@@ -62,19 +67,15 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handler import (
+from offload_engine.handlers.base import (
     LoopCaller,
     TransferHandler,
     claim_handler,
     release_handler,
     retire_handler,
 )
-from offload_engine.stats import EngineStats, HandlerStats
-from offload_engine.vocabulary import CacheBlocks, Medium, TransferResult, TransferSpec
-
-_QUEUED: Final = 0
-_INFLIGHT: Final = 1
-_DONE: Final = 2
+from offload_engine.stats import EngineStats
+from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
 
 _NEW: Final = "new"
 _RUNNING: Final = "running"
@@ -85,152 +86,6 @@ _now = time.perf_counter
 
 # A route task launches this many jobs back to back before it lets other tasks run.
 _LAUNCHES_PER_YIELD = 1024
-
-
-class _Job:
-    """One job. Also the :class:`~offload_engine.handler.LaunchedJob` a handler sees."""
-
-    __slots__ = (
-        "_mgr",
-        "deadline",
-        "job_id",
-        "outcome",
-        "prepared",
-        "route",
-        "spec",
-        "state",
-        "t_launch",
-        "t_submit",
-    )
-
-    def __init__(
-        self,
-        mgr: OffloadingQueueManager,
-        route: _Route,
-        job_id: int,
-        spec: TransferSpec,
-        prepared: object,
-        t_submit: float,
-        deadline: float | None,
-    ) -> None:
-        self._mgr = mgr
-        self.route = route
-        self.job_id = job_id
-        self.spec = spec
-        self.prepared = prepared
-        self.t_submit = t_submit
-        self.t_launch = t_submit
-        self.deadline = deadline
-        self.state = _QUEUED
-        # (success, nbytes, seconds, error) once resolved
-        self.outcome: tuple[bool, int, float, BaseException | None] | None = None
-
-    @property
-    def resolved(self) -> bool:
-        return self.outcome is not None
-
-    def succeed(self, nbytes: int, seconds: float | None = None) -> None:
-        # A malformed report is the handler's bug, but raising here would kill the
-        # reporting thread (a worker, a watcher) and leave the job without a result.
-        # It fails the job instead, with an error that names the bad value.
-        try:
-            count = int(nbytes)
-            secs = None if seconds is None else float(seconds)
-            if count < 0 or (secs is not None and not secs >= 0):
-                raise ValueError("byte counts and durations are non-negative")
-        except (TypeError, ValueError, OverflowError) as exc:
-            bad = TransferError(
-                f"job {self.job_id}: {self.route.handler.name} reported success with an invalid "
-                f"byte count or duration (nbytes={nbytes!r}, seconds={seconds!r})"
-            )
-            bad.__cause__ = exc
-            self._mgr._report(self, False, 0, None, bad)
-            return
-        self._mgr._report(self, True, count, secs, None)
-
-    def fail(self, error: BaseException) -> None:
-        if not isinstance(error, BaseException):
-            error = TypeError(f"the handler reported a failure that is not an exception: {error!r}")
-        if isinstance(error, TransferError):
-            wrapped: BaseException = error
-        else:
-            wrapped = TransferError(
-                f"job {self.job_id} failed in {self.route.handler.name}: {error!r}"
-            )
-            wrapped.__cause__ = error
-        self._mgr._report(self, False, 0, None, wrapped)
-
-    def __repr__(self) -> str:
-        state = ("queued", "in flight", "done")[self.state]
-        return f"<job {self.job_id} {self.route.label} {state}>"
-
-
-class _Route:
-    """One handler's queue, in-flight table and counters."""
-
-    __slots__ = (
-        "abandoned",
-        "bytes_loaded",
-        "bytes_moved",
-        "bytes_stored",
-        "cancelled",
-        "capacity",
-        "failed",
-        "handler",
-        "inflight",
-        "label",
-        "loads_succeeded",
-        "max_inflight",
-        "ordered",
-        "queue",
-        "space",
-        "stores_succeeded",
-        "submitted",
-        "succeeded",
-        "timed_out",
-        "wake",
-    )
-
-    def __init__(self, handler: TransferHandler[Any], capacity: int) -> None:
-        self.handler = handler
-        self.label = f"{handler.src.value}->{handler.dst.value}"
-        self.capacity = capacity
-        self.max_inflight = int(handler.max_inflight)
-        self.ordered = bool(handler.ordered)
-        self.queue: deque[_Job] = deque()
-        self.inflight: dict[int, _Job] = {}  # insertion order = launch order
-        self.wake: anyio.Event | None = None  # set while the route task sleeps
-        self.space: anyio.Event | None = None  # set while a task awaits room
-        self.submitted = self.succeeded = self.failed = 0
-        self.cancelled = self.timed_out = self.abandoned = self.bytes_moved = 0
-        # successful jobs by direction (a handler may serve both, e.g. CPU<->CPU)
-        self.stores_succeeded = self.loads_succeeded = 0
-        self.bytes_stored = self.bytes_loaded = 0
-
-    @property
-    def count(self) -> int:
-        return len(self.queue) + len(self.inflight)
-
-    def snapshot(self) -> HandlerStats:
-        return HandlerStats(
-            src=self.handler.src,
-            dst=self.handler.dst,
-            handler=self.handler.name,
-            submitted=self.submitted,
-            succeeded=self.succeeded,
-            failed=self.failed,
-            cancelled=self.cancelled,
-            timed_out=self.timed_out,
-            abandoned=self.abandoned,
-            bytes_moved=self.bytes_moved,
-            queued=len(self.queue),
-            stores_succeeded=self.stores_succeeded,
-            loads_succeeded=self.loads_succeeded,
-            bytes_stored=self.bytes_stored,
-            bytes_loaded=self.bytes_loaded,
-            in_flight=len(self.inflight),
-            capacity=self.capacity,
-        )
 
 
 class _ResultIterator:
@@ -283,8 +138,7 @@ class OffloadingQueueManager:
         capacity: int = 4096,
         default_timeout: float | None = None,
     ) -> None:
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+        check_int(capacity, "capacity", error=ValueError)
         default_timeout = check_job_timeout(
             default_timeout, what="default_timeout", error=ConfigError
         )
@@ -293,22 +147,20 @@ class OffloadingQueueManager:
         self._store = CompletionStore(self._lock)
         self._capacity = capacity
         self._default_timeout = default_timeout
-        self._routes: dict[tuple[Medium, Medium], _Route] = {}
+        self._routes: dict[tuple[Medium, Medium], Route] = {}
         self._registering: set[tuple[Medium, Medium]] = set()
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._state = _NEW
         self._bridge: LoopBridge | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         self._scopes: list[anyio.CancelScope] = []
         self._tasks_running = 0
         self._tasks_done: anyio.Event | None = None
-        self._todo: list[anyio.Event] = []
-        self._todo_scheduled = False
+        self._wakeups = Wakeups(self._lock)
+        self._todo = self._wakeups.todo  # the same list, tested on hot paths
+        self._flush = self._wakeups.flush
         self._sync_space_waiters = 0
-        self._heap: list[tuple[float, int, _Job]] = []  # (deadline, seq, job)
-        self._seq = itertools.count()
-        self._timer_wake: anyio.Event | None = None
-        self._timer_next = math.inf
+        self._deadlines = Deadlines()
         self._idle: anyio.Event | None = None
         self._closed_event: anyio.Event | None = None
         #: results nobody collected when ``async with`` closed the engine, or when
@@ -341,10 +193,9 @@ class OffloadingQueueManager:
                 f"{type(handler).__name__}: src and dst must be Medium members, "
                 f"got {pair[0]!r} -> {pair[1]!r}"
             )
-        if isinstance(handler.max_inflight, bool) or not (
-            isinstance(handler.max_inflight, int) and handler.max_inflight >= 1
-        ):
-            raise HandlerRegistrationError(f"{handler!r}: max_inflight must be an int >= 1")
+        check_int(
+            handler.max_inflight, f"{handler!r}: max_inflight", error=HandlerRegistrationError
+        )
         with self._lock:
             if self._state in (_CLOSING, _CLOSED):
                 raise EngineClosedError("cannot register a handler on a closed engine")
@@ -360,7 +211,7 @@ class OffloadingQueueManager:
                     f"{held.handler if held is not None else 'one being started'!r}"
                 )
             claim_handler(handler, self)
-            route = _Route(handler, self._capacity)
+            route = Route(handler, self._capacity)
             if not running:
                 self._routes[pair] = route
                 return
@@ -393,7 +244,7 @@ class OffloadingQueueManager:
         with self._lock:
             if self._state != _NEW:
                 raise EngineClosedError(f"an engine starts once; this one is {self._state}")
-            bridge = self._bridge = LoopBridge()
+            bridge = self._bridge = self._wakeups.bridge = LoopBridge()
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
@@ -615,14 +466,14 @@ class OffloadingQueueManager:
             # and leave jobs without results. The engine is broken instead: it
             # refuses new jobs, a crashed route's jobs fail now, and close still
             # works within its timeout.
-            route = args[0] if args and isinstance(args[0], _Route) else None
+            route = args[0] if args and isinstance(args[0], Route) else None
             self._crashed(exc, route)
         finally:
             self._tasks_running -= 1
             if self._tasks_running == 0 and self._tasks_done is not None:
                 self._tasks_done.set()
 
-    def _crashed(self, exc: BaseException, route: _Route | None) -> None:
+    def _crashed(self, exc: BaseException, route: Route | None) -> None:
         """An engine task died of ``exc``: mark the engine broken; fail ``route``'s jobs."""
         with self._lock:
             if self.crash is None:
@@ -649,19 +500,19 @@ class OffloadingQueueManager:
             await self._tasks_done.wait()
         self._scopes.clear()
 
-    async def _route_main(self, route: _Route) -> None:
+    async def _route_main(self, route: Route) -> None:
         handler = route.handler
         lock = self._lock
         since_yield = 0
         while True:
             with lock:
                 room = route.max_inflight - len(route.inflight)
-                batch: list[_Job] = []
+                batch: list[Job] = []
                 queue = route.queue
                 inflight = route.inflight
                 while room > 0 and queue:
                     job = queue.popleft()
-                    job.state = _INFLIGHT
+                    job.state = INFLIGHT
                     inflight[job.job_id] = job
                     batch.append(job)
                     room -= 1
@@ -685,33 +536,25 @@ class OffloadingQueueManager:
                 await event.wait()
 
     async def _timer_main(self) -> None:
+        deadlines = self._deadlines
         while True:
-            expired: list[_Job] = []
             with self._lock:
                 now = time.monotonic()
-                heap = self._heap
-                while heap and heap[0][0] <= now:
-                    _, _, job = heapq.heappop(heap)
-                    if job.outcome is None:
-                        expired.append(job)
+                expired = deadlines.expired_locked(now)
                 for job in expired:
                     self._resolve_locked(
                         job,
                         JobTimeoutError(f"job {job.job_id} timed out ({job.route.label})"),
                         timed_out=True,
                     )
-                self._timer_next = heap[0][0] if heap else math.inf
-                delay = self._timer_next - now
-                if self._timer_wake is None:
-                    self._timer_wake = anyio.Event()
-                event = self._timer_wake
+                delay, event = deadlines.arm_locked(now)
             if expired:
                 self._flush()
             with anyio.move_on_after(delay):
                 await event.wait()
             with self._lock:
-                if self._timer_wake is event:
-                    self._timer_wake = None
+                if deadlines.wake is event:
+                    deadlines.wake = None
 
     # ------------------------------------------------------------ loop wake-ups
 
@@ -723,34 +566,11 @@ class OffloadingQueueManager:
         if event is not None:
             self._todo.append(event)
 
-    def _wake_route_locked(self, route: _Route) -> None:
+    def _wake_route_locked(self, route: Route) -> None:
         event = route.wake
         if event is not None:
             route.wake = None
             self._todo.append(event)
-
-    def _flush(self) -> None:
-        """Set the collected events: now if on the loop, else via one callback."""
-        if not self._todo:
-            return
-        bridge = self._bridge
-        if bridge is None:
-            return
-        if bridge.in_loop_thread():
-            self._run_todo()
-            return
-        with self._lock:
-            if self._todo_scheduled or not self._todo:
-                return
-            self._todo_scheduled = True
-        bridge.call_soon(self._run_todo)
-
-    def _run_todo(self) -> None:
-        with self._lock:
-            todo, self._todo = self._todo, []
-            self._todo_scheduled = False
-        for event in todo:
-            event.set()
 
     # ------------------------------------------------------------ submit
 
@@ -765,7 +585,7 @@ class OffloadingQueueManager:
                 f"an engine task crashed ({self.crash!r}); the engine accepts no more jobs"
             ) from self.crash
 
-    def _route_for(self, spec: TransferSpec) -> _Route:
+    def _route_for(self, spec: TransferSpec) -> Route:
         if not isinstance(spec, TransferSpec):
             raise TypeError(f"submit takes a TransferSpec, got {type(spec).__name__}")
         route = self._routes.get(spec.pair)
@@ -779,7 +599,7 @@ class OffloadingQueueManager:
 
     def _prepare(
         self, spec: TransferSpec, job_id: int | None, timeout: float | None
-    ) -> tuple[_Route, object, float | None, int | None]:
+    ) -> tuple[Route, object, float | None, int | None]:
         """Check the arguments and run the handler's ``prepare``, outside the lock.
 
         The job id and timeout come back as a plain int and float, so nothing
@@ -796,7 +616,7 @@ class OffloadingQueueManager:
 
     def _enqueue_locked(
         self,
-        route: _Route,
+        route: Route,
         spec: TransferSpec,
         prepared: object,
         job_id: int | None,
@@ -809,7 +629,7 @@ class OffloadingQueueManager:
             )
         jid = self._store.reserve_locked(job_id)
         deadline = None if timeout is None else time.monotonic() + timeout
-        job = _Job(self, route, jid, spec, prepared, _now(), deadline)
+        job = Job(self._report, route, jid, spec, prepared, _now(), deadline)
         self._jobs[jid] = job
         route.queue.append(job)
         route.submitted += 1
@@ -818,18 +638,9 @@ class OffloadingQueueManager:
             route.wake = None
             self._todo.append(event)
         if deadline is not None:
-            heap = self._heap
-            if len(heap) > 1024 and len(heap) > 2 * len(self._jobs):
-                # drop entries of finished jobs so they do not pin memory
-                heap[:] = [e for e in heap if e[2].outcome is None]
-                heapq.heapify(heap)
-            heapq.heappush(heap, (deadline, next(self._seq), job))
-            if deadline < self._timer_next:
-                self._timer_next = deadline
-                event = self._timer_wake
-                if event is not None:
-                    self._timer_wake = None
-                    self._todo.append(event)
+            event = self._deadlines.push_locked(deadline, job, len(self._jobs))
+            if event is not None:
+                self._todo.append(event)
         return jid
 
     def submit_nowait(
@@ -919,7 +730,7 @@ class OffloadingQueueManager:
                 if self._store.is_live_locked(job_id):
                     return False
                 raise UnknownJobError(f"job {job_id} is not live")
-            if job.state != _QUEUED:
+            if job.state != QUEUED:
                 return False
             self._resolve_locked(job, JobCancelledError(f"job {job_id} cancelled while queued"))
         self._flush()
@@ -929,7 +740,7 @@ class OffloadingQueueManager:
 
     def _report(
         self,
-        job: _Job,
+        job: Job,
         success: bool,
         nbytes: int,
         seconds: float | None,
@@ -940,7 +751,7 @@ class OffloadingQueueManager:
         if seconds is None:
             seconds = now - job.t_launch
         with self._lock:
-            if job.outcome is not None or job.state != _INFLIGHT:
+            if job.outcome is not None or job.state != INFLIGHT:
                 return
             job.outcome = (success, nbytes, seconds, error)
             route = job.route
@@ -954,7 +765,7 @@ class OffloadingQueueManager:
         if self._todo:
             self._flush()
 
-    def _settle_locked(self, route: _Route, now: float) -> None:
+    def _settle_locked(self, route: Route, now: float) -> None:
         """Post the ordered route's leading run of resolved jobs."""
         inflight = route.inflight
         settled: list[int] = []
@@ -966,13 +777,13 @@ class OffloadingQueueManager:
         for jid in settled:
             del inflight[jid]
 
-    def _resolve_locked(self, job: _Job, error: BaseException, *, timed_out: bool = False) -> None:
+    def _resolve_locked(self, job: Job, error: BaseException, *, timed_out: bool = False) -> None:
         """Fail ``job`` from the engine's side (cancel, timeout, close); delivered at once."""
         if job.outcome is not None:
             return
         route = job.route
         now = _now()
-        if job.state == _QUEUED:
+        if job.state == QUEUED:
             route.queue.remove(job)
             seconds = 0.0
         else:
@@ -991,22 +802,13 @@ class OffloadingQueueManager:
         if route.queue:
             self._wake_route_locked(route)
 
-    def _post_locked(self, job: _Job, now: float) -> None:
+    def _post_locked(self, job: Job, now: float) -> None:
         success, nbytes, seconds, error = job.outcome  # type: ignore[misc]
         route = job.route
-        job.state = _DONE
+        job.state = DONE
         del self._jobs[job.job_id]
         if success:
-            route.succeeded += 1
-            route.bytes_moved += nbytes
-            src_cache = isinstance(job.spec.src, CacheBlocks)
-            if src_cache != isinstance(job.spec.dst, CacheBlocks):
-                if src_cache:
-                    route.stores_succeeded += 1
-                    route.bytes_stored += nbytes
-                else:
-                    route.loads_succeeded += 1
-                    route.bytes_loaded += nbytes
+            route.count_success(job.spec, nbytes)
         else:
             route.failed += 1
         self._store.post_locked(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload_engine._checks import check_int
 from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
 from offload_engine.layout import GroupMapping, KVLayout, check_destinations, map_blocks
 from offload_engine.vocabulary import CacheBlocks, Direction, TierBlocks, TransferSpec
@@ -46,8 +47,7 @@ class HostTier:
             ("slot_bytes", slot_bytes),
             ("factor", factor),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"HostTier {key} must be a positive int, got {value!r}")
+            check_int(value, f"HostTier {key}")
         rows = num_blocks * factor
         if memory is None:
             nbytes = rows * slot_bytes
@@ -186,7 +186,7 @@ def map_transfer(
     )
     check_destinations(
         groups,
-        store=direction is Direction.STORE,
+        direction=direction,
         aliases=layout.group_aliases,
         factor=tier.factor,
     )

@@ -20,9 +20,8 @@ from offload_engine.bench.machine import Machine
 from offload_engine.bench.plots import draw_latency, draw_throughput
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.transfers import run_rig_cases
-from offload_engine.handlers.device import Strategy
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import FakeHandler
+from offload_engine.handlers.device import CopyStrategy
+from offload_engine.testing import FakeHandler, FakeRuntime
 
 
 def point(direction: str, n: int, walls: tuple[float, ...]) -> SweepPoint:
@@ -124,8 +123,8 @@ def test_every_figure_names_the_machine_and_the_date() -> None:
     assert f"{machine.cores} cores" in machine.label()
 
 
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
-def test_rig_cases_on_a_device_rig(strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
+def test_rig_cases_on_a_device_rig(strategy: CopyStrategy) -> None:
     """What bench runs per GPU strategy, on the fake runtime (host memory, thread streams)."""
     runtime = FakeRuntime()
     shape = RigShape(num_layers=1, num_blocks=32, tier_blocks=32, kv_heads=1, head_dim=64)

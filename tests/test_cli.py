@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from offload_engine import Medium, runtimes
-from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig, open_rig
+from offload_engine.bench.cuda import open_rig
+from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.cli import EXIT_UNAVAILABLE, main
 from offload_engine.cli._demo import run_demo
 from offload_engine.runtimes import RuntimeInfo
-from offload_engine.runtimes.fake import FakeRuntime
+from offload_engine.testing import FakeRuntime
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_CUDA = RuntimeInfo("cuda", False, "no CUDA device is visible (simulated)")

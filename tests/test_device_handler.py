@@ -25,16 +25,22 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
 from offload_engine.layout import byte_view, merge_runs
 from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.runtimes.fake import FakeDeviceError, FakeRuntime
-from offload_engine.testing import LAYOUT_KINDS, Allocator, build_layout, cache_block_bytes
+from offload_engine.testing import (
+    LAYOUT_KINDS,
+    Allocator,
+    FakeDeviceError,
+    FakeRuntime,
+    build_layout,
+    cache_block_bytes,
+)
 from offload_engine.vocabulary import Direction
 
 POISON = 0xA5
@@ -47,7 +53,7 @@ def fake() -> Iterator[FakeRuntime]:
     runtime.close()
 
 
-def config(strategy: Strategy, layout: KVLayout, **kw: object) -> DeviceHandlerConfig:
+def config(strategy: CopyStrategy, layout: KVLayout, **kw: object) -> DeviceHandlerConfig:
     # two staging rows per buffer, so jobs of a few blocks span several pieces
     return DeviceHandlerConfig(strategy=strategy, staging_bytes=4 * layout.slot_bytes, **kw)  # type: ignore[arg-type]
 
@@ -64,7 +70,7 @@ def round_trip(
     runtime: DeviceRuntime,
     empty: Allocator,
     kind: str,
-    strategy: Strategy,
+    strategy: CopyStrategy,
     factor: int,
     *,
     staging_blocks: int = 2,
@@ -121,11 +127,11 @@ def round_trip(
         tier.release()
 
 
-@pytest.mark.parametrize("strategy", list(Strategy))
+@pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
 def test_round_trip_every_layout_and_strategy(
-    fake: FakeRuntime, kind: str, strategy: Strategy, factor: int
+    fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int
 ) -> None:
     round_trip(fake, fake.empty, kind, strategy, factor)
 
@@ -133,7 +139,7 @@ def test_round_trip_every_layout_and_strategy(
 def test_a_store_waits_for_compute_writing_its_blocks(fake: FakeRuntime) -> None:
     layout = build_layout("flash-attention", fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 4)
-    store, _ = make_device_handlers(fake, layout, tier, config(Strategy.STAGED, layout))
+    store, _ = make_device_handlers(fake, layout, tier, config(CopyStrategy.STAGED, layout))
     gate = threading.Event()
     k0 = layout.tensors[0]
 
@@ -158,7 +164,9 @@ def test_a_store_waits_for_compute_writing_its_blocks(fake: FakeRuntime) -> None
 def test_jobs_take_effect_in_submission_order(fake: FakeRuntime) -> None:
     layout = build_layout("flashinfer", fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 4)
-    store, load = make_device_handlers(fake, layout, tier, config(Strategy.DMA, layout, streams=3))
+    store, load = make_device_handlers(
+        fake, layout, tier, config(CopyStrategy.DMA, layout, streams=3)
+    )
     with SyncOffloadingEngine([store, load]) as engine:
         ids = [engine.submit(TransferSpec(gpu_blocks([b]), cpu_blocks([0]))) for b in range(6)]
         results = engine.wait(ids)
@@ -173,7 +181,7 @@ def test_jobs_take_effect_in_submission_order(fake: FakeRuntime) -> None:
 def test_a_failed_copy_fails_its_job_and_later_jobs_run(fake: FakeRuntime) -> None:
     layout = build_layout("flash-attention", fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 4)
-    store, _ = make_device_handlers(fake, layout, tier, config(Strategy.DMA, layout))
+    store, _ = make_device_handlers(fake, layout, tier, config(CopyStrategy.DMA, layout))
     with SyncOffloadingEngine([store]) as engine:
         fake.fail_next("copy")
         bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
@@ -189,7 +197,7 @@ def test_a_failed_copy_fails_its_job_and_later_jobs_run(fake: FakeRuntime) -> No
 def test_a_failed_gather_kernel_fails_its_job(fake: FakeRuntime) -> None:
     layout = build_layout("flash-attention", fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 4)
-    store, _ = make_device_handlers(fake, layout, tier, config(Strategy.STAGED, layout))
+    store, _ = make_device_handlers(fake, layout, tier, config(CopyStrategy.STAGED, layout))
     with SyncOffloadingEngine([store]) as engine:
         fake.fail_next("kernel")
         bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
@@ -203,7 +211,7 @@ def test_a_hung_copy_times_out_and_close_does_not_hang(fake: FakeRuntime) -> Non
     layout = build_layout("flash-attention", fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 4)
     store, _ = make_device_handlers(
-        fake, layout, tier, config(Strategy.DMA, layout, close_timeout=0.2)
+        fake, layout, tier, config(CopyStrategy.DMA, layout, close_timeout=0.2)
     )
     engine = SyncOffloadingEngine([store])
     fake.hang_next("copy")
@@ -222,7 +230,7 @@ def test_close_drains_in_flight_and_queued_device_work(fake: FakeRuntime) -> Non
     layout = build_layout("mla", fake.empty, num_blocks=16)
     tier = pinned_host_tier(fake, layout, 16)
     store, _ = make_device_handlers(
-        fake, layout, tier, config(Strategy.STAGED, layout, max_inflight=2)
+        fake, layout, tier, config(CopyStrategy.STAGED, layout, max_inflight=2)
     )
     engine = SyncOffloadingEngine([store])
     ids = [engine.submit(TransferSpec(gpu_blocks([b]), cpu_blocks([b]))) for b in range(16)]
@@ -289,7 +297,9 @@ def test_strategy_configuration_is_checked(fake: FakeRuntime) -> None:
             layout,
             tier,
             direction=Direction.STORE,
-            config=DeviceHandlerConfig(strategy=Strategy.STAGED, staging_bytes=layout.slot_bytes),
+            config=DeviceHandlerConfig(
+                strategy=CopyStrategy.STAGED, staging_bytes=layout.slot_bytes
+            ),
         )
     no_kernel = FakeRuntime(kernel_copies=False)
     try:
@@ -301,7 +311,7 @@ def test_strategy_configuration_is_checked(fake: FakeRuntime) -> None:
                 layout2,
                 tier2,
                 direction=Direction.LOAD,
-                config=DeviceHandlerConfig(strategy=Strategy.KERNEL),
+                config=DeviceHandlerConfig(strategy=CopyStrategy.KERNEL),
             )
         tier2.release()
     finally:
@@ -317,7 +327,7 @@ def test_strategy_configuration_is_checked(fake: FakeRuntime) -> None:
 def test_auto_picks_dma_for_large_chunks_and_staged_for_small(fake: FakeRuntime) -> None:
     small = build_layout("flash-attention", fake.empty, num_blocks=4)
     big = build_layout("cross-layer", fake.empty, num_blocks=4, num_layers=8, head_dim=128)
-    for layout, want in ((small, Strategy.STAGED), (big, Strategy.DMA)):
+    for layout, want in ((small, CopyStrategy.STAGED), (big, CopyStrategy.DMA)):
         tier = pinned_host_tier(fake, layout, 4)
         store, _ = make_device_handlers(
             fake, layout, tier, DeviceHandlerConfig(dma_min_chunk_bytes=64 << 10)
@@ -333,7 +343,7 @@ def test_descriptors_are_merged_and_chunked_to_the_batch_cap() -> None:
         layout = build_layout("cross-layer", fake.empty, num_blocks=32)
         tier = pinned_host_tier(fake, layout, 32)
         store, _ = make_device_handlers(
-            fake, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+            fake, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
         )
         with SyncOffloadingEngine([store]) as engine:
             # consecutive cache blocks into consecutive tier blocks: one merged copy
@@ -366,7 +376,7 @@ def test_without_a_batched_api_each_descriptor_is_its_own_call() -> None:
         layout = build_layout("flash-attention", fake.empty, num_blocks=8)
         tier = pinned_host_tier(fake, layout, 8)
         store, _ = make_device_handlers(
-            fake, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+            fake, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
         )
         with SyncOffloadingEngine([store]) as engine:
             engine.wait([engine.submit(TransferSpec(gpu_blocks([1, 5]), cpu_blocks([0, 3])))])
@@ -424,7 +434,7 @@ def test_one_stream_set_with_batched_copies_a_pool_without(batched: bool, sets: 
         layout = build_layout("flash-attention", fake.empty, num_blocks=16)
         tier = pinned_host_tier(fake, layout, 16)
         store, _ = make_device_handlers(
-            fake, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+            fake, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
         )
         with SyncOffloadingEngine([store]) as engine:
             engine.wait(

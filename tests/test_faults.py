@@ -35,17 +35,21 @@ from offload_engine import (
     gpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.faults import Fault, FaultPlan, FaultyHandler, InjectedFault, Ledger
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.fake import FakeRuntime
 from offload_engine.testing import (
     FakeHandler,
+    FakeRuntime,
+    Fault,
+    FaultPlan,
+    FaultyHandler,
+    InjectedFault,
+    Ledger,
     assert_exactly_once,
     build_layout,
     cache_block_bytes,
@@ -437,10 +441,10 @@ def device() -> Iterator[tuple[FakeRuntime, KVLayout, HostTier]]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "strategy"), [("copy", Strategy.DMA), ("kernel", Strategy.STAGED)]
+    ("kind", "strategy"), [("copy", CopyStrategy.DMA), ("kernel", CopyStrategy.STAGED)]
 )
 def test_a_failed_device_copy_fails_only_its_job_under_load(
-    device: tuple[FakeRuntime, KVLayout, HostTier], kind: str, strategy: Strategy
+    device: tuple[FakeRuntime, KVLayout, HostTier], kind: str, strategy: CopyStrategy
 ) -> None:
     """The fault hits whichever copy the runtime enqueues next (a store or a load, from
     the jobs in flight): exactly that job fails, every other one moves the right bytes."""
@@ -486,7 +490,7 @@ def test_a_hung_device_copy_times_out_and_close_does_not_hang(
     within the handler's close_timeout with every result kept. (The hang hits whichever
     copy the runtime enqueues next: a store's or a load's.)"""
     runtime, layout, tier = device
-    cfg = DeviceHandlerConfig(strategy=Strategy.DMA, close_timeout=0.3)
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.DMA, close_timeout=0.3)
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     engine = SyncOffloadingEngine([store, load])
     for r in engine.wait(

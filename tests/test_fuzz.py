@@ -62,8 +62,7 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import FakeHandler, assert_exactly_once, build_layout
+from offload_engine.testing import FakeHandler, FakeRuntime, assert_exactly_once, build_layout
 from offload_engine.vocabulary import Direction
 
 STORE = TransferSpec(gpu_blocks([1, 2]), cpu_blocks([3, 4]))

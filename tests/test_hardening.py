@@ -24,10 +24,12 @@ from offload_engine import (
     ConfigError,
     EngineBrokenError,
     EngineClosedError,
+    HandlerContext,
     HandlerRegistrationError,
     HostCopyHandler,
     HostTier,
     KVLayout,
+    LaunchedJob,
     LayoutError,
     Medium,
     NoHandlerError,
@@ -41,7 +43,6 @@ from offload_engine import (
     gpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.handler import HandlerContext, LaunchedJob
 from offload_engine.handlers.host import HostPlan
 from offload_engine.testing import (
     FakeHandler,

@@ -44,14 +44,13 @@ from offload_engine import (
     cpu_blocks,
 )
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
 from offload_engine.layout import byte_view
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
+from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout, cache_block_bytes
 
 POISON = 0xA5
 BOUND = 20.0
@@ -106,7 +105,7 @@ def make_rig(
     tier_blocks: int = 32,
     factor: int = 1,
     workers: int = 2,
-    strategy: Strategy = Strategy.AUTO,
+    strategy: CopyStrategy = CopyStrategy.AUTO,
     seed: int = 0,
 ) -> Rig:
     if handler == "host":
@@ -353,18 +352,18 @@ def round_trips(
 
 
 CI_ROUND_TRIPS = [
-    ("host", "flashinfer", 1, Strategy.AUTO),
-    ("host", "groups", 2, Strategy.AUTO),
-    ("host", "separate-kv", 4, Strategy.AUTO),
-    ("device", "flash-attention", 1, Strategy.DMA),
-    ("device", "groups", 2, Strategy.STAGED),
-    ("device", "mla", 4, Strategy.KERNEL),
+    ("host", "flashinfer", 1, CopyStrategy.AUTO),
+    ("host", "groups", 2, CopyStrategy.AUTO),
+    ("host", "separate-kv", 4, CopyStrategy.AUTO),
+    ("device", "flash-attention", 1, CopyStrategy.DMA),
+    ("device", "groups", 2, CopyStrategy.STAGED),
+    ("device", "mla", 4, CopyStrategy.KERNEL),
 ]
 
 
 @pytest.mark.parametrize(("handler", "kind", "factor", "strategy"), CI_ROUND_TRIPS)
 def test_concurrent_round_trips_arrive_intact(
-    handler: str, kind: str, factor: int, strategy: Strategy
+    handler: str, kind: str, factor: int, strategy: CopyStrategy
 ) -> None:
     rig = make_rig(
         handler, kind, num_blocks=80, tier_blocks=48, factor=factor, workers=3, strategy=strategy
@@ -379,10 +378,10 @@ def test_concurrent_round_trips_arrive_intact(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
 @pytest.mark.parametrize(("kind", "factor"), [("flash-attention", 1), ("groups", 2), ("mla", 4)])
 def test_concurrent_round_trips_arrive_intact_on_the_gpu(
-    kind: str, factor: int, strategy: Strategy
+    kind: str, factor: int, strategy: CopyStrategy
 ) -> None:
     rig = make_rig("cuda", kind, num_blocks=80, tier_blocks=48, factor=factor, strategy=strategy)
     try:
@@ -394,14 +393,14 @@ def test_concurrent_round_trips_arrive_intact_on_the_gpu(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
 @pytest.mark.parametrize("factor", [1, 3])
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("handler", HANDLERS)
 def test_concurrent_round_trips_arrive_intact_long(
-    handler: str, kind: str, factor: int, strategy: Strategy
+    handler: str, kind: str, factor: int, strategy: CopyStrategy
 ) -> None:
-    if handler == "host" and strategy is not Strategy.DMA:
+    if handler == "host" and strategy is not CopyStrategy.DMA:
         pytest.skip("the host handler has one strategy")
     rig = make_rig(
         handler, kind, num_blocks=224, tier_blocks=160, factor=factor, workers=3, strategy=strategy

@@ -16,6 +16,7 @@ from offload_engine import (
 )
 from offload_engine.layout import byte_view, map_blocks, tensor_byte_span
 from offload_engine.testing import build_layout, cache_block_bytes
+from offload_engine.vocabulary import Direction
 
 
 def reference_slots(
@@ -207,7 +208,7 @@ def test_torch_block_copy_gathers_and_scatters_like_the_kernel() -> None:
         count=3,
         slot_base=staging.data_ptr(),
         slot_bytes=layout.slot_bytes,
-        to_slots=True,
+        direction=Direction.STORE,
         cache_views=layout.region_views(0),
         slot_view=staging,
         slot_offsets=layout.slot_offsets[0],
@@ -216,6 +217,8 @@ def test_torch_block_copy_gathers_and_scatters_like_the_kernel() -> None:
     for row, block in enumerate([5, 0, 9]):
         assert staging[row].numpy().tobytes() == cache_block_bytes(layout, block)
     before = cache_block_bytes(layout, 5)
-    back = BlockCopy(**{**copy.__dict__, "cache_ids": torch.tensor([1, 2, 3]), "to_slots": False})
+    back = BlockCopy(
+        **{**copy.__dict__, "cache_ids": torch.tensor([1, 2, 3]), "direction": Direction.LOAD}
+    )
     torch_block_copy(back)
     assert cache_block_bytes(layout, 1) == before

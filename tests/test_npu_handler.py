@@ -24,15 +24,17 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.fake_npu import FakeAscend, FakeNpuError, FakeNpuRuntime
 from offload_engine.testing import (
     LAYOUT_KINDS,
+    FakeAscend,
+    FakeNpuError,
+    FakeNpuRuntime,
     assert_exactly_once,
     build_layout,
     cache_block_bytes,
@@ -40,7 +42,7 @@ from offload_engine.testing import (
 from offload_engine.vocabulary import Direction
 from tests.test_device_handler import round_trip
 
-COPYING = [Strategy.DMA, Strategy.STAGED, Strategy.AUTO]
+COPYING = [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.AUTO]
 
 
 @pytest.fixture
@@ -50,7 +52,7 @@ def rt() -> Iterator[FakeNpuRuntime]:
     runtime.close()
 
 
-def staged(layout_slot_bytes: int, strategy: Strategy, **kw: object) -> DeviceHandlerConfig:
+def staged(layout_slot_bytes: int, strategy: CopyStrategy, **kw: object) -> DeviceHandlerConfig:
     # two rows per staging buffer, so a job of a few blocks spans several pieces
     return DeviceHandlerConfig(strategy=strategy, staging_bytes=4 * layout_slot_bytes, **kw)  # type: ignore[arg-type]
 
@@ -59,14 +61,14 @@ def staged(layout_slot_bytes: int, strategy: Strategy, **kw: object) -> DeviceHa
 @pytest.mark.parametrize("strategy", COPYING)
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 def test_round_trip_every_layout(
-    rt: FakeNpuRuntime, kind: str, strategy: Strategy, factor: int
+    rt: FakeNpuRuntime, kind: str, strategy: CopyStrategy, factor: int
 ) -> None:
     round_trip(rt, rt.empty, kind, strategy, factor)
 
 
 @pytest.mark.parametrize("factor", [1, 4])
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED])
-def test_round_trip_one_acl_memcpy_per_copy(strategy: Strategy, factor: int) -> None:
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED])
+def test_round_trip_one_acl_memcpy_per_copy(strategy: CopyStrategy, factor: int) -> None:
     rt = FakeNpuRuntime(FakeAscend(batch=False))
     try:
         round_trip(rt, rt.empty, "separate-kv", strategy, factor)
@@ -81,7 +83,7 @@ def test_descriptors_are_merged_then_sent_in_calls_of_at_most_max_batch() -> Non
         layout = build_layout("cross-layer", rt.empty, num_blocks=32)
         tier = pinned_host_tier(rt, layout, 32)
         store, _ = make_device_handlers(
-            rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA)
+            rt, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
         )
         calls = rt.ascend.acl.batch_calls
         with SyncOffloadingEngine([store]) as engine:
@@ -111,7 +113,9 @@ def test_the_ascend_layout_moves_padded_rows_without_touching_the_padding(
     storages = [t.untyped_storage() for t in layout.tensors]
     before = [bytes(s) for s in storages]
     tier = pinned_host_tier(rt, layout, 4)
-    store, load = make_device_handlers(rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA))
+    store, load = make_device_handlers(
+        rt, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
+    )
     want = cache_block_bytes(layout, 2)
     with SyncOffloadingEngine([store, load]) as engine:
         engine.wait([engine.submit(TransferSpec(npu_blocks([2]), cpu_blocks([1])))])
@@ -140,16 +144,16 @@ def test_there_is_no_kernel_strategy_on_ascend(rt: FakeNpuRuntime) -> None:
             layout,
             tier,
             direction=Direction.STORE,
-            config=DeviceHandlerConfig(strategy=Strategy.KERNEL),
+            config=DeviceHandlerConfig(strategy=CopyStrategy.KERNEL),
         )
     store, load = make_device_handlers(rt, layout, tier)
     assert (store.pair, load.pair) == ((Medium.NPU, Medium.CPU), (Medium.CPU, Medium.NPU))
     tier.release()
 
 
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED])
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED])
 def test_a_store_waits_for_compute_writing_its_blocks(
-    rt: FakeNpuRuntime, strategy: Strategy
+    rt: FakeNpuRuntime, strategy: CopyStrategy
 ) -> None:
     layout = build_layout("separate-kv", rt.empty, num_blocks=8)
     tier = pinned_host_tier(rt, layout, 4)
@@ -174,9 +178,9 @@ def test_a_store_waits_for_compute_writing_its_blocks(
     tier.release()
 
 
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED])
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED])
 def test_a_load_waits_for_compute_writing_its_destination(
-    rt: FakeNpuRuntime, strategy: Strategy
+    rt: FakeNpuRuntime, strategy: CopyStrategy
 ) -> None:
     layout = build_layout("separate-kv", rt.empty, num_blocks=8)
     tier = pinned_host_tier(rt, layout, 4)
@@ -202,9 +206,9 @@ def test_a_load_waits_for_compute_writing_its_destination(
     tier.release()
 
 
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED])
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED])
 def test_jobs_of_a_direction_take_effect_and_finish_in_submission_order(
-    rt: FakeNpuRuntime, strategy: Strategy
+    rt: FakeNpuRuntime, strategy: CopyStrategy
 ) -> None:
     layout = build_layout("separate-kv", rt.empty, num_blocks=8)
     tier = pinned_host_tier(rt, layout, 4)
@@ -227,7 +231,7 @@ def gated_engine(
     layout = build_layout("separate-kv", rt.empty, num_blocks=jobs)
     tier = pinned_host_tier(rt, layout, jobs)
     store, _ = make_device_handlers(
-        rt, layout, tier, staged(layout.slot_bytes, Strategy.DMA, max_inflight=max_inflight)
+        rt, layout, tier, staged(layout.slot_bytes, CopyStrategy.DMA, max_inflight=max_inflight)
     )
     gate = threading.Event()
 
@@ -273,7 +277,9 @@ def test_wait_on_a_queued_job_waits_for_it_to_run(rt: FakeNpuRuntime) -> None:
 def test_a_refused_batch_fails_its_job_and_later_jobs_run(rt: FakeNpuRuntime) -> None:
     layout = build_layout("separate-kv", rt.empty, num_blocks=8)
     tier = pinned_host_tier(rt, layout, 4)
-    store, _ = make_device_handlers(rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA))
+    store, _ = make_device_handlers(
+        rt, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
+    )
     with SyncOffloadingEngine([store]) as engine:
         rt.ascend.acl.fail_next_batch(rc=507000, fail_index=1)
         bad = engine.submit(TransferSpec(npu_blocks([1]), cpu_blocks([1])))
@@ -286,8 +292,10 @@ def test_a_refused_batch_fails_its_job_and_later_jobs_run(rt: FakeNpuRuntime) ->
     tier.release()
 
 
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED])
-def test_a_copy_failing_on_the_device_fails_its_job(rt: FakeNpuRuntime, strategy: Strategy) -> None:
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED])
+def test_a_copy_failing_on_the_device_fails_its_job(
+    rt: FakeNpuRuntime, strategy: CopyStrategy
+) -> None:
     layout = build_layout("separate-kv", rt.empty, num_blocks=8)
     tier = pinned_host_tier(rt, layout, 4)
     store, _ = make_device_handlers(rt, layout, tier, staged(layout.slot_bytes, strategy))
@@ -307,7 +315,7 @@ def test_a_hung_copy_times_out_and_close_reports_the_device(rt: FakeNpuRuntime) 
     layout = build_layout("separate-kv", rt.empty, num_blocks=8)
     tier = pinned_host_tier(rt, layout, 4)
     store, _ = make_device_handlers(
-        rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA, close_timeout=0.2)
+        rt, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA, close_timeout=0.2)
     )
     engine = SyncOffloadingEngine([store])
     rt.ascend.acl.hang_next_copy()
@@ -329,7 +337,9 @@ def test_many_threads_submit_and_collect_each_result_exactly_once(rt: FakeNpuRun
     blocks = threads_n * per_thread
     layout = build_layout("separate-kv", rt.empty, num_blocks=2 * blocks)
     tier = pinned_host_tier(rt, layout, blocks)
-    store, load = make_device_handlers(rt, layout, tier, staged(layout.slot_bytes, Strategy.STAGED))
+    store, load = make_device_handlers(
+        rt, layout, tier, staged(layout.slot_bytes, CopyStrategy.STAGED)
+    )
     submitted: list[int] = []
     collected: list[TransferResult] = []
     lock = threading.Lock()

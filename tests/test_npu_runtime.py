@@ -27,14 +27,6 @@ import torch
 from offload_engine import ConfigError, RuntimeUnavailableError, TransferError
 from offload_engine.runtimes import npu as npu_module
 from offload_engine.runtimes import probe_npu, probe_runtimes
-from offload_engine.runtimes.base import CopyKind
-from offload_engine.runtimes.fake_npu import (
-    ACL_ERROR_INVALID_PARAM,
-    ACL_ERROR_RT_CONTEXT_NULL,
-    FakeAscend,
-    FakeNpuRuntime,
-    fake_torch_npu_module,
-)
 from offload_engine.runtimes.npu import (
     ACL_HOST_REG_PINNED,
     ACL_MEM_LOCATION_TYPE_DEVICE,
@@ -47,7 +39,14 @@ from offload_engine.runtimes.npu import (
     NpuRuntime,
     page_spans,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.testing import (
+    ACL_ERROR_INVALID_PARAM,
+    ACL_ERROR_RT_CONTEXT_NULL,
+    FakeAscend,
+    FakeNpuRuntime,
+    fake_torch_npu_module,
+)
+from offload_engine.vocabulary import Direction, Medium
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 AUTOLOAD = "TORCH_DEVICE_BACKEND_AUTOLOAD"
@@ -118,7 +117,7 @@ def test_batched_copies_go_in_calls_of_at_most_4096_and_are_bit_exact(
     stream = rt.new_stream()
     acl = rt.ascend.acl
     dst, src, sizes = buf.h2d()
-    assert rt.memcpy_batch(stream, dst, src, sizes, CopyKind.HOST_TO_DEVICE) == 3
+    assert rt.memcpy_batch(stream, dst, src, sizes, Direction.LOAD) == 3
     assert [c.count for c in acl.batch_calls] == [4096, 4096, 1808]
     # what the library read from the raw arrays is exactly what was passed, in order
     assert sum((c.dsts for c in acl.batch_calls), ()) == tuple(dst.tolist())
@@ -129,7 +128,7 @@ def test_batched_copies_go_in_calls_of_at_most_4096_and_are_bit_exact(
     assert {c.attrs_indexes for c in acl.batch_calls} == {(0,)}
     assert {c.stream for c in acl.batch_calls} == {stream.handle}
     dst, src, sizes = buf.d2h()
-    assert rt.memcpy_batch(stream, dst, src, sizes, CopyKind.DEVICE_TO_HOST) == 3
+    assert rt.memcpy_batch(stream, dst, src, sizes, Direction.STORE) == 3
     assert acl.batch_calls[-1].attrs == ((HOST, 0, DEVICE, 0),)
     sync(rt, stream)
     device = buf.dev.view(buf.n, buf.chunk)
@@ -149,9 +148,9 @@ def test_max_batch_is_checked_and_sets_the_call_size() -> None:
     try:
         buf = Buffers(rt, 12, 64)
         stream = rt.new_stream()
-        assert rt.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE) == 3
+        assert rt.memcpy_batch(stream, *buf.h2d(), Direction.LOAD) == 3
         assert [c.count for c in rt.ascend.acl.batch_calls] == [5, 5, 2]
-        assert rt.memcpy_batch(stream, u64([]), u64([]), u64([]), CopyKind.HOST_TO_DEVICE) == 0
+        assert rt.memcpy_batch(stream, u64([]), u64([]), u64([]), Direction.LOAD) == 0
         sync(rt, stream)
         buf.release()
     finally:
@@ -165,8 +164,8 @@ def test_without_the_batch_symbol_each_copy_is_one_acl_memcpy() -> None:
         assert any("no aclrtMemcpyBatchAsync" in n for n in rt.notes)
         buf = Buffers(rt, 7, 100)
         stream = rt.new_stream()
-        assert rt.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE) == 7
-        assert rt.memcpy_batch(stream, *buf.d2h(), CopyKind.DEVICE_TO_HOST) == 7
+        assert rt.memcpy_batch(stream, *buf.h2d(), Direction.LOAD) == 7
+        assert rt.memcpy_batch(stream, *buf.d2h(), Direction.STORE) == 7
         calls = rt.ascend.acl.copy_calls
         assert [c.kind for c in calls] == [ACL_MEMCPY_HOST_TO_DEVICE] * 7 + [
             ACL_MEMCPY_DEVICE_TO_HOST
@@ -183,7 +182,7 @@ def test_batched_false_forces_one_call_per_copy(rt: FakeNpuRuntime) -> None:
     per_copy = FakeNpuRuntime(rt.ascend, batched=False)
     buf = Buffers(per_copy, 3, 8)
     stream = per_copy.new_stream()
-    assert per_copy.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE) == 3
+    assert per_copy.memcpy_batch(stream, *buf.h2d(), Direction.LOAD) == 3
     assert rt.ascend.acl.batch_calls == [] and len(rt.ascend.acl.copy_calls) == 3
     sync(per_copy, stream)
     buf.release()
@@ -195,10 +194,10 @@ def test_a_product_without_batch_copies_switches_to_one_call_per_copy(
     rt.ascend.acl.batch_unsupported = True  # ACL_ERROR_RT_FEATURE_NOT_SUPPORT
     buf = Buffers(rt, 9, 32)
     stream = rt.new_stream()
-    assert rt.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE) == 9
+    assert rt.memcpy_batch(stream, *buf.h2d(), Direction.LOAD) == 9
     assert not rt.batched
     assert any("207000" in n for n in rt.notes)
-    assert rt.memcpy_batch(stream, *buf.d2h(), CopyKind.DEVICE_TO_HOST) == 9
+    assert rt.memcpy_batch(stream, *buf.d2h(), Direction.STORE) == 9
     sync(rt, stream)
     assert torch.equal(buf.back, buf.host)
     assert rt.ascend.acl.batch_calls == []
@@ -213,25 +212,25 @@ def test_a_refused_batch_names_the_copy_failindex_points_at() -> None:
         dst, src, sizes = buf.h2d()
         rt.ascend.acl.fail_next_batch(rc=ACL_ERROR_INVALID_PARAM, fail_index=SIZE_MAX)
         with pytest.raises(TransferError, match=r"copies 0\.\.3 of 10.*aclError 100000") as info:
-            rt.memcpy_batch(stream, dst, src, sizes, CopyKind.HOST_TO_DEVICE)
+            rt.memcpy_batch(stream, dst, src, sizes, Direction.LOAD)
         assert "failIndex names no single copy" in str(info.value)
         assert "(injected batch failure)" in str(info.value)  # aclGetRecentErrMsg
         # the second call of a job fails: failIndex is relative to that call
         rt.ascend.acl.fail_next_batch(rc=507000, fail_index=3, after=1)
         with pytest.raises(TransferError) as info:
-            rt.memcpy_batch(stream, dst, src, sizes, CopyKind.HOST_TO_DEVICE)
+            rt.memcpy_batch(stream, dst, src, sizes, Direction.LOAD)
         text = str(info.value)
         assert "copies 4..7 of 10" in text and "aclError 507000" in text
         assert f"failIndex 3: copy 7 (16 bytes {int(src[7]):#x} -> {int(dst[7]):#x})" in text
         rt.ascend.acl.fail_next_batch(fail_index=99)
         with pytest.raises(TransferError, match="failIndex 99 is outside the 4 copies"):
-            rt.memcpy_batch(stream, dst, src, sizes, CopyKind.HOST_TO_DEVICE)
+            rt.memcpy_batch(stream, dst, src, sizes, Direction.LOAD)
         # a real check of the library: copy 5 reads host memory that is not registered
         loose = unregistered()
         src = src.copy()
         src[5] = loose.data_ptr()
         with pytest.raises(TransferError, match=r"not registered host.*failIndex 1: copy 5 "):
-            rt.memcpy_batch(stream, dst, src, sizes, CopyKind.HOST_TO_DEVICE)
+            rt.memcpy_batch(stream, dst, src, sizes, Direction.LOAD)
         sync(rt, stream)  # the calls that were accepted still run
         buf.release()
     finally:
@@ -248,7 +247,7 @@ def test_a_refused_single_copy_is_named() -> None:
         dst[2] = loose.data_ptr()
         stream = rt.new_stream()
         with pytest.raises(TransferError, match=r"aclrtMemcpyAsync of copy 2 of 4.*100000"):
-            rt.memcpy_batch(stream, dst, src, sizes, CopyKind.DEVICE_TO_HOST)
+            rt.memcpy_batch(stream, dst, src, sizes, Direction.STORE)
         sync(rt, stream)  # copies 0 and 1 were accepted
         buf.release()
     finally:
@@ -273,7 +272,7 @@ def test_the_stream_handle_is_read_at_each_call_so_queued_waits_go_first(
     rt.record(written, rt.current_stream())
     rt.wait_event(stream, written)
     assert rt.ascend.queued == 3  # the compute op, the record and the wait: not launched
-    rt.memcpy_batch(stream, *buf.d2h(), CopyKind.DEVICE_TO_HOST)
+    rt.memcpy_batch(stream, *buf.d2h(), Direction.STORE)
     assert rt.ascend.queued == 0  # reading npu_stream launched them ahead of the copy
     gate.set()
     sync(rt, stream)
@@ -296,7 +295,7 @@ def test_the_fake_library_refuses_a_thread_without_a_device_context(
         out["rc"] = raw(0, 0, 0, 0, 1, 0, 0, 1, ctypes.addressof(fail), stream.handle)
 
     def through_runtime() -> None:
-        out["calls"] = rt.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE)
+        out["calls"] = rt.memcpy_batch(stream, *buf.h2d(), Direction.LOAD)
 
     for target in (unbound, through_runtime):
         t = threading.Thread(target=target)
@@ -309,17 +308,14 @@ def test_the_fake_library_refuses_a_thread_without_a_device_context(
 
 def test_streams_events_and_capabilities_come_from_torch_npu(rt: FakeNpuRuntime) -> None:
     assert (rt.name, rt.medium) == ("npu", Medium.NPU)
-    assert not rt.supports_priority and not rt.supports_kernel_strategy
+    assert not rt.supports_kernel_strategy
     assert rt.supports_block_copy and rt.block_copy_alignment == 1
     high = rt.new_stream(priority=-1)  # priority is ignored, not refused
     assert high is not rt.new_stream() and rt.current_stream() is rt.ascend.default_stream
-    with rt.stream_context(high):
-        assert rt.current_stream() is high
-    assert rt.current_stream() is rt.ascend.default_stream
     event = rt.new_event()
     rt.record(event, high)
     rt.synchronize(event)
-    assert rt.query(event)
+    assert event.query()
 
 
 def test_device_selection() -> None:
@@ -464,8 +460,8 @@ def test_the_runtime_is_safe_to_share_between_threads(rt: FakeNpuRuntime) -> Non
         try:
             buf = Buffers(rt, 64, 48, seed=seed)
             stream = rt.new_stream()
-            rt.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE)
-            rt.memcpy_batch(stream, *buf.d2h(), CopyKind.DEVICE_TO_HOST)
+            rt.memcpy_batch(stream, *buf.h2d(), Direction.LOAD)
+            rt.memcpy_batch(stream, *buf.d2h(), Direction.STORE)
             sync(rt, stream)
             ok = torch.equal(buf.back, buf.host)
             buf.release()
@@ -582,8 +578,8 @@ def test_through_the_imports_the_runtime_moves_real_bytes(
         rt = FakeNpuRuntime(ascend, via_import=True)
         buf = Buffers(rt, 5, 64)
         stream = rt.new_stream()
-        rt.memcpy_batch(stream, *buf.h2d(), CopyKind.HOST_TO_DEVICE)
-        rt.memcpy_batch(stream, *buf.d2h(), CopyKind.DEVICE_TO_HOST)
+        rt.memcpy_batch(stream, *buf.h2d(), Direction.LOAD)
+        rt.memcpy_batch(stream, *buf.d2h(), Direction.STORE)
         sync(rt, stream)
         assert torch.equal(buf.back, buf.host)
         buf.release()

@@ -35,8 +35,8 @@ from offload_engine import (
 )
 from offload_engine.handlers.device import DeviceCopyHandler
 from offload_engine.runtimes import npu as npu_module
-from offload_engine.runtimes.fake_npu import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
 from offload_engine.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
+from offload_engine.testing import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
 
 GROUPS = (((0, 240), (1, 240)), ((2, 160),))
 
@@ -82,7 +82,7 @@ def d2h_bytes(ascend: FakeAscend) -> int:
 
 
 def test_the_npu_platform_builds_device_handlers_on_the_npu_runtime(ascend: FakeAscend) -> None:
-    assert platform.NPU_RUNTIME == "offload_engine.runtimes.npu:NpuRuntime"
+    assert platform.NPU_RUNTIME == "offload_engine:NpuRuntime"
     backend = select_backend(NpuPlatform())
     assert (backend.name, backend.cache_medium) == ("NPU", Medium.NPU)
     kv = kv_caches(ascend, 8)

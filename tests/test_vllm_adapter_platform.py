@@ -25,8 +25,7 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.handlers.device import DeviceCopyHandler
-from offload_engine.runtimes.fake import FakeRuntime
-from offload_engine.testing import cache_block_bytes
+from offload_engine.testing import FakeRuntime, cache_block_bytes
 
 
 @dataclass

@@ -6,7 +6,8 @@
 The public API is ``offload_engine.__all__`` plus the ``offload_engine.runtimes``
 and ``offload_engine.testing`` modules. Every name in ``__all__`` must be placed
 in a section below, so a new export cannot go undocumented; the two modules are
-documented whole (every public class and function they define). Docstrings are
+documented whole (every public class and function they define, or for a package
+with ``__all__``, every class and function it exports). Docstrings are
 reStructuredText-flavoured; this script turns their roles (``:class:`X```),
 double backticks and ``::`` blocks into Markdown.
 """
@@ -70,6 +71,22 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "HostCopyHandler",
         ],
     ),
+    (
+        "Device path",
+        "KV cache on an accelerator <-> pinned host tier: the device handler, its configuration "
+        "and strategies, and the runtimes it is written against. `CudaRuntime` and `NpuRuntime` "
+        "are imported on first use, so `import offload_engine` loads neither.",
+        [
+            "DeviceCopyHandler",
+            "DeviceHandlerConfig",
+            "CopyStrategy",
+            "make_device_handlers",
+            "pinned_host_tier",
+            "DeviceRuntime",
+            "CudaRuntime",
+            "NpuRuntime",
+        ],
+    ),
     ("Statistics", "Snapshots returned by `stats()`.", ["EngineStats", "HandlerStats"]),
 ]
 ERRORS_TITLE = "Errors"
@@ -88,15 +105,26 @@ MODULE_SECTIONS: list[tuple[str, str | None]] = [
 
 
 def module_members(module: ModuleType) -> list[object]:
-    """Public classes and functions defined in ``module`` (not imported), in source order."""
-    found = [
-        obj
-        for name, obj in vars(module).items()
-        if not name.startswith("_")
-        and (inspect.isclass(obj) or inspect.isfunction(obj))
-        and obj.__module__ == module.__name__
-    ]
-    return sorted(found, key=lambda obj: inspect.getsourcelines(obj)[1])  # type: ignore[arg-type]
+    """Public classes and functions of ``module``, in source order (grouped by defining module).
+
+    A package with ``__all__`` (``offload_engine.testing``) contributes what it exports;
+    a plain module what it defines (not what it imports)."""
+    exported = getattr(module, "__all__", None)
+    if exported is not None:  # a package with a curated facade: what it exports
+        found = [
+            obj
+            for obj in (getattr(module, name) for name in exported)
+            if inspect.isclass(obj) or inspect.isfunction(obj)
+        ]
+    else:
+        found = [
+            obj
+            for name, obj in vars(module).items()
+            if not name.startswith("_")
+            and (inspect.isclass(obj) or inspect.isfunction(obj))
+            and obj.__module__ == module.__name__
+        ]
+    return sorted(found, key=lambda obj: (obj.__module__, inspect.getsourcelines(obj)[1]))
 
 
 # ------------------------------------------------------------------ text

@@ -34,17 +34,17 @@ import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import CopyKind
 from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.vocabulary import Direction
 
 LAYERS, HEADS, DIM = 32, 8, 128
-STRATEGIES = (Strategy.DMA, Strategy.STAGED, Strategy.KERNEL)
+STRATEGIES = (CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL)
 
 
 def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -82,7 +82,7 @@ def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict
     def batched(direction: str) -> None:
         d = np.uint64(dev[0 if direction == "store" else 1].data_ptr()) + offs
         h = np.uint64(host[0 if direction == "store" else 1].data_ptr()) + offs
-        kind = CopyKind.DEVICE_TO_HOST if direction == "store" else CopyKind.HOST_TO_DEVICE
+        kind = Direction.STORE if direction == "store" else Direction.LOAD
         dst, src = (h, d) if direction == "store" else (d, h)
         base = 0 if direction == "store" else 2
         for k in range(2):
@@ -117,7 +117,7 @@ class Bench:
         self.block_bytes = self.layout.slot_bytes
 
     def engine(
-        self, strategy: Strategy, buffers: int = 2, staging: int = 256 << 20
+        self, strategy: CopyStrategy, buffers: int = 2, staging: int = 256 << 20
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
         cfg = DeviceHandlerConfig(
             strategy=strategy,
@@ -235,11 +235,11 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     print(f"GEMM alone: {alone * 1e3:.1f} ms for {count} ({tflops:.0f} TFLOP/s)", flush=True)
     mib = 1 << 20
     variants = [
-        (Strategy.DMA, 2, 256 * mib),
-        (Strategy.STAGED, 2, 256 * mib),
-        (Strategy.STAGED, 3, 256 * mib),
-        (Strategy.STAGED, 2, 512 * mib),
-        (Strategy.KERNEL, 2, 256 * mib),
+        (CopyStrategy.DMA, 2, 256 * mib),
+        (CopyStrategy.STAGED, 2, 256 * mib),
+        (CopyStrategy.STAGED, 3, 256 * mib),
+        (CopyStrategy.STAGED, 2, 512 * mib),
+        (CopyStrategy.KERNEL, 2, 256 * mib),
     ]
     for strategy, buffers, staging in variants:
         engine, _, _ = bench.engine(strategy, buffers, staging)

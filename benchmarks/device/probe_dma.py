@@ -14,13 +14,13 @@ import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import CopyKind
 from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.vocabulary import Direction
 
 rt = CudaRuntime()
 MB2 = 2 << 20
@@ -37,8 +37,8 @@ sizes = np.full(N, MB2, dtype=np.uint64)
 streams = [rt.new_stream() for _ in range(4)]
 
 
-def run(kind: CopyKind, host_ptrs: np.ndarray, nstreams: int, chunk: int = 1) -> float:
-    dst, src = (host_ptrs, dptr) if kind is CopyKind.DEVICE_TO_HOST else (dptr, host_ptrs)
+def run(kind: Direction, host_ptrs: np.ndarray, nstreams: int, chunk: int = 1) -> float:
+    dst, src = (host_ptrs, dptr) if kind is Direction.STORE else (dptr, host_ptrs)
     z = sizes
     if chunk > 1:  # merge consecutive descriptors (only valid for contiguous host)
         dst, src, z = dst[::chunk], src[::chunk], np.full(N // chunk, MB2 * chunk, dtype=np.uint64)
@@ -53,7 +53,7 @@ def run(kind: CopyKind, host_ptrs: np.ndarray, nstreams: int, chunk: int = 1) ->
     return N * MB2 / best / 1e9
 
 
-for kind in CopyKind:
+for kind in (Direction.STORE, Direction.LOAD):
     r1, r2, r4 = run(kind, hptr, 1), run(kind, hptr, 2), run(kind, hptr, 4)
     print(
         kind.value, f"random 2MiB slots: 1 stream {r1:.1f}, 2 streams {r2:.1f}, 4 streams {r4:.1f}"
@@ -80,8 +80,8 @@ def both(host_ptrs: np.ndarray, chunk: int) -> float:
     for _ in range(4):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        rt.memcpy_batch(streams[0], *a, CopyKind.DEVICE_TO_HOST)
-        rt.memcpy_batch(streams[1], *b, CopyKind.HOST_TO_DEVICE)
+        rt.memcpy_batch(streams[0], *a, Direction.STORE)
+        rt.memcpy_batch(streams[1], *b, Direction.LOAD)
         torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t0)
     return 2 * N * MB2 / best / 1e9
@@ -96,7 +96,9 @@ release()
 layers = [torch.randn(2, 1200, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(32)]
 layout = KVLayout.flash_attention(layers)
 tier = pinned_host_tier(rt, layout, 1200)
-store, load = make_device_handlers(rt, layout, tier, DeviceHandlerConfig(strategy=Strategy.STAGED))
+store, load = make_device_handlers(
+    rt, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.STAGED)
+)
 with SyncOffloadingEngine([store, load]) as engine:
     for label, per_job, jobs in (("8-block", 8, 200), ("512-block", 512, 6)):
         specs = []

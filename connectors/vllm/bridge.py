@@ -37,16 +37,17 @@ import numpy.typing as npt
 from connectors.vllm.config import EngineOffloadingConfig
 from connectors.vllm.layout import layout_from_canonical
 from connectors.vllm.platform import select_backend
-from offload_engine.completions import check_job_id
-from offload_engine.errors import InvalidTransferError, OffloadError, UnknownJobError
-from offload_engine.hosts import SyncOffloadingEngine
-from offload_engine.tier import HostTier
-from offload_engine.vocabulary import (
+from offload_engine import (
     CacheBlocks,
     Direction,
+    HostTier,
+    InvalidTransferError,
     Medium,
+    OffloadError,
+    SyncOffloadingEngine,
     TransferResult,
     TransferSpec,
+    UnknownJobError,
     cpu_blocks,
 )
 
@@ -151,7 +152,9 @@ class EngineBridge:
         # vLLM's ids are ints; anything else is a caller bug, raised (TypeError,
         # ValueError) rather than logged: None would make the engine pick an id that
         # this bridge never learns
-        job_id = check_job_id(job_id)
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
+        job_id = int(job_id)  # a plain int (the engine refuses negative ones)
         try:
             cache = CacheBlocks(
                 self._cache_medium,

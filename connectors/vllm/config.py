@@ -3,7 +3,7 @@
 :func:`parse_extra_config` turns vLLM's untyped mapping into a frozen
 :class:`EngineOffloadingConfig` at the boundary, once, when the spec is built
 (in the scheduler and in each worker). Every problem it finds is reported in
-one :class:`~offload_engine.errors.ConfigError` whose lines each name a key.
+one :class:`~offload_engine.ConfigError` whose lines each name a key.
 
 Keys the adapter does not read (vLLM reads many of its own: ``spec_name``,
 ``spec_module_path``, ``self_describing_kv_events``, tier filters, ...) are
@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeAlias
 
-from offload_engine.errors import ConfigError
+from offload_engine import ConfigError
 
-Strategy: TypeAlias = Literal["auto", "dma", "staged", "kernel"]
+CopyStrategy: TypeAlias = Literal["auto", "dma", "staged", "kernel"]
 
 #: Values of ``strategy``: the device handler's copy strategies (see docs/vllm.md).
-STRATEGIES: tuple[Strategy, ...] = ("auto", "dma", "staged", "kernel")
+STRATEGIES: tuple[CopyStrategy, ...] = ("auto", "dma", "staged", "kernel")
 
 #: The device handler's default (two buffers of 128 MiB).
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
@@ -48,7 +48,7 @@ class EngineOffloadingConfig:
     store_threshold: int = DEFAULT_STORE_THRESHOLD
     max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE
     offload_prompt_only: bool = True
-    strategy: Strategy = "auto"
+    strategy: CopyStrategy = "auto"
     staging_bytes: int = DEFAULT_STAGING_BYTES
     job_timeout_s: float | None = None
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from offload_engine.errors import LayoutError
-from offload_engine.layout import KVLayout, Region
+from offload_engine import KVLayout, LayoutError, Region
 
 
 def layout_from_canonical(kv_caches: Any) -> KVLayout:

@@ -11,7 +11,7 @@
 
 Device runtimes are imported lazily, only when their platform is selected; a
 runtime that is missing or unusable raises
-:class:`~offload_engine.errors.RuntimeUnavailableError` saying why. The
+:class:`~offload_engine.RuntimeUnavailableError` saying why. The
 platform is passed in (vLLM's ``current_platform`` in production, any object
 with a ``device_type`` attribute in tests), so this module does not import vLLM.
 """
@@ -25,19 +25,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
-from offload_engine.errors import RuntimeUnavailableError
-from offload_engine.handler import TransferHandler
-from offload_engine.handlers.device import (
+from offload_engine import (
+    CopyStrategy,
     DeviceHandlerConfig,
+    DeviceRuntime,
+    HostCopyHandler,
+    HostTier,
+    KVLayout,
+    Medium,
+    RuntimeUnavailableError,
+    TransferHandler,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.handlers.device import Strategy as DeviceStrategy
-from offload_engine.handlers.host import HostCopyHandler
-from offload_engine.layout import KVLayout
-from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.tier import HostTier
-from offload_engine.vocabulary import Medium
 
 #: ``build(layout, num_tier_blocks, config) -> (handlers, tier)``
 BuildHandlers = Callable[
@@ -45,8 +45,8 @@ BuildHandlers = Callable[
 ]
 
 #: The device runtime of each platform, as ``module:class``, imported on selection.
-CUDA_RUNTIME = "offload_engine.runtimes.cuda:CudaRuntime"
-NPU_RUNTIME = "offload_engine.runtimes.npu:NpuRuntime"
+CUDA_RUNTIME = "offload_engine:CudaRuntime"
+NPU_RUNTIME = "offload_engine:NpuRuntime"
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def build_device_handlers(
             layout,
             tier,
             DeviceHandlerConfig(
-                strategy=DeviceStrategy(config.strategy), staging_bytes=config.staging_bytes
+                strategy=CopyStrategy(config.strategy), staging_bytes=config.staging_bytes
             ),
         )
     except BaseException:
@@ -104,6 +104,8 @@ def load_runtime(name: str, target: str) -> Callable[[], DeviceRuntime]:
     module_name, _, class_name = target.partition(":")
     try:
         module = importlib.import_module(module_name)
+        # offload_engine imports its runtimes on first use: getattr is the import
+        runtime_class = getattr(module, class_name, None)
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if missing == module_name or module_name.startswith(missing + "."):
@@ -114,7 +116,6 @@ def load_runtime(name: str, target: str) -> Callable[[], DeviceRuntime]:
         raise RuntimeUnavailableError(
             f"the {name} runtime ({module_name}) cannot be imported: {exc}"
         ) from exc
-    runtime_class = getattr(module, class_name, None)
     if runtime_class is None:
         raise RuntimeUnavailableError(f"{module_name} has no {class_name}")
     return runtime_class  # type: ignore[no-any-return]

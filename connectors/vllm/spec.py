@@ -23,7 +23,7 @@ from connectors.vllm import SUPPORTED_VLLM
 from connectors.vllm.bridge import build_bridge
 from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
 from connectors.vllm.worker import EngineOffloadingWorker
-from offload_engine.errors import ConfigError
+from offload_engine import ConfigError
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration shows our lines
 logger = init_logger("vllm.offload_engine")

@@ -9,8 +9,10 @@ Shared vocabulary of the cases:
 * :func:`run_window`: pushes a list of specs through an engine with at most
   ``depth`` jobs in flight and returns the results and the wall time.
 
-The host cases live in :mod:`offload_engine.bench.host`, the engine-overhead
-cases in :mod:`offload_engine.bench.overhead`, and the GPU hooks in
+The rigs (a cache, a tier and their handlers) live in
+:mod:`offload_engine.bench.rigs`, the cases run on any rig in
+:mod:`offload_engine.bench.transfers`, the engine-overhead cases in
+:mod:`offload_engine.bench.overhead`, and the GPU hooks in
 :mod:`offload_engine.bench.cuda`.
 """
 
@@ -22,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from offload_engine.hosts import SyncOffloadingEngine
+from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferResult, TransferSpec
 
 

@@ -1,5 +1,7 @@
 """The GPU side of the demo and the benchmarks, on the CUDA runtime.
 
+* :func:`open_rig` picks the demo's rig from a ``--device`` value: the host
+  rig, or the GPU one where CUDA is usable.
 * :func:`open_cuda_rig` is the demo's GPU path: a KV cache in GPU memory, a
   pinned host tier, and the device handler pair from
   :func:`~offload_engine.handlers.device.make_device_handlers`, with the
@@ -23,15 +25,17 @@ from collections.abc import Callable
 
 import torch
 
+from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults
-from offload_engine.bench.rigs import Rig, RigShape, open_device_rig
+from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.transfers import run_rig_cases
-from offload_engine.handlers.device import Strategy
+from offload_engine.errors import RuntimeUnavailableError
+from offload_engine.handlers.device import CopyStrategy
 from offload_engine.runtimes import RuntimeInfo
 from offload_engine.runtimes.cuda import CudaRuntime
 
 
-def _rig(runtime: CudaRuntime, shape: RigShape, strategy: Strategy, own: bool) -> Rig:
+def _rig(runtime: CudaRuntime, shape: RigShape, strategy: CopyStrategy, own: bool) -> Rig:
     device = runtime.device
 
     def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -54,7 +58,7 @@ def open_cuda_rig(info: RuntimeInfo, shape: RigShape) -> Rig:
     """
     runtime = CudaRuntime()
     try:
-        return _rig(runtime, shape, Strategy.AUTO, own=True)
+        return _rig(runtime, shape, CopyStrategy.AUTO, own=True)
     except BaseException:
         runtime.close()
         raise
@@ -68,7 +72,7 @@ def run_cuda_cases(
     out = CaseResults(sweep=[], latency=[])
     try:
         for name in info.strategies:
-            rig = _rig(runtime, shape, Strategy(name), own=False)
+            rig = _rig(runtime, shape, CopyStrategy(name), own=False)
             try:
                 found = run_rig_cases(rig, plan, tick=tick)
             finally:
@@ -78,3 +82,29 @@ def run_cuda_cases(
     finally:
         runtime.close()
     return out
+
+
+def open_rig(device: Device, shape: RigShape, *, workers: int = 2) -> tuple[Rig, list[str]]:
+    """The rig for ``device``, and notes on how it was chosen.
+
+    ``"cpu"`` is the host rig. ``"cuda"`` is the CUDA rig or
+    :class:`RuntimeUnavailableError` (no usable CUDA device here). ``"auto"``
+    tries CUDA when a device is visible and falls back to the host rig, saying
+    why in the notes.
+    """
+    if device == "cpu":
+        return open_host_rig(shape, workers=workers), []
+    cuda = runtimes.probe_cuda()
+    if device == "cuda":
+        if not cuda.available:
+            raise RuntimeUnavailableError(f"CUDA is not available: {cuda.reason}")
+        return open_cuda_rig(cuda, shape), []
+    notes: list[str] = []
+    if cuda.available:
+        try:
+            return open_cuda_rig(cuda, shape), []
+        except RuntimeUnavailableError as exc:
+            notes.append(f"CUDA is present but not used: {exc}; running on host memory")
+    else:
+        notes.append(f"no CUDA ({cuda.reason}); running on host memory")
+    return open_host_rig(shape, workers=workers), notes

@@ -1,4 +1,4 @@
-"""Engine overhead with an instant fake handler: jobs/s and submit->result latency.
+"""Engine overhead with an instant handler: jobs/s and submit->result latency.
 
 Each case runs in one process, side by side, so their ratios are comparable:
 
@@ -12,7 +12,7 @@ Each case runs in one process, side by side, so their ratios are comparable:
   engine's loop runs in its own thread;
 * sync latency at low load: ``submit_nowait`` then ``wait([job])``.
 
-The fake completes each job inside ``launch``, so what is measured is the
+The handler completes each job inside ``launch``, so what is measured is the
 engine: routing, queues, result delivery and the cross-thread wake-ups.
 ``benchmarks/engine_overhead.py`` and ``offload-engine bench`` run these.
 """
@@ -28,17 +28,33 @@ from dataclasses import dataclass
 import anyio
 
 from offload_engine.bench import percentile
-from offload_engine.hosts import SyncOffloadingEngine
+from offload_engine.errors import InvalidTransferError
+from offload_engine.handlers.base import LaunchedJob, TransferHandler
 from offload_engine.manager import OffloadingQueueManager
-from offload_engine.testing import FakeHandler
-from offload_engine.vocabulary import TransferResult, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.sync import SyncOffloadingEngine
+from offload_engine.vocabulary import Medium, TransferResult, TransferSpec, cpu_blocks, gpu_blocks
 
 SPEC = TransferSpec(gpu_blocks([1, 2, 3, 4]), cpu_blocks([5, 6, 7, 8]))
 WARM_UP = 200
 
 
+class InstantHandler(TransferHandler[int]):
+    """GPU->CPU jobs that succeed inside ``launch``, moving nothing: what is left is the engine."""
+
+    src = Medium.GPU
+    dst = Medium.CPU
+
+    def prepare(self, spec: TransferSpec) -> int:
+        if len(spec.src) != len(spec.dst):
+            raise InvalidTransferError(f"{len(spec.src)} source blocks, {len(spec.dst)} targets")
+        return len(spec.src)
+
+    def launch(self, job: LaunchedJob[int]) -> None:
+        job.succeed(job.prepared)
+
+
 async def async_throughput(jobs: int) -> float:
-    async with OffloadingQueueManager([FakeHandler()], capacity=4096) as mgr:
+    async with OffloadingQueueManager([InstantHandler()], capacity=4096) as mgr:
         done = anyio.Event()
         t0 = time.perf_counter()
 
@@ -60,7 +76,7 @@ async def async_throughput(jobs: int) -> float:
 
 async def async_latency(samples: int) -> list[float]:
     out = []
-    async with OffloadingQueueManager([FakeHandler()]) as mgr:
+    async with OffloadingQueueManager([InstantHandler()]) as mgr:
         for _ in range(WARM_UP):
             await mgr.wait([mgr.submit_nowait(SPEC)])
         for _ in range(samples):
@@ -72,7 +88,7 @@ async def async_latency(samples: int) -> list[float]:
 
 
 def sync_throughput(jobs: int) -> float:
-    with SyncOffloadingEngine([FakeHandler()], capacity=4096) as engine:
+    with SyncOffloadingEngine([InstantHandler()], capacity=4096) as engine:
         t0 = time.perf_counter()
         order: deque[int] = deque()
         collected: set[int] = set()
@@ -96,7 +112,7 @@ def sync_throughput(jobs: int) -> float:
 
 def sync_latency(samples: int) -> list[float]:
     out = []
-    with SyncOffloadingEngine([FakeHandler()]) as engine:
+    with SyncOffloadingEngine([InstantHandler()]) as engine:
         for _ in range(WARM_UP):
             engine.wait([engine.submit_nowait(SPEC)])
         for _ in range(samples):

@@ -4,8 +4,8 @@ The demo and the benchmarks run on a rig, so they run unchanged on whichever
 medium is present: :func:`open_host_rig` (the KV cache in host memory, the host
 handler) or :func:`open_device_rig` (the KV cache in device memory, a pinned
 tier, the device handlers; on a CUDA machine through
-:func:`offload_engine.bench.cuda.open_cuda_rig`). :func:`open_rig` picks one
-from a ``--device`` value.
+:func:`offload_engine.bench.cuda.open_cuda_rig`).
+:func:`offload_engine.bench.cuda.open_rig` picks one from a ``--device`` value.
 """
 
 from __future__ import annotations
@@ -16,19 +16,17 @@ from typing import Any, Literal
 
 import torch
 
-from offload_engine import runtimes
-from offload_engine.errors import RuntimeUnavailableError
-from offload_engine.handler import TransferHandler
+from offload_engine.bench.caches import poisoned_tier, random_host_cache
+from offload_engine.handlers.base import TransferHandler
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.layout import KVLayout, byte_view
 from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.testing import poisoned_tier, random_host_cache
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
     BlockIdsLike,
@@ -141,7 +139,7 @@ def open_device_rig(
     shape: RigShape,
     *,
     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor],
-    strategy: Strategy = Strategy.AUTO,
+    strategy: CopyStrategy = CopyStrategy.AUTO,
     medium: str,
     release: Callable[[], None] = lambda: None,
 ) -> Rig:
@@ -178,31 +176,3 @@ def open_device_rig(
         cache_blocks=gpu_blocks if runtime.medium is Medium.GPU else npu_blocks,
         release=release,
     )
-
-
-def open_rig(device: Device, shape: RigShape, *, workers: int = 2) -> tuple[Rig, list[str]]:
-    """The rig for ``device``, and notes on how it was chosen.
-
-    ``"cpu"`` is the host rig. ``"cuda"`` is the CUDA rig or
-    :class:`RuntimeUnavailableError` (no usable CUDA device here). ``"auto"``
-    tries CUDA when a device is visible and falls back to the host rig, saying
-    why in the notes.
-    """
-    from offload_engine.bench.cuda import open_cuda_rig
-
-    if device == "cpu":
-        return open_host_rig(shape, workers=workers), []
-    cuda = runtimes.probe_cuda()
-    if device == "cuda":
-        if not cuda.available:
-            raise RuntimeUnavailableError(f"CUDA is not available: {cuda.reason}")
-        return open_cuda_rig(cuda, shape), []
-    notes: list[str] = []
-    if cuda.available:
-        try:
-            return open_cuda_rig(cuda, shape), []
-        except RuntimeUnavailableError as exc:
-            notes.append(f"CUDA is present but not used: {exc}; running on host memory")
-    else:
-        notes.append(f"no CUDA ({cuda.reason}); running on host memory")
-    return open_host_rig(shape, workers=workers), notes

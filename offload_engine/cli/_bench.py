@@ -175,7 +175,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out.print(f"GPU cases not run: {gpu_status['reason']}", markup=False)
     out.print(_sweep_table(results.sweep))
     out.print(_latency_table(results.latency))
-    table = Table(title="Engine overhead (instant fake handler)", title_justify="left")
+    table = Table(title="Engine overhead (instant handler)", title_justify="left")
     table.add_column("host")
     for col in ("jobs/s", "p50 us", "p99 us"):
         table.add_column(col, justify="right")

@@ -2,47 +2,21 @@
 
 One class serves one direction: a **store** handler for ``(device, CPU)`` and a
 **load** handler for ``(CPU, device)``; :func:`make_device_handlers` builds the
-pair over one layout and one tier. The runtime (CUDA, NPU, fake) supplies
-streams, events and copies; this module holds the logic they share.
+pair over one layout and one tier, :func:`pinned_host_tier` the tier. The
+runtime (CUDA, NPU, fake) supplies streams, events and copies; this module
+holds the logic they share. A job is copied by one :class:`CopyStrategy`,
+chosen per job (``AUTO``) or forced: ``DMA`` (merged batched copy
+descriptors), ``STAGED`` (gather on the device into slot-shaped staging, then
+DMA whole slots; double-buffered) or ``KERNEL`` (an SM copy to mapped pinned
+memory).
 
-Strategies, chosen per job (``Strategy.AUTO``) or forced:
-
-* ``dma``: every (block, region) chunk becomes a copy descriptor; neighbours
-  that continue each other are merged; the runtime issues batched copies of at
-  most ``max_batch`` descriptors. Best when chunks are large already.
-* ``staged``: a store gathers the job's chunks on the device into a staging
-  buffer laid out like tier slots (each block contiguous across layers), then
-  DMAs whole slots to the host; a load DMAs slots into staging and scatters
-  them on the device. Staging is double-buffered: piece *i+1* is gathered while
-  piece *i* is on the copy engine. Best for scattered small chunks.
-* ``kernel``: an SM copy straight between the cache and mapped pinned host
-  memory; no staging memory, but it occupies SMs that concurrent compute wants.
-
-Correctness rules:
-
-* At submit (:meth:`DeviceCopyHandler.prepare`, in the caller's thread) an
-  event is recorded on the caller's current stream; the job's first operation
-  waits on it, so a store never reads blocks the model is still writing and a
-  load never races pending writes (such as zeroing) to its destination blocks.
-* Each handler has its own streams: a high-priority one for device-side
-  copies and two for DMA. A single stream's queue degrades past ~1000 entries
-  (vLLM #29013); with the batched driver call a job adds a handful of entries
-  and ``max_inflight`` bounds the jobs queued, so one set suffices. Where
-  every copy is its own driver call (no batched API), jobs rotate over a pool
-  of four sets instead. (Rotating sets on the H100 made staged loads under a
-  concurrent GEMM collapse to 0.18 of the ceiling in some buffer counts; one
-  set did not.) A job's writes wait for the previous job's writes, so the jobs
-  of one handler take effect in submission order (and finish in that order);
-  the other half of a staged job (a store's gather, a load's DMA into
-  staging) runs ahead as far as the staging buffers allow.
-* Device-side copies go on a high-priority stream, so a concurrent GEMM does
-  not hold up the pipeline behind them.
-* ``launch`` only queues the job. A launcher thread enqueues its device work
-  (descriptor arithmetic and driver calls, which release the GIL, so a store
-  and a load handler enqueue in parallel and the event loop never waits on
-  the driver). A watcher thread sleeps in ``synchronize`` on each job's
-  events, in order, and reports through ``job.succeed``/``job.fail``. Nothing
-  polls.
+At submit, :meth:`DeviceCopyHandler.prepare` records an event on the caller's
+current stream and the job's first operation waits on it. ``launch`` only
+queues the job: a launcher thread enqueues the device work and a watcher
+thread sleeps on the job's events and reports. Device-side copies ask for a
+high-priority stream; runtimes without stream priorities (NPU) ignore it.
+``docs/cuda.md`` explains the strategies, the stream sets and the measurements
+behind them.
 """
 
 from __future__ import annotations
@@ -53,24 +27,23 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
 import numpy as np
 import torch
 
-from offload_engine._loop import ThreadSignal
+from offload_engine._checks import check_int, check_seconds
+from offload_engine._loop import ThreadSignal, join_threads
 from offload_engine.errors import (
     ConfigError,
-    EngineBrokenError,
     LayoutError,
 )
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
     slot_descriptors,
 )
-from offload_engine.runtimes.base import BlockCopy, CopyKind, DeviceRuntime
+from offload_engine.runtimes.base import BlockCopy, DeviceRuntime
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
@@ -81,7 +54,7 @@ from offload_engine.vocabulary import (
 _STOP = object()
 
 
-class Strategy(enum.Enum):
+class CopyStrategy(enum.Enum):
     AUTO = "auto"
     DMA = "dma"
     STAGED = "staged"
@@ -104,7 +77,7 @@ class DeviceHandlerConfig:
     by the engine before reporting the device broken.
     """
 
-    strategy: Strategy = Strategy.AUTO
+    strategy: CopyStrategy = CopyStrategy.AUTO
     staging_bytes: int = 256 << 20
     staging_buffers: int = 2
     dma_min_chunk_bytes: int = 512 << 10
@@ -113,24 +86,18 @@ class DeviceHandlerConfig:
     close_timeout: float = 30.0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.strategy, Strategy):
-            raise ConfigError(f"strategy must be a Strategy, got {self.strategy!r}")
+        if not isinstance(self.strategy, CopyStrategy):
+            raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
         for key in ("staging_bytes", "dma_min_chunk_bytes"):
             value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(f"{key} must be an int >= 0, got {value!r}")
-        if self.streams is not None and (
-            isinstance(self.streams, bool) or not isinstance(self.streams, int) or self.streams < 1
-        ):
-            raise ConfigError(f"streams must be None or an int >= 1, got {self.streams!r}")
+            check_int(value, key, minimum=0)
+        if self.streams is not None:
+            check_int(self.streams, "streams (or None)")
         for key in ("max_inflight", "staging_buffers"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"{key} must be an int >= 1, got {value!r}")
+            check_int(getattr(self, key), key)
         if self.staging_buffers < 2:
             raise ConfigError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
-        if not self.close_timeout > 0:
-            raise ConfigError(f"close_timeout must be positive, got {self.close_timeout!r}")
+        check_seconds(self.close_timeout, "close_timeout")
 
 
 @dataclass
@@ -139,7 +106,7 @@ class DevicePlan:
 
     groups: list[GroupMapping]
     nbytes: int
-    strategy: Strategy
+    strategy: CopyStrategy
     ready: Any  # event recorded on the submitter's current stream
     events: list[Any] = field(default_factory=list)  # handed back to the pool when done
     # one event at the end of each stream the job used; the watcher checks them all,
@@ -209,13 +176,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.tier = tier
         self.config = config
         self.direction = direction
-        self.store = direction is Direction.STORE
-        self.src, self.dst = (
-            (runtime.medium, Medium.CPU) if self.store else (Medium.CPU, runtime.medium)
-        )
+        store = direction is Direction.STORE
+        self._store = store  # the direction, as a flag for the per-job branches
+        self.src, self.dst = (runtime.medium, Medium.CPU) if store else (Medium.CPU, runtime.medium)
         self.ordered = True
         self.max_inflight = config.max_inflight
-        self._copy_kind = CopyKind.DEVICE_TO_HOST if self.store else CopyKind.HOST_TO_DEVICE
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
@@ -233,13 +198,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             if config.staging_bytes and block_copies
             else 0
         )
-        if config.strategy is Strategy.STAGED and rows < 1:
+        if config.strategy is CopyStrategy.STAGED and rows < 1:
             raise ConfigError(
                 f"the staged strategy needs block copies on the {runtime.name} runtime with "
                 f"{align}-byte aligned regions, and staging_bytes >= {config.staging_buffers} x "
                 f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
             )
-        if config.strategy is Strategy.KERNEL and not (
+        if config.strategy is CopyStrategy.KERNEL and not (
             runtime.supports_kernel_strategy and aligned
         ):
             raise ConfigError(
@@ -249,9 +214,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._stage_rows = rows
         min_region = min(r.size for g in layout.groups for r in g)
         self._auto = (
-            Strategy.DMA
+            CopyStrategy.DMA
             if min_region >= config.dma_min_chunk_bytes or rows < 1
-            else Strategy.STAGED
+            else CopyStrategy.STAGED
         )
         self._events: list[Any] = []
         self._events_lock = threading.Lock()
@@ -319,15 +284,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             return
         self._started = False
         self._launch_q.put(_STOP)  # the launcher passes it on to the watcher
-        with anyio.move_on_after(self.config.close_timeout):
-            await self._threads_done.wait()
-        if not self._threads_done.is_set():
-            raise EngineBrokenError(
-                f"{self.name}: device work did not finish within {self.config.close_timeout}s of "
-                "close; the device may be hung"
-            )
-        for t in self._threads:
-            t.join()
+        await join_threads(
+            self._threads,
+            self._threads_done,
+            self.config.close_timeout,
+            f"of {self.name} still waiting on device work (the device may be hung)",
+        )
         self._staging = None
         self._views = []
         self._tables.clear()
@@ -353,7 +315,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def prepare(self, spec: TransferSpec) -> DevicePlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
         groups, nbytes = job.groups, job.nbytes
-        strategy = self.config.strategy if self.config.strategy is not Strategy.AUTO else self._auto
+        strategy = (
+            self.config.strategy if self.config.strategy is not CopyStrategy.AUTO else self._auto
+        )
         ready = self._event()
         self.runtime.record(ready, self.runtime.current_stream())
         return DevicePlan(groups, nbytes, strategy, ready, [ready])
@@ -384,24 +348,24 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         rt = self.runtime
         sm, dmas = self._pool[self._seq % len(self._pool)]
         self._seq += 1
-        if plan.strategy is Strategy.STAGED:
+        if plan.strategy is CopyStrategy.STAGED:
             self._enqueue_staged(plan, sm, dmas)
             return
-        stream = dmas[0] if plan.strategy is Strategy.DMA else sm
+        stream = dmas[0] if plan.strategy is CopyStrategy.DMA else sm
         rt.wait_event(stream, plan.ready)
         if self._last_effect is not None:
             rt.wait_event(stream, self._last_effect)
         for m in plan.groups:
-            if plan.strategy is Strategy.DMA:
+            if plan.strategy is CopyStrategy.DMA:
                 dst, src, sizes = chunk_descriptors(
                     self.layout.region_tables(m.group),
                     m.cache_ids,
                     m.slots,
                     tier_base=self.tier.memory.data_ptr(),
                     slot_bytes=self.tier.slot_bytes,
-                    store=self.store,
+                    direction=self.direction,
                 )
-                rt.memcpy_batch(stream, dst, src, sizes, self._copy_kind)
+                rt.memcpy_batch(stream, dst, src, sizes, self.direction)
             else:
                 ids = rt.upload(stream, m.cache_ids)
                 slots = rt.upload(stream, m.slots)
@@ -444,7 +408,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 count=hi - lo,
                 slot_base=slots.data_ptr(),
                 slot_bytes=row_bytes,
-                to_slots=self.store,
+                direction=self.direction,
                 cache_views=self._views[m.group],
                 slot_view=slots.view(-1, row_bytes),
                 slot_offsets=self.layout.slot_offsets[m.group],
@@ -468,7 +432,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             raise ConfigError("no staging memory")
         rt.wait_event(sm, plan.ready)
         if self._last_effect is not None:
-            for stream in dmas if self.store else (sm,):
+            for stream in dmas if self._store else (sm,):
                 rt.wait_event(stream, self._last_effect)
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
@@ -480,7 +444,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 b = staging.take()
                 self._pieces += 1
                 dma = dmas[self._pieces % 2]
-                first, second = (sm, dma) if self.store else (dma, sm)
+                first, second = (sm, dma) if self._store else (dma, sm)
                 buffer = staging.buffers[b]
                 dst, src, sizes = slot_descriptors(
                     hi - lo,
@@ -490,27 +454,27 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     tier_base=self.tier.memory.data_ptr(),
                     slot_bytes=self.tier.slot_bytes,
                     used_bytes=self.layout.group_bytes[m.group],
-                    store=self.store,
+                    direction=self.direction,
                 )
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
-                if self.store:
+                if self._store:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 else:
-                    rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
+                    rt.memcpy_batch(dma, dst, src, sizes, self.direction)
                 full = self._mark(plan, first)
                 rt.wait_event(second, full)
-                if self.store:
-                    rt.memcpy_batch(dma, dst, src, sizes, self._copy_kind)
+                if self._store:
+                    rt.memcpy_batch(dma, dst, src, sizes, self.direction)
                 else:
                     self._block_copy(sm, m, ids, None, lo, hi, buffer)
                 staging.free[b] = end = self._mark(plan, second)
                 last[self._pieces % 2] = end
-        if self.store and len(last) == 2:  # join both DMA streams into one end event
+        if self._store and len(last) == 2:  # join both DMA streams into one end event
             rt.wait_event(dmas[0], last[1])
             end = self._mark(plan, dmas[0])
         elif end is None:  # an empty job still takes its place in the order
-            end = self._mark(plan, dmas[0] if self.store else sm)
+            end = self._mark(plan, dmas[0] if self._store else sm)
         self._last_effect = end
 
     # ------------------------------------------------------------ completion
@@ -546,8 +510,7 @@ def pinned_host_tier(
             f"{type(runtime).__name__} and {type(layout).__name__}"
         )
     for key, value in (("num_blocks", num_blocks), ("factor", factor)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError(f"pinned_host_tier {key} must be a positive int, got {value!r}")
+        check_int(value, f"pinned_host_tier {key}")
     rows = num_blocks * factor
     memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
     unpin = runtime.pin_host(memory)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from offload_engine.errors import LayoutError
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.layout import GroupMapping, KVLayout
 from offload_engine.tier import HostTier, map_transfer
@@ -32,7 +32,7 @@ from offload_engine.vocabulary import (
 class HostPlan:
     """A planned host copy: per group, cache-block and slot index tensors."""
 
-    store: bool
+    direction: Direction
     groups: list[GroupMapping]
     nbytes: int
 
@@ -78,7 +78,7 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name)
-        return HostPlan(job.direction is Direction.STORE, job.groups, job.nbytes)
+        return HostPlan(job.direction, job.groups, job.nbytes)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
@@ -86,7 +86,7 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
             cache_idx = torch.from_numpy(m.cache_ids.copy())
             slot_idx = torch.from_numpy(m.slots.copy())
             for cache_view, tier_view in self._views[m.group]:
-                if plan.store:
+                if plan.direction is Direction.STORE:
                     tier_view.index_copy_(0, slot_idx, cache_view.index_select(0, cache_idx))
                 else:
                     cache_view.index_copy_(0, cache_idx, tier_view.index_select(0, slot_idx))

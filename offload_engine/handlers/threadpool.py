@@ -20,11 +20,9 @@ import queue
 import threading
 from typing import TypeVar
 
-import anyio
-
-from offload_engine._loop import ThreadSignal
-from offload_engine.errors import ConfigError, EngineBrokenError
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine._checks import check_int, check_seconds
+from offload_engine._loop import ThreadSignal, join_threads
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 
 P = TypeVar("P")
 
@@ -46,16 +44,9 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
         thread_name: str = "offload-engine-worker",
         close_timeout: float = 30.0,
     ) -> None:
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ConfigError(f"workers must be a positive int, got {workers!r}")
-        if (
-            isinstance(close_timeout, bool)
-            or not isinstance(close_timeout, (int, float))
-            or not close_timeout > 0
-        ):
-            raise ConfigError(f"close_timeout must be a positive number, got {close_timeout!r}")
+        check_int(workers, "workers")
         self.workers = workers
-        self.close_timeout = float(close_timeout)
+        self.close_timeout = check_seconds(close_timeout, "close_timeout")
         self.max_inflight = 2 * workers  # one running and one waiting per worker
         self._thread_name = thread_name
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -110,16 +101,9 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
             return
         for _ in self._threads:
             self._queue.put(_STOP)
-        if self._all_exited is not None:
-            with anyio.move_on_after(self.close_timeout):
-                await self._all_exited.wait()
-            if not self._all_exited.is_set():
-                stuck = [t.name for t in self._threads if t.is_alive()]
-                self._threads.clear()
-                raise EngineBrokenError(
-                    f"{self.name}: worker(s) {', '.join(stuck)} still inside a job "
-                    f"{self.close_timeout}s after close; they exit when it returns"
-                )
-        for t in self._threads:
-            t.join()
-        self._threads.clear()
+        await join_threads(
+            self._threads,
+            self._all_exited,
+            self.close_timeout,
+            f"of {self.name} still inside a job (they exit when it returns)",
+        )

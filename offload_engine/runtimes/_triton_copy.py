@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from offload_engine.runtimes.base import BlockCopy
+from offload_engine.vocabulary import Direction
 
 WORDS = 1024  # int64 words per program: 8 KiB
 
@@ -71,7 +72,7 @@ def launch_block_copy(copy: BlockCopy) -> None:
         slot_ids,
         copy.slot_base,
         copy.slot_bytes,
-        TO_SLOTS=copy.to_slots,
+        TO_SLOTS=copy.direction is Direction.STORE,
         HAS_SLOT_IDS=copy.slot_ids is not None,
         WORDS=WORDS,
     )

@@ -15,9 +15,7 @@ blocks except :meth:`DeviceRuntime.synchronize`.
 from __future__ import annotations
 
 import abc
-import enum
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,20 +23,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 U64 = npt.NDArray[np.uint64]
 I64 = npt.NDArray[np.int64]
 
 # Bound on one host registration: a single registration of 512 GiB or more fails.
 MAX_PIN_CHUNK_BYTES = 64 << 30
-
-
-class CopyKind(enum.Enum):
-    """Which way a batched copy goes (it sets ordering hints)."""
-
-    DEVICE_TO_HOST = "d2h"
-    HOST_TO_DEVICE = "h2d"
 
 
 @dataclass(frozen=True)
@@ -48,8 +39,8 @@ class BlockCopy:
     For each block ``i`` and each region ``r`` of the group: the bytes at
     ``region_base[r] + cache_ids[i] * region_stride[r]`` (``region_size[r]``
     bytes) pair with the bytes at ``slot_base + slot_ids[i] * slot_bytes +
-    slot_offset[r]``. ``to_slots`` copies regions -> slots (a gather, for a
-    store), otherwise slots -> regions (a scatter, for a load).
+    slot_offset[r]``. A ``STORE`` copies regions -> slots (a gather), a
+    ``LOAD`` slots -> regions (a scatter).
 
     ``region_*`` and ``cache_ids``/``slot_ids`` are device tensors (int64)
     prepared by :meth:`DeviceRuntime.upload`; ``slot_ids`` ``None`` means
@@ -70,7 +61,7 @@ class BlockCopy:
     count: int
     slot_base: int
     slot_bytes: int
-    to_slots: bool
+    direction: Direction
     cache_views: tuple[torch.Tensor, ...] = ()
     slot_view: torch.Tensor | None = None
     slot_offsets: tuple[int, ...] = ()
@@ -89,7 +80,7 @@ def torch_block_copy(copy: BlockCopy) -> None:
     )
     for view, offset in zip(copy.cache_views, copy.slot_offsets, strict=True):
         slots = copy.slot_view[:, offset : offset + view.shape[1]]
-        if copy.to_slots:
+        if copy.direction is Direction.STORE:
             slots.index_copy_(0, rows, view.index_select(0, copy.cache_ids))
         else:
             view.index_copy_(0, copy.cache_ids, slots.index_select(0, rows))
@@ -103,15 +94,13 @@ class DeviceRuntime(abc.ABC):
     device: torch.device
     #: descriptors per batched-copy call (drivers fault or refuse above their cap)
     max_batch: int = 4096
-    #: whether streams accept a priority (NPU: no)
-    supports_priority: bool = True
 
     # -- streams and events ----------------------------------------------------
 
     @abc.abstractmethod
     def new_stream(self, priority: int = 0) -> Any:
         """A new non-default stream (never the legacy default stream). A negative
-        ``priority`` asks for a higher one where :attr:`supports_priority`."""
+        ``priority`` asks for a higher one where the device has priorities (NPU: ignored)."""
 
     @abc.abstractmethod
     def current_stream(self) -> Any:
@@ -130,16 +119,8 @@ class DeviceRuntime(abc.ABC):
         """Make later work on ``stream`` wait for ``event``'s latest record."""
 
     @abc.abstractmethod
-    def query(self, event: Any) -> bool:
-        """True once the event's recorded work has finished. Never blocks."""
-
-    @abc.abstractmethod
     def synchronize(self, event: Any) -> None:
         """Block until the event's recorded work has finished; raise if it failed."""
-
-    @abc.abstractmethod
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        """Make ``stream`` current for torch work issued inside the block."""
 
     # -- memory ----------------------------------------------------------------
 
@@ -167,7 +148,7 @@ class DeviceRuntime(abc.ABC):
     # -- copies ----------------------------------------------------------------
 
     @abc.abstractmethod
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         """Enqueue ``len(sizes)`` copies on ``stream``, in calls of at most
         :attr:`max_batch` descriptors (or one call per copy where the batched
         API is missing). Returns the number of driver calls made."""
@@ -207,9 +188,6 @@ class TorchStyleEvents:
     def wait_event(self, stream: Any, event: Any) -> None:
         stream.wait_event(event)
 
-    def query(self, event: Any) -> bool:
-        return bool(event.query())
-
     def synchronize(self, event: Any) -> None:
         event.synchronize()
 
@@ -223,3 +201,15 @@ def pin_chunks(
     step = rows * row_bytes
     for offset in range(0, total, step):
         yield offset, min(step, total - offset)
+
+
+def spans_cover(spans: Iterable[tuple[int, int]], start: int, end: int) -> bool:
+    """Whether ``(address, size)`` registrations cover ``[start, end)`` without a gap
+    (a range may run across consecutive registrations of one tensor)."""
+    pos = start
+    for lo, size in sorted(spans):
+        if lo <= pos < lo + size:
+            pos = lo + size
+            if pos >= end:
+                return True
+    return False

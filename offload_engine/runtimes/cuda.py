@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -32,13 +31,12 @@ from offload_engine.runtimes.base import (
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
@@ -159,12 +157,12 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             else:
                 self._kernel = launch_block_copy
         self._local = threading.local()
-        self._attrs: dict[CopyKind, _MemcpyAttributes] = {}
+        self._attrs: dict[Direction, _MemcpyAttributes] = {}
         index = self.device.index or 0
-        for kind in CopyKind:
+        for kind in (Direction.STORE, Direction.LOAD):
             dev = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index)
             host = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
-            src, dst = (dev, host) if kind is CopyKind.DEVICE_TO_HOST else (host, dev)
+            src, dst = (dev, host) if kind is Direction.STORE else (host, dev)
             self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
@@ -191,9 +189,6 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     def new_event(self) -> torch.cuda.Event:
         return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
-
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
 
     # ------------------------------------------------------------ memory
 
@@ -236,7 +231,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         self._bind_thread()
         n = int(sizes.shape[0])
         if n == 0:

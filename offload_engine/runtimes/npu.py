@@ -1,7 +1,7 @@
 """Ascend NPU runtime: torch_npu for streams and events, CANN's ACL for copies and pinning.
 
 Streams, events and the current stream come from ``torch.npu`` (torch_npu);
-stream priorities are not used (``supports_priority`` is False). Batched
+stream priorities are not used (NPU streams have none; a priority is ignored). Batched
 copies go through ``aclrtMemcpyBatchAsync`` (CANN 8.5 and later), called with
 ``ctypes`` on ``libascendcl.so`` with the numpy descriptor arrays' buffers:
 there is no maintained Python binding for it. Where the symbol is missing
@@ -27,7 +27,7 @@ wants 4 KiB-aligned addresses, and torch's allocator aligns large buffers to
 64 bytes only, so each registration is widened to whole pages. The release
 call keeps the tensor alive until its pages are unregistered.
 
-Everything here is tested on CPU through :mod:`offload_engine.runtimes.fake_npu`
+Everything here is tested on CPU through :mod:`offload_engine.testing`
 (a fake ``torch.npu`` and a fake ``libascendcl``); nothing has run on Ascend
 hardware. See ``docs/npu.md``.
 """
@@ -39,25 +39,25 @@ import itertools
 import os
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
+from offload_engine._checks import check_int
 from offload_engine.errors import ConfigError, RuntimeUnavailableError, TransferError
 from offload_engine.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     TorchStyleEvents,
     pin_chunks,
+    spans_cover,
     torch_block_copy,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 #: descriptors per aclrtMemcpyBatchAsync call, at most
 ACL_MAX_BATCH = 4096
@@ -289,7 +289,6 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
 
     name = "npu"
     medium = Medium.NPU
-    supports_priority = False
 
     def __init__(
         self,
@@ -301,22 +300,8 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
         npu: Any = None,
         acl_library: Any = None,
     ) -> None:
-        if (
-            isinstance(max_batch, bool)
-            or not isinstance(max_batch, int)
-            or not 1 <= max_batch <= ACL_MAX_BATCH
-        ):
-            raise ConfigError(
-                f"max_batch must be an int in [1, {ACL_MAX_BATCH}], got {max_batch!r}"
-            )
-        if (
-            isinstance(pin_chunk_bytes, bool)
-            or not isinstance(pin_chunk_bytes, int)
-            or pin_chunk_bytes < 4 * HOST_PAGE_BYTES
-        ):
-            raise ConfigError(
-                f"pin_chunk_bytes must be an int >= {4 * HOST_PAGE_BYTES}, got {pin_chunk_bytes!r}"
-            )
+        check_int(max_batch, "max_batch", maximum=ACL_MAX_BATCH)
+        check_int(pin_chunk_bytes, "pin_chunk_bytes", minimum=4 * HOST_PAGE_BYTES)
         if npu is None:
             npu = load_torch_npu()
         if not npu.is_available():
@@ -346,11 +331,11 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
         self.batched = batched and self._acl.batch is not None
         self._local = threading.local()
         self._pinned: dict[int, list[int]] = {}  # registration address -> [size, users]
-        self._attrs: dict[CopyKind, AclMemcpyBatchAttr] = {}
+        self._attrs: dict[Direction, AclMemcpyBatchAttr] = {}
         dev = AclMemLocation(index, ACL_MEM_LOCATION_TYPE_DEVICE)
         host = AclMemLocation(0, ACL_MEM_LOCATION_TYPE_HOST)
-        self._attrs[CopyKind.DEVICE_TO_HOST] = AclMemcpyBatchAttr(dstLoc=host, srcLoc=dev)
-        self._attrs[CopyKind.HOST_TO_DEVICE] = AclMemcpyBatchAttr(dstLoc=dev, srcLoc=host)
+        self._attrs[Direction.STORE] = AclMemcpyBatchAttr(dstLoc=host, srcLoc=dev)
+        self._attrs[Direction.LOAD] = AclMemcpyBatchAttr(dstLoc=dev, srcLoc=host)
         self._attr_index = (ctypes.c_size_t * 1)(0)  # one attribute for the whole batch
 
     def _device_for(self, index: int) -> torch.device:
@@ -380,9 +365,6 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
 
     def new_event(self) -> Any:
         return self._npu.Event()
-
-    def stream_context(self, stream: Any) -> AbstractContextManager[Any]:
-        return self._npu.stream(stream)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------ memory
 
@@ -460,14 +442,8 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
     def _is_registered(self, start: int, end: int) -> bool:
         # a range may span consecutive registrations of one tensor
         with self._lock:
-            spans = sorted((a, size) for a, (size, _) in self._pinned.items())
-        pos = start
-        for lo, size in spans:
-            if lo <= pos < lo + size:
-                pos = lo + size
-                if pos >= end:
-                    return True
-        return False
+            spans = [(a, size) for a, (size, _) in self._pinned.items()]
+        return spans_cover(spans, start, end)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         if tensor.device.type != "cpu":
@@ -483,7 +459,7 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         n = int(sizes.shape[0])
         if n == 0:
             return 0
@@ -529,9 +505,7 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
             return calls
         copy = self._acl.memcpy
         kind_value = (
-            ACL_MEMCPY_DEVICE_TO_HOST
-            if kind is CopyKind.DEVICE_TO_HOST
-            else ACL_MEMCPY_HOST_TO_DEVICE
+            ACL_MEMCPY_DEVICE_TO_HOST if kind is Direction.STORE else ACL_MEMCPY_HOST_TO_DEVICE
         )
         rest = zip(dst[done:].tolist(), src[done:].tolist(), sizes[done:].tolist(), strict=True)
         for i, (d, s, z) in enumerate(rest, start=done):

@@ -10,13 +10,13 @@ import torch
 
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers.device import (
+    CopyStrategy,
     DeviceHandlerConfig,
-    Strategy,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import CopyKind
 from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
+from offload_engine.vocabulary import Direction
 from tests.test_device_handler import round_trip
 
 pytestmark = [
@@ -36,27 +36,29 @@ def gpu_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device="cuda")
 
 
-@pytest.mark.parametrize("strategy", [Strategy.DMA, Strategy.STAGED, Strategy.KERNEL])
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
-def test_round_trip_on_the_gpu(cuda: object, kind: str, strategy: Strategy, factor: int) -> None:
+def test_round_trip_on_the_gpu(
+    cuda: object, kind: str, strategy: CopyStrategy, factor: int
+) -> None:
     round_trip(cuda, gpu_empty, kind, strategy, factor)  # type: ignore[arg-type]
 
 
 def test_round_trip_without_the_batched_api() -> None:
     from offload_engine.runtimes.cuda import CudaRuntime
 
-    round_trip(CudaRuntime(batched=False), gpu_empty, "flash-attention", Strategy.DMA, 1)
+    round_trip(CudaRuntime(batched=False), gpu_empty, "flash-attention", CopyStrategy.DMA, 1)
 
 
 def test_large_jobs_span_many_staging_pieces(cuda: object) -> None:
-    round_trip(cuda, gpu_empty, "flash-attention", Strategy.STAGED, 2, staging_blocks=3)  # type: ignore[arg-type]
+    round_trip(cuda, gpu_empty, "flash-attention", CopyStrategy.STAGED, 2, staging_blocks=3)  # type: ignore[arg-type]
 
 
 def test_a_store_waits_for_the_compute_stream(cuda: object) -> None:
     layout = build_layout("flash-attention", gpu_empty, num_blocks=8)
     tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
-    for strategy in (Strategy.DMA, Strategy.STAGED, Strategy.KERNEL):
+    for strategy in (CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL):
         store, _ = make_device_handlers(
             cuda,  # type: ignore[arg-type]
             layout,
@@ -64,7 +66,7 @@ def test_a_store_waits_for_the_compute_stream(cuda: object) -> None:
             DeviceHandlerConfig(strategy=strategy),
         )
         with SyncOffloadingEngine([store]) as engine:
-            value = float(list(Strategy).index(strategy) + 3)
+            value = float(list(CopyStrategy).index(strategy) + 3)
             torch.cuda._sleep(200_000_000)  # the model is still busy on the compute stream...
             for t in layout.tensors:
                 t[:, 3].fill_(value)  # ...before it writes block 3
@@ -84,13 +86,13 @@ def test_legacy_default_stream_falls_back_to_single_copies(cuda: object) -> None
         srcp = np.array([src[3 - i].data_ptr() for i in range(4)], dtype=np.uint64)
         sizes = np.full(4, 4096, dtype=np.uint64)
         stream = torch.cuda.default_stream()
-        calls = cuda.memcpy_batch(stream, dst, srcp, sizes, CopyKind.DEVICE_TO_HOST)  # type: ignore[attr-defined]
+        calls = cuda.memcpy_batch(stream, dst, srcp, sizes, Direction.STORE)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
         assert calls == 4
         assert torch.equal(host, src.flip(0).cpu())
         side = torch.cuda.Stream()
         host.zero_()
-        calls = cuda.memcpy_batch(side, dst, srcp, sizes, CopyKind.DEVICE_TO_HOST)  # type: ignore[attr-defined]
+        calls = cuda.memcpy_batch(side, dst, srcp, sizes, Direction.STORE)  # type: ignore[attr-defined]
         torch.cuda.synchronize()
         assert calls == 1
         assert torch.equal(host, src.flip(0).cpu())
@@ -103,7 +105,9 @@ def test_a_refused_copy_fails_its_job_and_the_next_job_runs(cuda: object) -> Non
 
     layout = build_layout("flash-attention", gpu_empty, num_blocks=8)
     tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
-    store, _ = make_device_handlers(cuda, layout, tier, DeviceHandlerConfig(strategy=Strategy.DMA))  # type: ignore[arg-type]
+    store, _ = make_device_handlers(
+        cuda, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
+    )  # type: ignore[arg-type]
     with SyncOffloadingEngine([store]) as engine:
         real = cuda.memcpy_batch  # type: ignore[attr-defined]
         calls = {"n": 0}

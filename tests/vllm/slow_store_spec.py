@@ -4,8 +4,9 @@ On this CPU machine a store of a few blocks finishes within the step that
 submitted it, so vLLM never finds a store still pending when it preempts a
 request or reuses a block, and never calls the worker's ``wait``. Real
 accelerators do. This spec (test-only) delays every store on the engine's
-worker thread by ``STORE_DELAY_S``, as a slow link would; nothing waits on the
-delay in the test itself.
+worker thread by ``STORE_DELAY_S``, as a slow link would (0.1 s was not always enough
+on a loaded 2-core machine, where one step can outlast it); nothing waits on
+the delay in the test itself.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 
 from connectors.vllm.spec import EngineOffloadingSpec
 from offload_engine.handlers.host import HostCopyHandler
+from offload_engine.vocabulary import Direction
 
-STORE_DELAY_S = 0.1
+STORE_DELAY_S = 0.25
 
 
 class SlowStoreEngineOffloadingSpec(EngineOffloadingSpec):
@@ -27,7 +29,7 @@ class SlowStoreEngineOffloadingSpec(EngineOffloadingSpec):
                 copy = handler.execute
 
                 def slow_execute(job: Any, copy: Any = copy) -> int:
-                    if job.prepared.store:
+                    if job.prepared.direction is Direction.STORE:
                         time.sleep(STORE_DELAY_S)
                     return int(copy(job))
 

@@ -24,13 +24,9 @@ import threading
 from collections.abc import Callable, Collection, Iterable
 
 import anyio
-import numpy as np
-import torch
 
 from offload_engine.errors import InvalidTransferError
-from offload_engine.handler import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.layout import KVLayout
-from offload_engine.tier import HostTier
+from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
 
 JobPredicate = Callable[[int], bool]
@@ -206,113 +202,3 @@ def assert_exactly_once(submitted: Iterable[int], results: Iterable[TransferResu
 def engine_threads() -> list[threading.Thread]:
     """Live threads started by this package (their names start with ``offload-engine``)."""
     return [t for t in threading.enumerate() if t.name.startswith("offload-engine")]
-
-
-def random_host_cache(
-    *,
-    num_layers: int = 4,
-    num_blocks: int = 64,
-    block_tokens: int = 16,
-    kv_heads: int = 2,
-    head_dim: int = 32,
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-) -> tuple[list[torch.Tensor], KVLayout]:
-    """Random per-layer blocks-first KV tensors ``(num_blocks, 2, tokens, heads, dim)``
-    in host memory and their layout."""
-    gen = torch.Generator().manual_seed(seed)
-    tensors = [
-        torch.randn((num_blocks, 2, block_tokens, kv_heads, head_dim), generator=gen).to(dtype)
-        for _ in range(num_layers)
-    ]
-    return tensors, KVLayout.from_block_tensors(tensors)
-
-
-def poisoned_tier(
-    layout: KVLayout, num_blocks: int, *, factor: int = 1, fill: int = 0xA5
-) -> HostTier:
-    """A host tier for ``layout`` whose bytes are all ``fill`` (so unwritten bytes show)."""
-    tier = HostTier.for_layout(layout, num_blocks, factor=factor)
-    tier.memory.fill_(fill)
-    return tier
-
-
-def cache_block_bytes(layout: KVLayout, block_id: int, group: int = 0) -> bytes:
-    """Every byte of cache block ``block_id`` of ``group``, in tier-slot order
-    (copied to host memory first if the cache is on a device)."""
-    from offload_engine.layout import byte_view
-
-    parts = []
-    for r in layout.groups[group]:
-        base = byte_view(layout.tensors[r.tensor])
-        start = r.offset + block_id * r.stride
-        parts.append(base[start : start + r.size].cpu().numpy().tobytes())
-    return b"".join(parts)
-
-
-Allocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-
-#: the layouts :func:`build_layout` makes
-LAYOUT_KINDS = ("flash-attention", "flashinfer", "mla", "cross-layer", "separate-kv", "groups")
-
-
-def build_layout(
-    kind: str,
-    empty: Allocator,
-    *,
-    num_blocks: int = 16,
-    num_layers: int = 2,
-    block_tokens: int = 16,
-    kv_heads: int = 2,
-    head_dim: int = 32,
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-) -> KVLayout:
-    """A KV cache of layout ``kind`` filled with random data, in memory from ``empty``.
-
-    ``separate-kv`` pads every block row, as an NPU runner over-allocates for
-    alignment; ``groups`` combines a FlashAttention group and an MLA group.
-    """
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(shape: tuple[int, ...]) -> torch.Tensor:
-        t = empty(shape, dtype)
-        t.copy_(torch.randn(shape, generator=gen).to(dtype))
-        return t
-
-    nb, bt, h, d = num_blocks, block_tokens, kv_heads, head_dim
-    if kind == "flash-attention":
-        return KVLayout.flash_attention([rand((2, nb, bt, h, d)) for _ in range(num_layers)])
-    if kind == "flashinfer":
-        return KVLayout.flashinfer([rand((nb, 2, bt, h, d)) for _ in range(num_layers)])
-    if kind == "mla":
-        return KVLayout.mla([rand((nb, bt, h * d)) for _ in range(num_layers)])
-    if kind == "cross-layer":
-        return KVLayout.cross_layer(rand((nb, num_layers, 2, bt, h, d)))
-    if kind == "separate-kv":
-        row, pad = bt * h * d, 32
-        views = []
-        for _ in range(2 * num_layers):
-            buf = rand((nb * (row + pad) + pad,))
-            views.append(buf.as_strided((nb, bt, h, d), (row + pad, h * d, d, 1)))
-        return KVLayout.separate_kv(views[0::2], views[1::2])
-    if kind == "groups":
-        fa = KVLayout.flash_attention([rand((2, nb, bt, h, d)) for _ in range(num_layers)])
-        mla = KVLayout.mla([rand((nb, bt, 2 * d))])
-        return KVLayout.combine([fa, mla])
-    raise ValueError(f"unknown layout kind {kind!r}; known: {LAYOUT_KINDS}")
-
-
-def group_of(layout: KVLayout, spec_group_sizes: tuple[int, ...], index: int) -> int:
-    """The KV group of the ``index``-th block id of a spec with ``spec_group_sizes``."""
-    total = 0
-    for g, n in enumerate(spec_group_sizes):
-        total += n
-        if index < total:
-            return g % len(layout.groups)
-    raise IndexError(index)
-
-
-def random_ids(rng: np.random.Generator, count: int, upper: int) -> list[int]:
-    """``count`` distinct ids below ``upper``, in random order."""
-    return [int(x) for x in rng.choice(upper, size=count, replace=False)]

@@ -23,8 +23,7 @@ import ctypes
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +35,11 @@ from offload_engine.runtimes.base import (
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
-    CopyKind,
     DeviceRuntime,
     pin_chunks,
+    spans_cover,
 )
-from offload_engine.vocabulary import Medium
+from offload_engine.vocabulary import Direction, Medium
 
 _STOP = object()
 
@@ -124,11 +123,32 @@ class BatchCall:
     """One recorded batched-copy call."""
 
     stream: str
-    kind: CopyKind
+    kind: Direction
     count: int
     dst: tuple[int, ...]
     src: tuple[int, ...]
     sizes: tuple[int, ...]
+
+
+class FakeDeviceMemory:
+    """Host memory a fake hands out as "device memory", and the address ranges it
+    covers (so a fake can refuse a copy to or from anything else). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranges: list[tuple[int, int]] = []
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        start = t.data_ptr()
+        with self._lock:
+            self._ranges.append((start, start + t.numel() * t.element_size()))
+        return t
+
+    def holds(self, start: int, end: int) -> bool:
+        """Whether ``[start, end)`` lies inside one tensor this memory handed out."""
+        with self._lock:
+            return any(lo <= start and end <= hi for lo, hi in self._ranges)
 
 
 class FakeRuntime(DeviceRuntime):
@@ -153,9 +173,8 @@ class FakeRuntime(DeviceRuntime):
         self._kernel_copies = kernel_copies
         self._lock = threading.Lock()
         self._streams: list[FakeStream] = []
-        self._device_ranges: list[tuple[int, int]] = []
+        self.device_memory = FakeDeviceMemory()
         self._pinned: dict[int, tuple[int, int]] = {}  # registration start -> (start, end)
-        self._local = threading.local()
         self._fail_next: dict[str, BaseException] = {}
         self._hang_next: set[str] = set()
         self._release = threading.Event()
@@ -177,17 +196,7 @@ class FakeRuntime(DeviceRuntime):
         return stream
 
     def current_stream(self) -> FakeStream:
-        stream: FakeStream | None = getattr(self._local, "stream", None)
-        return stream if stream is not None else self.compute
-
-    @contextmanager
-    def stream_context(self, stream: Any) -> Iterator[FakeStream]:
-        previous = getattr(self._local, "stream", None)
-        self._local.stream = stream
-        try:
-            yield stream
-        finally:
-            self._local.stream = previous
+        return self.compute
 
     def new_event(self) -> FakeEvent:
         return FakeEvent(threading.Lock())
@@ -202,9 +211,6 @@ class FakeRuntime(DeviceRuntime):
         generation = event.recorded
         if generation:
             stream.enqueue(lambda: event.wait_for(generation))
-
-    def query(self, event: Any) -> bool:
-        return bool(event.completed >= event.recorded)
 
     def synchronize(self, event: Any) -> None:
         with event._cond:
@@ -222,20 +228,13 @@ class FakeRuntime(DeviceRuntime):
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A tensor in the fake's "device memory"."""
-        t = torch.empty(shape, dtype=dtype)
-        start = t.data_ptr()
-        with self._lock:
-            self._device_ranges.append((start, start + t.numel() * t.element_size()))
-        return t
-
-    def _in_ranges(self, start: int, end: int, ranges: Iterator[tuple[int, int]]) -> bool:
-        return any(lo <= start and end <= hi for lo, hi in ranges)
+        return self.device_memory.empty(shape, dtype)
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
         start = tensor.data_ptr()
-        end = start + max(tensor.numel() * tensor.element_size(), 1)
-        with self._lock:
-            return self._in_ranges(start, end, iter(self._device_ranges))
+        return self.device_memory.holds(
+            start, start + max(tensor.numel() * tensor.element_size(), 1)
+        )
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
         return self.empty((nbytes,))
@@ -262,14 +261,8 @@ class FakeRuntime(DeviceRuntime):
     def _is_pinned_range(self, start: int, end: int) -> bool:
         # a range may span consecutive chunks of one registration
         with self._lock:
-            spans = sorted(self._pinned.values())
-        pos = start
-        for lo, hi in spans:
-            if lo <= pos < hi:
-                pos = hi
-                if pos >= end:
-                    return True
-        return False
+            spans = [(lo, hi - lo) for lo, hi in self._pinned.values()]
+        return spans_cover(spans, start, end)
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         start = tensor.data_ptr()
@@ -307,17 +300,15 @@ class FakeRuntime(DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
-    def _check_dma(self, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> None:
-        host, dev = (dst, src) if kind is CopyKind.DEVICE_TO_HOST else (src, dst)
-        with self._lock:
-            ranges = list(self._device_ranges)
+    def _check_dma(self, dst: U64, src: U64, sizes: U64, kind: Direction) -> None:
+        host, dev = (dst, src) if kind is Direction.STORE else (src, dst)
         for h, d, n in zip(host.tolist(), dev.tolist(), sizes.tolist(), strict=True):
             if not self._is_pinned_range(h, h + n):
                 raise FakeDeviceError(f"DMA from/to host memory at {h:#x} that is not pinned")
-            if not self._in_ranges(d, d + n, iter(ranges)):
+            if not self.device_memory.holds(d, d + n):
                 raise FakeDeviceError(f"DMA from/to {d:#x}, which is not device memory")
 
-    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: CopyKind) -> int:
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         n = int(sizes.shape[0])
         step = self.max_batch if self.batched else 1
         calls = 0
@@ -366,7 +357,7 @@ class FakeRuntime(DeviceRuntime):
                 row = copy.slot_base + sid * copy.slot_bytes
                 for b, st, z, off in zip(base, stride, size, offset, strict=True):
                     cache_addr = (b + cid * st) & 0xFFFFFFFFFFFFFFFF
-                    if copy.to_slots:
+                    if copy.direction is Direction.STORE:
                         ctypes.memmove(row + off, cache_addr, z)
                     else:
                         ctypes.memmove(cache_addr, row + off, z)

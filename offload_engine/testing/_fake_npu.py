@@ -50,8 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES
-from offload_engine.runtimes.fake import FakeEvent, SerialStream
+from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES, spans_cover
 from offload_engine.runtimes.npu import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
@@ -69,6 +68,7 @@ from offload_engine.runtimes.npu import (
     AclMemcpyBatchAttr,
     NpuRuntime,
 )
+from offload_engine.testing._fake_runtime import FakeDeviceMemory, FakeEvent, SerialStream
 
 ACL_SUCCESS = 0
 ACL_ERROR_INVALID_PARAM = 100000
@@ -546,7 +546,7 @@ class FakeAscend:
         self._lock = threading.Lock()
         self._streams: dict[int, FakeNpuStream] = {}
         self._pending: list[tuple[FakeNpuStream, Callable[[], None]]] = []
-        self._device_ranges: list[tuple[int, int]] = []
+        self.device_memory = FakeDeviceMemory()
         self._registered: dict[int, int] = {}
         self.closed = False
         self.npu = FakeTorchNpu(self)
@@ -606,15 +606,10 @@ class FakeAscend:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A tensor in the fake's device memory."""
-        t = torch.empty(shape, dtype=dtype)
-        start = t.data_ptr()
-        with self._lock:
-            self._device_ranges.append((start, start + t.numel() * t.element_size()))
-        return t
+        return self.device_memory.empty(shape, dtype)
 
     def is_device_range(self, start: int, end: int) -> bool:
-        with self._lock:
-            return any(lo <= start and end <= hi for lo, hi in self._device_ranges)
+        return self.device_memory.holds(start, end)
 
     def add_registration(self, address: int, size: int) -> bool:
         with self._lock:
@@ -635,14 +630,8 @@ class FakeAscend:
 
     def is_registered_range(self, start: int, end: int) -> bool:
         with self._lock:
-            spans = sorted(self._registered.items())
-        pos = start
-        for lo, n in spans:
-            if lo <= pos < lo + n:
-                pos = lo + n
-                if pos >= end:
-                    return True
-        return False
+            spans = list(self._registered.items())
+        return spans_cover(spans, start, end)
 
     # ------------------------------------------------------------ lifecycle
 

@@ -1,6 +1,6 @@
 """Fault injection and exactly-once accounting, for chaos tests and benchmarks.
 
-Part of the public testing kit, next to :mod:`offload_engine.testing`:
+Part of the public testing kit, :mod:`offload_engine.testing`:
 
 * :class:`FaultPlan` makes one :class:`~offload_engine.TransferSpec` per :class:`Fault` for a
   medium pair. A job's fault is the spec it was submitted with, so it is fixed at submit and
@@ -30,7 +30,7 @@ from offload_engine.errors import (
     JobTimeoutError,
     TransferError,
 )
-from offload_engine.handler import LaunchedJob
+from offload_engine.handlers.base import LaunchedJob
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.vocabulary import BlockSpec, Medium, TransferResult, TransferSpec
 
