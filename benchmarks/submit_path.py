@@ -22,17 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
+from _compare import compare, print_table  # a sibling: benchmarks/ is this script's path
 
 
 def _per_call_us(fn: Callable[[], object], calls: int) -> float:
@@ -109,13 +106,6 @@ def measure(n_ids: int, calls: int) -> dict[str, float]:
     return out
 
 
-def _run_tree(tree: Path, n_ids: int, calls: int) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, __file__, "--measure", "--ids", str(n_ids), "--calls", str(calls)]
-    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ids", type=int, default=16, help="block ids per job")
@@ -128,18 +118,8 @@ def main() -> int:
     if args.measure:  # one run of every case, in this process, as JSON on stdout
         print(json.dumps(measure(args.ids, args.calls)))
         return 0
-
-    trees = {"this checkout": HERE}
-    if args.baseline is not None:
-        trees = {"baseline": args.baseline.resolve(), "this checkout": HERE}
-    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
-    for _ in range(args.rounds):
-        for name, tree in trees.items():  # alternating, so drift hits both alike
-            runs[name].append(_run_tree(tree, args.ids, args.calls))
-    medians = {
-        name: {case: statistics.median(r[case] for r in rs) for case in rs[0]}
-        for name, rs in runs.items()
-    }
+    case_args = ["--ids", str(args.ids), "--calls", str(args.calls)]
+    medians, runs, trees = compare(__file__, args.baseline, case_args, args.rounds)
     report = {
         "date": date.today().isoformat(),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
@@ -147,7 +127,7 @@ def main() -> int:
         "ids": args.ids,
         "calls": args.calls,
         "rounds": args.rounds,
-        "trees": {name: str(tree) for name, tree in trees.items()},
+        "trees": trees,
         "median_us": medians,
         "runs_us": runs,
     }
@@ -155,16 +135,7 @@ def main() -> int:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
     print(f"submit path, {args.ids} ids per job, median of {args.rounds} rounds, {report['date']}")
-    names = list(trees)
-    header = f"{'case':<30}" + "".join(f"{n + ' (us)':>22}" for n in names)
-    if len(names) == 2:
-        header += f"{'ratio':>8}"
-    print(header)
-    for case in medians[names[0]]:
-        row = f"{case:<30}" + "".join(f"{medians[n][case]:>22.2f}" for n in names)
-        if len(names) == 2:
-            row += f"{medians[names[1]][case] / medians[names[0]][case]:>8.2f}"
-        print(row)
+    print_table(medians, "us")
     return 0
 
 
