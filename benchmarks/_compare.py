@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent  # this checkout
@@ -21,14 +23,17 @@ HERE = Path(__file__).resolve().parent.parent  # this checkout
 def run_tree(script: str, tree: Path, args: list[str]) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     cmd = [sys.executable, script, "--measure", *args]
-    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+    done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed on {tree}:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
 def compare(
-    script: str, baseline: Path | None, args: list[str], rounds: int
-) -> tuple[dict[str, dict[str, float]], dict[str, list[dict[str, float]]], dict[str, str]]:
-    """(medians, runs, trees), each keyed by ``baseline`` / ``this checkout``."""
+    script: str, baseline: Path | None, args: list[str], rounds: int, json_path: str | None
+) -> dict[str, dict[str, float]]:
+    """Run ``script`` ``rounds`` times on each checkout; write every run and the medians to
+    ``json_path`` (if given); return the medians keyed by ``baseline`` / ``this checkout``."""
     trees = {"this checkout": HERE}
     if baseline is not None:
         trees = {"baseline": baseline.resolve(), "this checkout": HERE}
@@ -40,7 +45,20 @@ def compare(
         name: {case: statistics.median(r[case] for r in rs) for case in rs[0]}
         for name, rs in runs.items()
     }
-    return medians, runs, {name: str(tree) for name, tree in trees.items()}
+    if json_path:
+        report = {
+            "date": date.today().isoformat(),
+            "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
+            "python": sys.version.split()[0],
+            "command": " ".join(sys.argv),
+            "rounds": rounds,
+            "trees": {name: str(tree) for name, tree in trees.items()},
+            "median": medians,
+            "runs": runs,
+        }
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=2)
+    return medians
 
 
 def print_table(medians: dict[str, dict[str, float]], unit: str, width: int = 34) -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from chaos import MIX  # a sibling: the same fault mix as benchmarks/chaos.py
 
 from connectors.vllm.bridge import EngineBridge
 from offload_engine import (
@@ -57,16 +58,6 @@ from offload_engine.testing import Fault, FaultPlan, FaultyHandler, Ledger
 FAULTS = list(Fault)
 STRIDE = 1 << 20  # cache block ids of fault k lie in [k * STRIDE, (k + 1) * STRIDE)
 JOB_TIMEOUT = 0.5  # the engine's default job timeout: ends the lost jobs
-MIX = {  # per 1,000 jobs, as in benchmarks/chaos.py
-    Fault.OK: 700,
-    Fault.INSTANT: 100,
-    Fault.FAIL: 40,
-    Fault.RAISE: 40,
-    Fault.LAUNCH_RAISES: 40,
-    Fault.BAD_REPORT: 20,
-    Fault.LOST: 20,
-    Fault.REFUSED: 40,
-}
 
 
 class CodedFaultyHandler(FaultyHandler):

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from datetime import date
@@ -95,23 +93,10 @@ def main() -> int:
         return 0
 
     case_args = ["--jobs", str(args.jobs), "--latency-samples", str(args.latency_samples)]
-    medians, runs, trees = compare(__file__, args.baseline, case_args, args.rounds)
-    report = {
-        "date": date.today().isoformat(),
-        "machine": f"{platform.node()} {platform.processor() or platform.machine()}",
-        "python": sys.version.split()[0],
-        "jobs": args.jobs,
-        "rounds": args.rounds,
-        "trees": trees,
-        "median": medians,
-        "runs": runs,
-    }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    medians = compare(__file__, args.baseline, case_args, args.rounds, args.json)
     print(
         f"engine overhead, instant handler, {args.jobs:,} jobs, median of {args.rounds} "
-        f"round(s), {report['date']}"
+        f"round(s), {date.today()}"
     )
     print_table(medians, "value", width=52)
     return 0

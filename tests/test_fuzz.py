@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,7 +61,13 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.testing import FakeHandler, FakeRuntime, assert_exactly_once, build_layout
+from offload_engine.testing import (
+    FakeHandler,
+    FakeRuntime,
+    assert_exactly_once,
+    build_layout,
+    call_in_thread,
+)
 from offload_engine.vocabulary import Direction
 
 STORE = TransferSpec(gpu_blocks([1, 2]), cpu_blocks([3, 4]))
@@ -695,12 +700,8 @@ def hostile_values(poke: Callable[[], None]) -> st.SearchStrategy[object]:
 
 
 def _bounded(call: Callable[[], object]) -> object:
-    out: list[object] = []
-    t = threading.Thread(target=lambda: out.append(_typed(call)), daemon=True)
-    t.start()
-    t.join(BOUND)
-    assert not t.is_alive(), f"{call} hung: the caller's code ran under the engine's lock"
-    return out[0] if out else None
+    """``call()``, or None if it raised a typed error; fails the test if it hangs."""
+    return call_in_thread(lambda: _typed(call), BOUND)
 
 
 def _typed(call: Callable[[], object]) -> object:

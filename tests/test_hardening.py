@@ -48,32 +48,12 @@ from offload_engine.testing import (
     FakeHandler,
     assert_exactly_once,
     cache_block_bytes,
+    call_in_thread,
     random_host_cache,
 )
 
 STORE = TransferSpec(gpu_blocks([1]), cpu_blocks([1]))
 BOUND = 10.0  # seconds: any call here returns far sooner, or it hangs
-
-
-def run_bounded(fn: Callable[[], Any], bound: float = BOUND) -> Any:
-    """Run ``fn`` in a thread; fail (instead of hanging the test) if it does not return."""
-    out: list[Any] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            out.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
-            errors.append(exc)
-
-    t = threading.Thread(target=target, name="bounded-call", daemon=True)
-    t.start()
-    t.join(bound)
-    if t.is_alive():
-        raise AssertionError(f"{fn} did not return within {bound}s (a hang)")
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 # ------------------------------------------------------------------- 1 aliasing
@@ -162,9 +142,9 @@ def test_2_wait_on_an_iterable_that_submits_does_not_deadlock() -> None:
     """Regression: ``e.wait(e.submit_nowait(spec) for _ in range(2))`` consumed the
     iterable under the engine's lock; the submits inside it locked the whole engine up."""
     with SyncOffloadingEngine([FakeHandler()]) as engine:
-        results = run_bounded(lambda: engine.wait(engine.submit_nowait(STORE) for _ in range(2)))
+        results = call_in_thread(lambda: engine.wait(engine.submit_nowait(STORE) for _ in range(2)))
         assert [r.success for r in results] == [True, True]
-        assert run_bounded(engine.get_finished) == []
+        assert call_in_thread(engine.get_finished) == []
 
 
 @pytest.mark.anyio
@@ -256,7 +236,7 @@ def test_5_a_base_exception_from_launch_breaks_the_engine_and_close_stays_bounde
     first = engine.submit_nowait(STORE)  # job 0: launched, held
     crashing = engine.submit_nowait(STORE)
     assert crashing == 1
-    [r] = run_bounded(lambda: engine.wait([crashing], timeout=BOUND))
+    [r] = call_in_thread(lambda: engine.wait([crashing], timeout=BOUND))
     assert isinstance(r.error, TransferError)
     assert isinstance(r.error.__cause__, Crash)
     with pytest.raises(EngineBrokenError) as info:
@@ -269,7 +249,7 @@ def test_5_a_base_exception_from_launch_breaks_the_engine_and_close_stays_bounde
     with pytest.raises(EngineBrokenError):
         engine.submit_nowait(npu)
     t0 = time.monotonic()
-    leftovers = run_bounded(lambda: engine.close(timeout=0.2))
+    leftovers = call_in_thread(lambda: engine.close(timeout=0.2))
     assert time.monotonic() - t0 < 5
     assert leftovers == []
 
@@ -297,11 +277,11 @@ def test_6_after_close_a_new_thread_is_not_taken_for_the_loop_thread() -> None:
     engine = SyncOffloadingEngine([FakeHandler()])
     engine.close()
     for _ in range(3):  # a new thread usually reuses the ident at once
-        assert run_bounded(engine.close) == []
+        assert call_in_thread(engine.close) == []
         with pytest.raises(EngineClosedError):
-            run_bounded(lambda: engine.manager.wait_blocking([0]))
+            call_in_thread(lambda: engine.manager.wait_blocking([0]))
         with pytest.raises(EngineClosedError):
-            run_bounded(engine.get_finished)
+            call_in_thread(engine.get_finished)
 
 
 # ------------------------------------------------------------------- 7 handler lifecycle
@@ -539,5 +519,5 @@ def test_exactly_once_still_holds_after_the_fixes() -> None:
                 submitted.append(j)
                 yield j
 
-        results = run_bounded(lambda: engine.wait(ids(), timeout=math.inf))
+        results = call_in_thread(lambda: engine.wait(ids(), timeout=math.inf))
     assert_exactly_once(submitted, results)

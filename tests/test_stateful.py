@@ -66,6 +66,7 @@ from offload_engine.testing import (
     FaultPlan,
     FaultyHandler,
     Ledger,
+    call_in_thread,
     engine_threads,
 )
 
@@ -87,26 +88,6 @@ Job = tuple[int, Fault, float | None, bool]  # route, fault, timeout, explicit i
 batches = st.lists(
     st.tuples(st.integers(0, 1), faults, timeouts, st.booleans()), min_size=1, max_size=12
 )
-
-
-def in_new_thread(call: Callable[[], Any]) -> Any:
-    """``call()`` in a fresh thread; its result, or its exception re-raised here."""
-    out: list[Any] = []
-    errors: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            out.append(call())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
-
-    t = threading.Thread(target=target, name="after-close")
-    t.start()
-    t.join(BOUND)
-    assert not t.is_alive(), f"{call} hung"
-    if errors:
-        raise errors[0]
-    return out[0]
 
 
 def pick(ids: list[int], indices: list[int]) -> list[int]:
@@ -491,8 +472,8 @@ class FacadeMachine(RuleBasedStateMachine):
             lambda: engine.manager.wait_blocking([0], timeout=0),
         ):
             with pytest.raises(EngineClosedError):
-                in_new_thread(call)
-        assert in_new_thread(engine.close) == []
+                call_in_thread(call)
+        assert call_in_thread(engine.close) == []
         assert engine.close() == []
         assert engine.stats().state == "closed"
 
