@@ -117,10 +117,25 @@ def merge_runs(dst: U64, src: U64, sizes: U64) -> tuple[U64, U64, U64]:
     ends_src = src[:-1] + sizes[:-1]
     ends_dst = dst[:-1] + sizes[:-1]
     breaks = (ends_src != src[1:]) | (ends_dst != dst[1:])
+    if breaks.all():  # nothing to merge (scattered blocks, the common case)
+        return dst, src, sizes
     if not breaks.any():
         return dst[:1], src[:1], np.array([sizes.sum()], dtype=np.uint64)
     starts = np.flatnonzero(np.concatenate(([True], breaks)))
     return dst[starts], src[starts], np.add.reduceat(sizes, starts).astype(np.uint64)
+
+
+def slot_byte_offsets(
+    slots: BlockIds, *, slot_bytes: int, factor: int = 1, block_stride: int | None = None
+) -> U64:
+    """Byte offset of each tier slot from the tier's start: ``s * slot_bytes`` when
+    the tier's blocks are back to back (``block_stride`` None or ``factor *
+    slot_bytes``), else ``(s // factor) * block_stride + (s % factor) * slot_bytes``."""
+    ids = slots.astype(np.uint64)
+    if block_stride is None or block_stride == factor * slot_bytes:
+        return ids * np.uint64(slot_bytes)
+    f = np.uint64(factor)
+    return (ids // f) * np.uint64(block_stride) + (ids % f) * np.uint64(slot_bytes)
 
 
 def chunk_descriptors(
@@ -131,43 +146,23 @@ def chunk_descriptors(
     tier_base: int,
     slot_bytes: int,
     direction: Direction,
+    factor: int = 1,
+    block_stride: int | None = None,
 ) -> tuple[U64, U64, U64]:
     """``(dst, src, sizes)`` for every (block, region) chunk of one group, in
-    block-major order (a block's regions are adjacent in its tier slot), merged."""
+    block-major order (a block's regions are adjacent in its tier slot), merged.
+    ``factor`` and ``block_stride`` place the slots of a tier with gaps between
+    its blocks (:func:`slot_byte_offsets`)."""
     ids = cache_ids.astype(np.uint64)[:, None]
     cache = (tables.base[None, :] + ids * tables.stride[None, :]).ravel()
-    tier = (
-        np.uint64(tier_base)
-        + slots.astype(np.uint64)[:, None] * np.uint64(slot_bytes)
-        + tables.slot_offset[None, :]
-    ).ravel()
+    offsets = slot_byte_offsets(
+        slots, slot_bytes=slot_bytes, factor=factor, block_stride=block_stride
+    )
+    tier = (np.uint64(tier_base) + offsets[:, None] + tables.slot_offset[None, :]).ravel()
     sizes = np.broadcast_to(tables.size, (cache_ids.shape[0], tables.size.shape[0])).ravel()
     if direction is Direction.STORE:
         return merge_runs(tier, cache, sizes)
     return merge_runs(cache, tier, sizes)
-
-
-def slot_descriptors(
-    count: int,
-    slots: BlockIds,
-    *,
-    staging_base: int,
-    staging_row_bytes: int,
-    tier_base: int,
-    slot_bytes: int,
-    used_bytes: int,
-    direction: Direction,
-) -> tuple[U64, U64, U64]:
-    """``(dst, src, sizes)`` moving ``used_bytes`` of each of ``count`` staging rows
-    (filled in order) to or from its tier slot, merged where both sides continue."""
-    staging = np.uint64(staging_base) + np.arange(count, dtype=np.uint64) * np.uint64(
-        staging_row_bytes
-    )
-    tier = np.uint64(tier_base) + slots.astype(np.uint64) * np.uint64(slot_bytes)
-    sizes = np.full(count, used_bytes, dtype=np.uint64)
-    if direction is Direction.STORE:
-        return merge_runs(tier, staging, sizes)
-    return merge_runs(staging, tier, sizes)
 
 
 def _coalesce(regions: Sequence[Region]) -> tuple[Region, ...]:
@@ -531,6 +526,15 @@ def map_blocks(
             f"the cache spec has {len(cache.group_sizes)} KV groups, the layout {num_groups}"
         )
     cache_ids, tier_ids = cache.block_ids, tier.block_ids
+    if (
+        factor == 1
+        and num_groups == 1
+        and len(cache.group_sizes) == 1
+        and 0 < cache_ids.size == tier_ids.size <= 64
+        and max(cache_ids.tolist()) < num_cache_blocks
+        and max(tier_ids.tolist()) < num_tier_blocks
+    ):  # the common small job, without the general path's numpy calls (a step's submit)
+        return [GroupMapping(0, cache_ids, tier_ids)]
     if cache_ids.size and int(cache_ids.max()) >= num_cache_blocks:
         raise InvalidBlockIdsError(
             f"cache block id {int(cache_ids.max())} is out of range (the cache has "

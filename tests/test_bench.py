@@ -153,3 +153,28 @@ def test_rig_cases_on_a_device_rig(strategy: CopyStrategy) -> None:
     }
     assert all(p.bytes_moved == p.jobs * 2 * rig.block_bytes for p in out.sweep)
     assert [len(s.latencies_ms) for s in out.latency] == [3, 3]
+
+
+def test_the_decode_step_keeps_its_shapes_and_the_plan_counts_its_ticks() -> None:
+    import torch
+
+    from offload_engine.bench.step import DecodeStep, StepPlan, StepRow, StepShape, format_step_rows
+
+    shape = StepShape(layers=2, hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16,
+                      batch=3, context=8)  # fmt: skip
+    step = DecodeStep(shape, torch.device("cpu"))
+    before = step.out.clone()
+    step.run("eager")
+    assert step.out.shape == (3, 64) and not torch.equal(step.out, before)
+    assert bool(torch.isfinite(step.out.float()).all())
+    with pytest.raises(RuntimeError, match="capture"):
+        step.run("graph")
+    quick = StepPlan.quick()
+    assert quick.variants == ("none", "contiguous", "instant", "auto", "dma")
+    assert quick.ticks == 2 * 2 * 1 * 5
+    rows = [
+        StepRow("eager", "default", 4, v, ms, ms / 4.0 - 1, 0.5)
+        for v, ms in (("none", 4.0), ("contiguous", 4.1), ("auto", 4.2))
+    ]
+    [line] = format_step_rows(rows)
+    assert "4.00 ms alone" in line and "contiguous +2.5%" in line and "auto +5.0%" in line

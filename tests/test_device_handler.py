@@ -218,10 +218,11 @@ def test_a_hung_copy_times_out_and_close_does_not_hang(fake: FakeRuntime) -> Non
     job = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])), timeout=0.2)
     [r] = engine.wait([job], timeout=10)
     assert isinstance(r.error, JobTimeoutError)
+    threads = list(store._threads)  # close empties the handler's list when it gives up
     with pytest.raises(EngineBrokenError, match="hung"):
         engine.close(timeout=1)
     fake.release_hangs()  # lets the watcher thread go, so the fixture finds no thread
-    for thread in store._threads:
+    for thread in threads:
         thread.join(timeout=10)
     tier.release()
 
@@ -458,3 +459,44 @@ def test_a_tier_is_unpinned_before_its_memory_is_dropped() -> None:
     tier.release()
     assert seen == [True]  # the unpin ran while the tier still held its memory
     assert tier.released
+
+
+@pytest.mark.parametrize("strategy", [CopyStrategy.STAGED, CopyStrategy.KERNEL])
+def test_id_buffers_are_reused_once_their_job_is_done(
+    fake: FakeRuntime, strategy: CopyStrategy
+) -> None:
+    layout = build_layout("flash-attention", fake.empty, num_blocks=160)
+    tier = pinned_host_tier(fake, layout, 160)
+    made: list[int] = []
+    real = fake.new_id_buffer
+
+    def counting(capacity: int) -> object:
+        made.append(capacity)
+        return real(capacity)
+
+    fake.new_id_buffer = counting  # type: ignore[method-assign]
+    store, load = make_device_handlers(fake, layout, tier, config(strategy, layout))
+    want = {b: cache_block_bytes(layout, b) for b in range(8)}
+    with SyncOffloadingEngine([store, load]) as engine:
+        for b in range(8):  # one at a time: each job finds the last one's buffer free
+            [r] = engine.wait([engine.submit(TransferSpec(gpu_blocks([b]), cpu_blocks([b])))])
+            assert r.success, r.error
+        assert made == [64]  # one small buffer served all eight
+        # a job with more ids than any free buffer holds gets a larger one
+        big = list(range(100))
+        spec = TransferSpec(cpu_blocks(big), gpu_blocks([b + 50 for b in big]))
+        [r] = engine.wait([engine.submit(spec)])
+        assert r.success, r.error
+        ids_per_block = 2 if strategy is CopyStrategy.KERNEL else 1  # cache ids, and slots
+        assert len(made) == 2 and made[1] >= 100 * ids_per_block
+    assert {b: cache_block_bytes(layout, b) for b in range(8)} == want
+    for b in range(8):
+        assert tier.memory[b].numpy().tobytes() == want[b]
+    tier.release()
+
+
+def test_merge_runs_returns_scattered_copies_as_they_are() -> None:
+    u = lambda *v: np.array(v, dtype=np.uint64)  # noqa: E731
+    dst, src, sizes = u(300, 100, 200), u(0, 50, 20), u(10, 10, 10)
+    out = merge_runs(dst, src, sizes)
+    assert [a.tolist() for a in out] == [[300, 100, 200], [0, 50, 20], [10, 10, 10]]

@@ -222,3 +222,34 @@ def test_torch_block_copy_gathers_and_scatters_like_the_kernel() -> None:
     )
     torch_block_copy(back)
     assert cache_block_bytes(layout, 1) == before
+
+
+def test_small_single_group_jobs_map_like_the_general_path() -> None:
+    from offload_engine.errors import InvalidBlockIdsError
+    from offload_engine.vocabulary import cpu_blocks, gpu_blocks
+
+    cache, tier = gpu_blocks([5, 1, 9]), cpu_blocks([2, 7, 0])
+    for factor in (1, 2):  # factor 2 takes the general path
+        sizes = {1: 3, 2: 2}[factor]
+        tier_ids = cpu_blocks([2, 7, 0][:sizes])
+        [m] = map_blocks(
+            cache,
+            tier_ids if factor == 2 else tier,
+            factor=factor,
+            num_cache_blocks=10,
+            num_tier_blocks=8,
+            num_groups=1,
+        )
+        assert m.cache_ids.tolist() == [5, 1, 9]
+        want = [2, 7, 0] if factor == 1 else [4, 5, 14]
+        assert m.slots.tolist() == want
+    for bad_cache, bad_tier in ((10, 7), (9, 8)):  # one past the end of either pool
+        with pytest.raises(InvalidBlockIdsError):
+            map_blocks(
+                gpu_blocks([1, bad_cache]),
+                cpu_blocks([0, bad_tier]),
+                factor=1,
+                num_cache_blocks=10,
+                num_tier_blocks=8,
+                num_groups=1,
+            )

@@ -17,6 +17,10 @@ another stream: transfer ratio to the ceiling and the GEMM's slowdown.
 Pass 3: CPU microseconds per job in submit (the caller's thread) and in launch
 (the handler's launcher thread: descriptors and driver calls), measured as
 thread CPU time.
+Pass 4 (``step``): a decode-like model step's slowdown while each step stores
+and loads 4, 16 and 64 blocks, eager and as a CUDA graph, on the default and a
+side stream, against the same bytes as one contiguous pinned copy
+(:mod:`offload_engine.bench.step` documents the step).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import threading
 import time
 from datetime import date
@@ -168,10 +173,10 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
         target = (1 << 30) if args.quick else (4 << 30)
         ceiling = contiguous_ceiling(runtime, 1 << 30)
         print(f"[{tokens}-token blocks] contiguous ceiling: {ceiling}", flush=True)
-        for strategy in STRATEGIES:
+        for strategy in args.strategies:
             engine, _, _ = bench.engine(strategy)
             try:
-                for per_job in (8, 64, 512):
+                for per_job in args.per_job:
                     n = jobs_for(per_job, bench.block_bytes, target)
                     per = n * per_job * bench.block_bytes
                     stores = bench.specs("store", per_job, n)
@@ -302,6 +307,18 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
             out.append((time.thread_time_ns() - t0) / 1e3)
 
         store._enqueue = timed_enqueue  # type: ignore[method-assign]
+        prepare_cpu: list[float] = []
+        real_prepare = store.prepare
+
+        def timed_prepare(
+            spec: Any, real: Any = real_prepare, out: list[float] = prepare_cpu
+        ) -> Any:
+            t0 = time.thread_time_ns()  # the handler's share of submit, in the caller's thread
+            plan = real(spec)
+            out.append((time.thread_time_ns() - t0) / 1e3)
+            return plan
+
+        store.prepare = timed_prepare  # type: ignore[method-assign]
         try:
             for per_job in (8, 64, 512):
                 specs = bench.specs("store", per_job, 40)
@@ -315,6 +332,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     submit_cpu.append((time.thread_time_ns() - t0) / 1e3)
                 engine.wait(ids)
                 alone_cpu = []
+                prepare_cpu.clear()
                 for s in specs[:20]:  # one at a time: nothing else of the engine's is running
                     t0 = time.thread_time_ns()
                     job = engine.submit(s)
@@ -327,11 +345,13 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     "submit_us": statistics.median(submit_cpu),
                     "submit_alone_us": statistics.median(alone_cpu),
                     "launch_us": statistics.median(launch_cpu),
+                    "prepare_alone_us": statistics.median(prepare_cpu),
                 }
                 rows.append(row)
                 print(
                     f"  {strategy.value:7} {per_job:4} blocks: submit {row['submit_us']:.0f} us "
-                    f"back to back, {row['submit_alone_us']:.0f} us alone; launch "
+                    f"back to back, {row['submit_alone_us']:.0f} us alone (prepare "
+                    f"{row['prepare_alone_us']:.0f} us); launch "
                     f"{row['launch_us']:.0f} us (median CPU time per job)",
                     flush=True,
                 )
@@ -340,16 +360,53 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
     bench.tier.release()
 
 
+def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    from offload_engine.bench.step import StepPlan, StepShape, format_step_rows, run_step_pass
+
+    runtime = CudaRuntime()
+    plan = StepPlan(
+        shape=StepShape(layers=args.step_layers),
+        blocks=tuple(args.step_blocks),
+        modes=tuple(tuple(m.split(":")) for m in args.step_modes.split(",")),  # type: ignore[misc]
+        steps=args.step_steps,
+        reps=args.reps,
+    )
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+        print(f"  GIL switch interval {sys.getswitchinterval() * 1e3:.2f} ms", flush=True)
+    found = run_step_pass(runtime, plan)
+    for r in found:
+        rows.append({"pass": "step", **r.as_dict()})
+    for line in format_step_rows(found):
+        print(line, flush=True)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--quick", action="store_true", help="fewer bytes per measurement")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--passes", default="bandwidth,gemm,cpu")
+    parser.add_argument("--passes", default="bandwidth,gemm,cpu,step")
+    parser.add_argument("--per-job", default="8,32,512", help="blocks per job (bandwidth pass)")
+    parser.add_argument("--strategies", default="dma,staged,kernel", help="bandwidth pass")
+    parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
+    parser.add_argument("--step-steps", type=int, default=30, help="timed steps per variant")
+    parser.add_argument("--step-blocks", default="4,16,64", help="blocks each way per step")
+    parser.add_argument(
+        "--step-modes",
+        default="eager:default,eager:side,graph:default,graph:side",
+        help="mode:stream pairs for the step pass",
+    )
+    parser.add_argument(
+        "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the step"
+    )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
+    args.per_job = [int(t) for t in args.per_job.split(",")]
+    args.strategies = [CopyStrategy(t) for t in args.strategies.split(",")]
+    args.step_blocks = [int(t) for t in args.step_blocks.split(",")]
     if args.streams is not None:
         Bench.streams = args.streams
     rows: list[dict[str, Any]] = []
@@ -361,6 +418,8 @@ def main() -> int:
         pass_gemm(args, rows)
     if "cpu" in passes:
         pass_submit_cpu(args, rows)
+    if "step" in passes:
+        pass_step(args, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -370,8 +429,8 @@ def main() -> int:
             )
     print("\nsummary (ratio to the same-run contiguous ceiling)")
     for r in rows:
-        if r["pass"] == "bandwidth" and r["blocks_per_job"] == 512:
-            what = f"{r['tokens']:2}tok {r['strategy']:7} {r['case']:5}"
+        if r["pass"] == "bandwidth":
+            what = f"{r['tokens']:2}tok {r['blocks_per_job']:3}b {r['strategy']:7} {r['case']:5}"
             print(f"  bw   {what} {r['gbps']:6.1f} GB/s {r['ratio']:.3f}")
     for r in rows:
         if r["pass"] == "gemm":
@@ -379,12 +438,17 @@ def main() -> int:
             what = f"{r['strategy']:7} {r['staging_mib']}MiB/{r['buffers']} {r['case']:5}"
             print(f"  gemm {what} {r['ratio']:.3f} slowdown {slow:+.1f}%")
     for r in rows:
-        if r["pass"] == "cpu" and r["blocks_per_job"] == 512:
+        if r["pass"] == "cpu":
             cpu = (
-                f"submit {r['submit_us']:.0f} us (alone {r['submit_alone_us']:.0f} us) "
+                f"submit {r['submit_us']:.0f} us (alone {r['submit_alone_us']:.0f} us, prepare "
+                f"{r['prepare_alone_us']:.0f} us) "
                 f"launch {r['launch_us']:.0f} us"
             )
-            print(f"  cpu  {r['strategy']:7} 512 blocks {cpu}")
+            print(f"  cpu  {r['strategy']:7} {r['blocks_per_job']:3} blocks {cpu}")
+    for r in rows:
+        if r["pass"] == "step" and r["variant"] != "none":
+            what = f"{r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks {r['variant']:10}"
+            print(f"  step {what} {r['slowdown'] * 100:+5.1f}% ({r['step_ms']:.2f} ms a step)")
     return 0
 
 

@@ -13,8 +13,11 @@
   under a GEMM) can be added here; the report and the figures take any
   :class:`~offload_engine.bench.SweepPoint` and
   :class:`~offload_engine.bench.LatencySeries`.
+* :func:`run_cuda_step` is ``bench``'s model-step pass: how much a decode-like
+  step slows while each step stores and loads a few blocks
+  (:mod:`offload_engine.bench.step`).
 
-Both raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
+They raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
 CUDA runtime cannot start, which the command line turns into a one-line
 message (``--device cuda``) or a note and a host run (``--device auto``).
 """
@@ -28,6 +31,7 @@ import torch
 from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults
 from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, open_host_rig
+from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
 from offload_engine.errors import RuntimeUnavailableError
 from offload_engine.handlers.device import CopyStrategy
@@ -108,3 +112,12 @@ def open_rig(device: Device, shape: RigShape, *, workers: int = 2) -> tuple[Rig,
     else:
         notes.append(f"no CUDA ({cuda.reason}); running on host memory")
     return open_host_rig(shape, workers=workers), notes
+
+
+def run_cuda_step(plan: StepPlan, *, tick: Callable[[str], None]) -> list[StepRow]:
+    """The model-step pass on the current CUDA device."""
+    runtime = CudaRuntime()
+    try:
+        return run_step_pass(runtime, plan, tick=tick)
+    finally:
+        runtime.close()

@@ -86,11 +86,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from offload_engine import __version__
-    from offload_engine.bench.cuda import run_cuda_cases
+    from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.overhead import backends, run_overhead
     from offload_engine.bench.plots import latency_figure, throughput_figure
     from offload_engine.bench.rigs import open_host_rig
+    from offload_engine.bench.step import StepPlan, StepRow, format_step_rows
     from offload_engine.bench.transfers import run_rig_cases
     from offload_engine.errors import RuntimeUnavailableError
 
@@ -113,7 +114,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     results = CaseResults(sweep=[], latency=[])
     gpu_status: dict[str, object]
-    total = plan.steps + len(backends()) + 1 + (plan.steps * len(cuda.strategies) if run_gpu else 0)
+    total = plan.steps + len(backends()) + 1
+    step_plan = StepPlan.quick() if args.quick else StepPlan()
+    if run_gpu:
+        total += plan.steps * len(cuda.strategies) + step_plan.ticks
+    step_rows: list[StepRow] = []
     with progress_bar(err) as progress:
         task = progress.add_task("bench", total=total)
 
@@ -123,6 +128,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if run_gpu:
             try:
                 gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
+                step_rows = run_cuda_step(step_plan, tick=tick)
             except RuntimeUnavailableError as exc:
                 if args.device == "cuda":
                     raise
@@ -161,6 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "sweep": [p.as_dict() for p in results.sweep],
             "latency": [s.as_dict() for s in results.latency],
         },
+        "step": [r.as_dict() for r in step_rows],
         "overhead": {
             "jobs": jobs,
             "latency_samples": samples,
@@ -175,6 +182,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out.print(f"GPU cases not run: {gpu_status['reason']}", markup=False)
     out.print(_sweep_table(results.sweep))
     out.print(_latency_table(results.latency))
+    if step_rows:
+        out.print("Model step slowdown (offload_engine.bench.step), against the same step alone:")
+        for line in format_step_rows(step_rows):
+            out.print(line, markup=False)
     table = Table(title="Engine overhead (instant handler)", title_justify="left")
     table.add_column("host")
     for col in ("jobs/s", "p50 us", "p99 us"):

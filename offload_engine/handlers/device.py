@@ -15,8 +15,8 @@ current stream and the job's first operation waits on it. ``launch`` only
 queues the job: a launcher thread enqueues the device work and a watcher
 thread sleeps on the job's events and reports. Device-side copies ask for a
 high-priority stream; runtimes without stream priorities (NPU) ignore it.
-``docs/cuda.md`` explains the strategies, the stream sets and the measurements
-behind them.
+``docs/cuda.md`` explains the strategies, the stream sets, what keeps a small
+job's launch cheap, and the measurements behind them.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
-    slot_descriptors,
+    merge_runs,
 )
-from offload_engine.runtimes.base import BlockCopy, DeviceRuntime
+from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
@@ -112,6 +112,7 @@ class DevicePlan:
     # one event at the end of each stream the job used; the watcher checks them all,
     # since a device error surfaces at the next event recorded on its own stream
     checks: list[Any] = field(default_factory=list)
+    ids: IdBuffer | None = None  # the job's block ids on their way up; reused when done
 
 
 class _Staging:
@@ -126,6 +127,12 @@ class _Staging:
         self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
         self.free: list[Any] = [None] * count
         self.next = 0
+        # per buffer, computed once: its rows' addresses (for slot descriptors), its
+        # address and its (rows, slot_bytes) view (for block copies)
+        offsets = np.arange(rows, dtype=np.uint64) * np.uint64(slot_bytes)
+        self.row_addresses = [np.uint64(b.data_ptr()) + offsets for b in self.buffers]
+        self.addresses = [b.data_ptr() for b in self.buffers]
+        self.views = [b.view(-1, slot_bytes) for b in self.buffers]
 
     def take(self) -> int:
         b = self.next
@@ -165,7 +172,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 )
         if tier.memory.dtype.itemsize != 1:
             raise LayoutError(f"tier memory must be bytes, got {tier.memory.dtype}")
-        if not runtime.is_pinned(tier.memory):
+        if not runtime.is_pinned(tier.span):
             raise LayoutError(
                 "the host tier is not pinned: DMA needs registered host memory "
                 "(build it with pinned_host_tier)"
@@ -183,7 +190,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.max_inflight = config.max_inflight
         align = runtime.block_copy_alignment
         aligned = (
-            all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
+            all(v % align == 0 for t in [*layout.tensors, tier.span] for v in (t.data_ptr(),))
             and all(
                 v % align == 0
                 for g in layout.groups
@@ -191,6 +198,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 for v in (r.offset, r.stride, r.size)
             )
             and tier.slot_bytes % align == 0
+            and tier.block_stride % align == 0
         )
         block_copies = runtime.supports_block_copy and aligned
         rows = (
@@ -205,11 +213,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
             )
         if config.strategy is CopyStrategy.KERNEL and not (
-            runtime.supports_kernel_strategy and aligned
+            runtime.supports_kernel_strategy and aligned and tier.slot_pitch is not None
         ):
             raise ConfigError(
-                f"the kernel strategy needs a {runtime.name} copy kernel and {align}-byte aligned "
-                "regions and tier slots"
+                f"the kernel strategy needs a {runtime.name} copy kernel, {align}-byte aligned "
+                "regions and tier slots, and evenly spaced tier slots (a tier with gaps between "
+                f"its blocks of {tier.factor} slots has none: use dma or staged)"
             )
         self._stage_rows = rows
         min_region = min(r.size for g in layout.groups for r in g)
@@ -219,6 +228,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             else CopyStrategy.STAGED
         )
         self._events: list[Any] = []
+        self._id_buffers: list[IdBuffer] = []  # guarded by _events_lock
         self._events_lock = threading.Lock()
         self._started = False
 
@@ -253,9 +263,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
         self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
+        self._tier_base = self.tier.span.data_ptr()
+        # each group's bytes per staging row, as a descriptor size column
+        rows = max(self._stage_rows, 1)
+        self._used_sizes = [np.full(rows, b, dtype=np.uint64) for b in self.layout.group_bytes]
+        # the tier's slot rows (strided by the slot pitch), for the kernel strategy;
+        # None where the slots are not evenly spaced, which refuses that strategy
+        self._tier_view = self.tier.slot_rows()
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
+        # events made now rather than at a submit (the caller's thread) or a launch:
+        # a small job uses three or four, and max_inflight jobs are in flight
+        self._events.extend(rt.new_event() for _ in range(4 * self.max_inflight))
         # launcher: enqueues each job's device work (driver calls release the GIL, so
         # the store and load handlers' launchers run in parallel, off the event loop);
         # watcher: sleeps on each job's events in order and reports the outcome.
@@ -292,10 +312,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         )
         self._staging = None
         self._views = []
+        self._id_buffers.clear()
         self._tables.clear()
         self._pool = []
 
-    # ------------------------------------------------------------ events
+    # ------------------------------------------------------------ events and id buffers
 
     def _event(self) -> Any:
         with self._events_lock:
@@ -303,24 +324,56 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 return self._events.pop()
         return self.runtime.new_event()
 
-    def _recycle(self, events: list[Any]) -> None:
+    def _recycle(self, plan: DevicePlan) -> None:
         # Safe to reuse once the job is done: a later wait on a recycled event
         # captured its record when it was enqueued, and a re-record only adds a
-        # wait on already-enqueued work, never a cycle.
+        # wait on already-enqueued work, never a cycle. The id buffer's upload and
+        # every kernel that read it are done too.
         with self._events_lock:
-            self._events.extend(events)
+            self._events.extend(plan.events)
+            if plan.ids is not None and len(self._id_buffers) <= self.max_inflight:
+                self._id_buffers.append(plan.ids)
+        plan.ids = None
+
+    def _upload_ids(self, plan: DevicePlan, stream: Any, arrays: list[Any]) -> list[torch.Tensor]:
+        """Put the job's id arrays on the device with one upload, from a buffer the
+        handler reuses once the job is done (no allocation per job)."""
+        total = sum(int(a.shape[0]) for a in arrays)
+        buffer = None
+        with self._events_lock:
+            for i, candidate in enumerate(self._id_buffers):
+                if candidate.capacity >= total:
+                    buffer = self._id_buffers.pop(i)
+                    break
+        if buffer is None:
+            buffer = self.runtime.new_id_buffer(max(64, 1 << max(total - 1, 0).bit_length()))
+        plan.ids = buffer
+        host = buffer.host
+        if len(arrays) == 1:
+            host[:total] = arrays[0]
+            return [self.runtime.upload_ids(stream, buffer, total)]
+        at = 0
+        for a in arrays:
+            host[at : at + a.shape[0]] = a
+            at += int(a.shape[0])
+        device = self.runtime.upload_ids(stream, buffer, total)
+        out = []
+        at = 0
+        for a in arrays:
+            out.append(device[at : at + a.shape[0]])
+            at += int(a.shape[0])
+        return out
 
     # ------------------------------------------------------------ submit
 
     def prepare(self, spec: TransferSpec) -> DevicePlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
-        groups, nbytes = job.groups, job.nbytes
         strategy = (
             self.config.strategy if self.config.strategy is not CopyStrategy.AUTO else self._auto
         )
         ready = self._event()
-        self.runtime.record(ready, self.runtime.current_stream())
-        return DevicePlan(groups, nbytes, strategy, ready, [ready])
+        self.runtime.record_current(ready)
+        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready])
 
     # ------------------------------------------------------------ launch
 
@@ -328,19 +381,22 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._launch_q.put(job)
 
     def _launch_loop(self) -> None:
-        while True:
-            item = self._launch_q.get()
-            if item is _STOP:
-                self._watch_q.put(_STOP)
-                return
-            job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
-            try:
-                self._enqueue(job.prepared)
-            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                job.fail(exc)
-                self._recycle(job.prepared.events)
-            else:
-                self._watch_q.put(job)
+        # the SM stream is this thread's current stream throughout, so a kernel
+        # launch (which goes on the current stream) needs no stream switch per job
+        with self.runtime.launcher_context(self._pool[0][0]):
+            while True:
+                item = self._launch_q.get()
+                if item is _STOP:
+                    self._watch_q.put(_STOP)
+                    return
+                job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
+                try:
+                    self._enqueue(job.prepared)
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    job.fail(exc)
+                    self._recycle(job.prepared)
+                else:
+                    self._watch_q.put(job)
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams. Jobs take effect in submission order:
@@ -355,23 +411,30 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         rt.wait_event(stream, plan.ready)
         if self._last_effect is not None:
             rt.wait_event(stream, self._last_effect)
-        for m in plan.groups:
-            if plan.strategy is CopyStrategy.DMA:
+        if plan.strategy is CopyStrategy.DMA:
+            for m in plan.groups:
                 dst, src, sizes = chunk_descriptors(
                     self.layout.region_tables(m.group),
                     m.cache_ids,
                     m.slots,
-                    tier_base=self.tier.memory.data_ptr(),
+                    tier_base=self._tier_base,
                     slot_bytes=self.tier.slot_bytes,
                     direction=self.direction,
+                    factor=self.tier.factor,
+                    block_stride=self.tier.block_stride,
                 )
                 rt.memcpy_batch(stream, dst, src, sizes, self.direction)
-            else:
-                ids = rt.upload(stream, m.cache_ids)
-                slots = rt.upload(stream, m.slots)
-                self._block_copy(stream, m, ids, slots, 0, int(m.cache_ids.size), self.tier.memory)
-        end = self._mark(plan, stream)
-        self._last_effect = end
+        elif plan.groups:
+            if self._tier_view is None:  # pragma: no cover - refused at construction
+                raise ConfigError("the kernel strategy needs evenly spaced tier slots")
+            arrays = [a for m in plan.groups for a in (m.cache_ids, m.slots)]
+            ids = self._upload_ids(plan, stream, arrays)
+            for k, m in enumerate(plan.groups):
+                n = int(m.cache_ids.shape[0])
+                self._block_copy(
+                    stream, m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
+                )
+        self._last_effect = self._mark(plan, stream)
 
     def _mark(self, plan: DevicePlan, stream: Any) -> Any:
         """Record a pooled event on ``stream`` that the watcher will check."""
@@ -387,14 +450,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         m: GroupMapping,
         ids: torch.Tensor,
         slot_ids: torch.Tensor | None,
-        lo: int,
-        hi: int,
-        slots: torch.Tensor,
+        count: int,
+        slot_base: int,
+        slot_view: torch.Tensor,
     ) -> None:
-        """Copy blocks ``lo:hi`` of the group between the cache and ``slots``: a staging
-        buffer filled in order (``slot_ids`` None) or the tier itself."""
+        """Copy ``count`` blocks of the group between the cache and slot rows: a
+        staging buffer filled in order (``slot_ids`` None) or the tier itself."""
         base, stride, size, offset, max_size = self._tables[m.group]
-        row_bytes = self.layout.slot_bytes if slot_ids is None else self.tier.slot_bytes
         self.runtime.copy_blocks(
             stream,
             BlockCopy(
@@ -403,14 +465,14 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 region_size=size,
                 slot_offset=offset,
                 max_region_size=max_size,
-                cache_ids=ids[lo:hi],
-                slot_ids=None if slot_ids is None else slot_ids[lo:hi],
-                count=hi - lo,
-                slot_base=slots.data_ptr(),
-                slot_bytes=row_bytes,
+                cache_ids=ids,
+                slot_ids=slot_ids,
+                count=count,
+                slot_base=slot_base,
+                slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
                 direction=self.direction,
                 cache_views=self._views[m.group],
-                slot_view=slots.view(-1, row_bytes),
+                slot_view=slot_view,
                 slot_offsets=self.layout.slot_offsets[m.group],
             ),
         )
@@ -434,32 +496,33 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if self._last_effect is not None:
             for stream in dmas if self._store else (sm,):
                 rt.wait_event(stream, self._last_effect)
+        # every group's ids in one upload, before any piece
+        ids = self._upload_ids(plan, sm, [m.cache_ids for m in plan.groups])
+        tier_base = np.uint64(self._tier_base)
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
-        for m in plan.groups:
-            n = int(m.cache_ids.size)
-            ids = rt.upload(sm, m.cache_ids)  # once per job and group, before any piece
+        for m, group_ids in zip(plan.groups, ids, strict=True):
+            n = int(m.cache_ids.shape[0])
+            tier_rows = tier_base + self.tier.slot_offsets(m.slots)
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
                 self._pieces += 1
                 dma = dmas[self._pieces % 2]
                 first, second = (sm, dma) if self._store else (dma, sm)
-                buffer = staging.buffers[b]
-                dst, src, sizes = slot_descriptors(
-                    hi - lo,
-                    m.slots[lo:hi],
-                    staging_base=buffer.data_ptr(),
-                    staging_row_bytes=self.layout.slot_bytes,
-                    tier_base=self.tier.memory.data_ptr(),
-                    slot_bytes=self.tier.slot_bytes,
-                    used_bytes=self.layout.group_bytes[m.group],
-                    direction=self.direction,
+                rows = staging.row_addresses[b][: hi - lo]
+                tier = tier_rows[lo:hi]
+                sizes = self._used_sizes[m.group][: hi - lo]
+                dst, src, sizes = (
+                    merge_runs(tier, rows, sizes) if self._store else merge_runs(rows, tier, sizes)
                 )
+                piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
                 if self._store:
-                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                    self._block_copy(
+                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
+                    )
                 else:
                     rt.memcpy_batch(dma, dst, src, sizes, self.direction)
                 full = self._mark(plan, first)
@@ -467,7 +530,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 if self._store:
                     rt.memcpy_batch(dma, dst, src, sizes, self.direction)
                 else:
-                    self._block_copy(sm, m, ids, None, lo, hi, buffer)
+                    self._block_copy(
+                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
+                    )
                 staging.free[b] = end = self._mark(plan, second)
                 last[self._pieces % 2] = end
         if self._store and len(last) == 2:  # join both DMA streams into one end event
@@ -494,16 +559,34 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     job.fail(exc)
                 else:
                     job.succeed(plan.nbytes)
-                self._recycle(plan.events)
+                self._recycle(plan)
         finally:
             self._threads_done.set()
 
 
 def pinned_host_tier(
-    runtime: DeviceRuntime, layout: KVLayout, num_blocks: int, *, factor: int = 1
+    runtime: DeviceRuntime,
+    layout: KVLayout,
+    num_blocks: int,
+    *,
+    factor: int = 1,
+    buffer: torch.Tensor | None = None,
+    offset: int = 0,
+    page_bytes: int | None = None,
+    block_stride: int | None = None,
+    owner: str = "the buffer",
 ) -> HostTier:
-    """A host tier for ``layout``, allocated plainly (no power-of-two rounding) and
-    registered with the runtime in chunks; ``tier.release()`` unregisters it."""
+    """A host tier for ``layout``, registered with the runtime in chunks;
+    ``tier.release()`` unregisters it.
+
+    Without ``buffer`` the memory is allocated plainly (no power-of-two
+    rounding). With one (a contiguous CPU byte tensor someone else owns, such as
+    vLLM's shared offload region) the tier lives inside it, as
+    :meth:`HostTier.over` places it, and ``buffer`` is registered as it is, never
+    copied; give it as ``(rows, row_bytes)`` to make the registration chunks
+    end on row boundaries. Release unregisters it and leaves the memory to its
+    owner.
+    """
     if not isinstance(runtime, DeviceRuntime) or not isinstance(layout, KVLayout):
         raise TypeError(
             f"pinned_host_tier takes a DeviceRuntime and a KVLayout, got "
@@ -511,12 +594,29 @@ def pinned_host_tier(
         )
     for key, value in (("num_blocks", num_blocks), ("factor", factor)):
         check_int(value, f"pinned_host_tier {key}")
-    rows = num_blocks * factor
-    memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
-    unpin = runtime.pin_host(memory)
-    return HostTier(
-        num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
-    )
+    if buffer is None:
+        rows = num_blocks * factor
+        memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
+        unpin = runtime.pin_host(memory)
+        return HostTier(
+            num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
+        )
+    place: dict[str, Any] = {
+        "num_blocks": num_blocks,
+        "slot_bytes": layout.slot_bytes,
+        "factor": factor,
+        "offset": offset,
+        "page_bytes": page_bytes,
+        "block_stride": block_stride,
+        "owner": owner,
+    }
+    HostTier.over(buffer, **place).release()  # validate before registering anything
+    unpin = runtime.pin_host(buffer)
+    try:
+        return HostTier.over(buffer, release=unpin, pinned=True, **place)
+    except BaseException:
+        unpin()
+        raise
 
 
 def make_device_handlers(

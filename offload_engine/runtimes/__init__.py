@@ -44,11 +44,14 @@ def probe_cuda() -> RuntimeInfo:
     notes: list[str] = []
     if importlib.util.find_spec("cuda.bindings") is None:
         notes.append("cuda-python is not installed: dma copies one descriptor at a time")
-    if importlib.util.find_spec("triton") is not None:
+    nvrtc = hasattr(torch.cuda, "_compile_kernel")  # the block copy's fast launch path
+    if nvrtc or importlib.util.find_spec("triton") is not None:
         strategies += ["staged", "kernel"]
+        if not nvrtc:
+            notes.append("this torch cannot compile with NVRTC: block copies launch through Triton")
     else:
         strategies.append("staged")
-        notes.append("triton is not installed: staged gathers use torch ops; no kernel strategy")
+        notes.append("neither NVRTC nor triton: staged gathers use torch ops; no kernel strategy")
     return RuntimeInfo(
         "cuda",
         True,

@@ -1,5 +1,9 @@
 """The device-side block copy as a Triton kernel (compiled at first use, never at install).
 
+The CUDA runtime launches the same copy through NVRTC and the driver
+(``_cuda_copy``), which costs far less CPU per launch; this kernel is its
+fallback (``CudaRuntime(use_nvrtc=False)``, or NVRTC missing).
+
 One program copies one tile of one region of one block:
 ``grid = (blocks, regions, tiles)``. Addresses come from int64 tables (region
 base, block stride, size, slot offset) plus the job's block ids, so the host

@@ -15,7 +15,9 @@ blocks except :meth:`DeviceRuntime.synchronize`.
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,24 @@ def torch_block_copy(copy: BlockCopy) -> None:
             view.index_copy_(0, copy.cache_ids, slots.index_select(0, rows))
 
 
+class IdBuffer:
+    """A job's block ids on their way to the device (see :meth:`DeviceRuntime.new_id_buffer`).
+
+    ``host`` is the int64 array the handler fills; ``device`` is whatever the
+    runtime keeps beside it (a device tensor on CUDA, nothing by default)."""
+
+    __slots__ = ("device", "host", "keep")
+
+    def __init__(self, host: I64, device: Any = None, keep: Any = None) -> None:
+        self.host = host
+        self.device = device
+        self.keep = keep  # what owns ``host``'s memory (a pinned tensor), if not ``host``
+
+    @property
+    def capacity(self) -> int:
+        return int(self.host.shape[0])
+
+
 class DeviceRuntime(abc.ABC):
     """Streams, events, pinned memory and copies on one accelerator device."""
 
@@ -144,6 +164,29 @@ class DeviceRuntime(abc.ABC):
     @abc.abstractmethod
     def upload(self, stream: Any, values: I64) -> torch.Tensor:
         """Copy a small int64 array to the device, ordered on ``stream``."""
+
+    def new_id_buffer(self, capacity: int) -> IdBuffer:
+        """Room for ``capacity`` block ids that a handler fills and uploads once per job.
+
+        A handler reuses a buffer only after the job that used it is done, so a
+        runtime may keep host and device memory in it and copy without allocating.
+        The default keeps a host array and uploads through :meth:`upload`."""
+        return IdBuffer(np.empty(capacity, dtype=np.int64))
+
+    def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
+        """``buffer.host[:count]`` on the device, ordered on ``stream``; valid until
+        the job that filled ``buffer`` is done."""
+        return self.upload(stream, buffer.host[:count])
+
+    def launcher_context(self, stream: Any) -> AbstractContextManager[Any]:
+        """What a handler's launcher thread runs inside, given its SM stream: a runtime
+        whose block copies go on the current stream makes ``stream`` current there,
+        so no launch switches streams. The default does nothing."""
+        return contextlib.nullcontext()
+
+    def record_current(self, event: Any) -> None:
+        """Record ``event`` on the calling thread's current stream (the compute stream)."""
+        self.record(event, self.current_stream())
 
     # -- copies ----------------------------------------------------------------
 

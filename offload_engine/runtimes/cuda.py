@@ -10,6 +10,16 @@ the copy submission itself. Where the batched call is missing (older driver,
 no cuda-python) or the stream is the legacy default stream (which the batched
 call refuses), copies go one ``cuMemcpyAsync`` per descriptor.
 
+Calls that take a microsecond (event record and wait, an event query, the
+upload of a job's block ids, short batched copies) go to the driver through
+``ctypes.PyDLL`` and keep the GIL; handing it over and winning it back from a
+busy thread costs far more. Batched copies go in calls of at most 256
+descriptors, so no single call keeps the driver busy for long.
+
+Device-side block copies run a CUDA C kernel compiled once per process with
+NVRTC (``_cuda_copy``) and launched with one ``cuLaunchKernel``; the Triton
+kernel (``_triton_copy``) is the fallback where NVRTC is missing.
+
 Host memory is pinned by registering a plain allocation (``cudaHostRegister``,
 portable and mapped, in chunks of at most 64 GiB) rather than with
 ``pin_memory=True``, whose allocator rounds sizes up to a power of two.
@@ -19,19 +29,23 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import warnings
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 import torch
 
 from offload_engine.errors import RuntimeUnavailableError, TransferError
+from offload_engine.runtimes._cuda_copy import DriverBlockCopy
 from offload_engine.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
     U64,
     BlockCopy,
     DeviceRuntime,
+    IdBuffer,
     TorchStyleEvents,
     pin_chunks,
     torch_block_copy,
@@ -42,6 +56,7 @@ _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
 _CU_MEM_LOCATION_TYPE_DEVICE = 1
 _CU_MEM_LOCATION_TYPE_HOST = 2
 _CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
+_CUDA_ERROR_NOT_READY = 600
 
 
 class _MemLocation(ctypes.Structure):
@@ -61,7 +76,16 @@ _P = ctypes.c_void_p
 _Z = ctypes.c_size_t
 _BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
 _BATCH_V12 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
+# the same calls holding the GIL: for a handful of descriptors the driver returns in
+# a few microseconds, and releasing the GIL would hand it to another thread and
+# wait to win it back (up to the 5 ms switch interval behind a busy thread)
+_BATCH_V13_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
+_BATCH_V12_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
 _MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
+#: batched copies of at most this many descriptors keep the GIL (see above)
+HOLD_GIL_DESCRIPTORS = 64
+#: descriptors per batched driver call (see memcpy_batch)
+CALL_DESCRIPTORS = 256
 
 
 class _Driver:
@@ -69,10 +93,22 @@ class _Driver:
 
     def __init__(self) -> None:
         self.batch: Any = None
+        self.batch_hold: Any = None
         self.batch_has_fail_idx = False
         self.memcpy: Any = None
         self.error_name: Callable[[int], str] = lambda rc: f"CUresult {rc}"
         self.notes: list[str] = []
+        # microsecond calls, made holding the GIL (PyDLL): event record and wait, and
+        # the upload of a job's block ids
+        held = ctypes.PyDLL("libcuda.so.1")
+        self.event_record = held.cuEventRecord
+        self.event_record.argtypes = (_P, _P)
+        self.stream_wait_event = held.cuStreamWaitEvent
+        self.stream_wait_event.argtypes = (_P, _P, ctypes.c_uint)
+        self.memcpy_htod = held.cuMemcpyHtoDAsync_v2
+        self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
+        self.event_query = held.cuEventQuery
+        self.event_query.argtypes = (_P,)
         try:
             from cuda.bindings import driver as drv
         except ImportError:
@@ -104,15 +140,44 @@ class _Driver:
             ptr = resolve(b"cuMemcpyBatchAsync", 13000)
             if ptr is not None:
                 self.batch = _BATCH_V13(ptr)
+                self.batch_hold = _BATCH_V13_HOLD(ptr)
         elif int(version) >= 12080:
             ptr = resolve(b"cuMemcpyBatchAsync", 12080)
             if ptr is not None:
                 self.batch = _BATCH_V12(ptr)
+                self.batch_hold = _BATCH_V12_HOLD(ptr)
                 self.batch_has_fail_idx = True
         if self.batch is None:
             self.notes.append(
                 f"driver {version} has no cuMemcpyBatchAsync: copies go one cuMemcpyAsync each"
             )
+
+
+_DIRECT: dict[int, DriverBlockCopy | None] = {}
+_DIRECT_LOCK = threading.Lock()
+
+
+def _direct_copy(index: int, notes: list[str]) -> DriverBlockCopy | None:
+    """The NVRTC block-copy kernel for device ``index``, compiled once per process."""
+    with _DIRECT_LOCK:
+        if index not in _DIRECT:
+            try:
+                with warnings.catch_warnings(record=True) as seen, torch.cuda.device(index):
+                    warnings.simplefilter("always")
+                    _DIRECT[index] = DriverBlockCopy()
+            except Exception as exc:  # noqa: BLE001 - the Triton kernel remains
+                _DIRECT[index] = None
+                _DIRECT_NOTES[index] = f"NVRTC block copy unavailable ({exc}): Triton launches it"
+            else:
+                if seen:
+                    _DIRECT_NOTES[index] = f"NVRTC compile warned: {seen[0].message}"
+        note = _DIRECT_NOTES.get(index)
+        if note is not None:
+            notes.append(note)
+        return _DIRECT[index]
+
+
+_DIRECT_NOTES: dict[int, str] = {}
 
 
 class CudaRuntime(TorchStyleEvents, DeviceRuntime):
@@ -128,6 +193,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         max_batch: int = 4096,
         batched: bool = True,
         use_triton: bool = True,
+        use_nvrtc: bool = True,
     ) -> None:
         if not torch.cuda.is_available():
             raise RuntimeUnavailableError(
@@ -156,6 +222,11 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 self._driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
             else:
                 self._kernel = launch_block_copy
+        # the same copy as a CUDA C kernel launched straight through the driver (a few
+        # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
+        self._direct: DriverBlockCopy | None = (
+            _direct_copy(self.device.index or 0, self._driver.notes) if use_nvrtc else None
+        )
         self._local = threading.local()
         self._attrs: dict[Direction, _MemcpyAttributes] = {}
         index = self.device.index or 0
@@ -166,6 +237,15 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
+        self._fail_idx_at = ctypes.addressof(self._fail_idx)
+        self._attr_addresses = {k: ctypes.addressof(a) for k, a in self._attrs.items()}
+        self._index = index
+        self._idle: torch.cuda.Stream | None = None
+        # the calling thread's current stream as a raw handle, without torch.cuda's
+        # device-index parsing (the call Triton's launcher makes); None if torch lacks it
+        self._current_raw: Callable[[int], int] | None = getattr(
+            torch._C, "_cuda_getCurrentRawStream", None
+        )
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -188,7 +268,51 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         return torch.cuda.current_stream(self.device)
 
     def new_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        # torch creates the driver event at its first record; record it once on a
+        # private idle stream so ``cuda_event`` is valid for the driver calls below
+        if self._idle is None:
+            self._idle = self.new_stream()
+        event.record(self._idle)
+        return event
+
+    # Record and wait go straight to the driver, holding the GIL: torch's
+    # Event.record/Stream.wait_event cost 3-5 us of Python each (device guards),
+    # the driver call under 1 us. Synchronize stays torch's (it releases the GIL).
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc:
+            raise TransferError(f"{what} failed: {self._driver.error_name(rc)}")
+
+    def record(self, event: Any, stream: Any) -> None:
+        self._bind_thread()
+        rc = self._driver.event_record(event.cuda_event, stream.cuda_stream)
+        self._check(rc, "cuEventRecord")
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self._bind_thread()
+        rc = self._driver.stream_wait_event(stream.cuda_stream, event.cuda_event, 0)
+        self._check(rc, "cuStreamWaitEvent")
+
+    def synchronize(self, event: Any) -> None:
+        # an event already reached (the common case by the time the watcher looks)
+        # costs one query holding the GIL; only a pending one sleeps in torch's
+        # synchronize, which releases it
+        self._bind_thread()
+        rc = self._driver.event_query(event.cuda_event)
+        if rc == _CUDA_ERROR_NOT_READY:
+            event.synchronize()
+        else:
+            self._check(rc, "cuEventQuery")
+
+    def record_current(self, event: Any) -> None:
+        self._bind_thread()
+        raw = self._current_raw
+        if raw is not None:
+            handle = raw(self._index)
+        else:
+            handle = torch.cuda.current_stream(self.device).cuda_stream
+        self._check(self._driver.event_record(event.cuda_event, handle), "cuEventRecord")
 
     # ------------------------------------------------------------ memory
 
@@ -229,6 +353,21 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         with torch.cuda.stream(stream):
             return host.to(self.device, non_blocking=True)
 
+    def new_id_buffer(self, capacity: int) -> IdBuffer:
+        host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
+        device = torch.empty(capacity, dtype=torch.int64, device=self.device)
+        # the addresses are read once here, not per upload
+        return IdBuffer(host.numpy(), device, keep=(host, host.data_ptr(), device.data_ptr()))
+
+    def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
+        # one driver call from the buffer's pinned memory: no allocation, no torch op
+        self._bind_thread()
+        _, host_at, device_at = buffer.keep
+        rc = self._driver.memcpy_htod(device_at, host_at, 8 * count, stream.cuda_stream)
+        self._check(rc, "cuMemcpyHtoDAsync")
+        device: torch.Tensor = buffer.device
+        return device.narrow(0, 0, count)
+
     # ------------------------------------------------------------ copies
 
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
@@ -237,49 +376,73 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         if n == 0:
             return 0
         handle = ctypes.c_void_p(stream.cuda_stream)
-        dst = np.ascontiguousarray(dst, dtype=np.uint64)
-        src = np.ascontiguousarray(src, dtype=np.uint64)
-        sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
         driver = self._driver
         if not self.batched or not stream.cuda_stream:  # the legacy default stream refuses batches
+            dst = np.ascontiguousarray(dst, dtype=np.uint64)
+            src = np.ascontiguousarray(src, dtype=np.uint64)
+            sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
             copy = driver.memcpy
             for d, s, z in zip(dst.tolist(), src.tolist(), sizes.tolist(), strict=True):
                 rc = copy(d, s, z, handle)
                 if rc:
                     raise TransferError(f"cuMemcpyAsync failed: {driver.error_name(rc)}")
             return n
-        attrs = ctypes.addressof(self._attrs[kind])
+        attrs = self._attr_addresses[kind]
         idx = ctypes.addressof(self._attr_idx)
+        # each call's descriptors are copied into this thread's scratch rows, whose
+        # addresses are known: reading an array's address through ``.ctypes`` costs
+        # more than copying a few hundred descriptors
+        scratch, d_at, s_at, z_at = self._scratch()
         calls = 0
-        for lo in range(0, n, self.max_batch):
-            hi = min(lo + self.max_batch, n)
-            args = (
-                dst.ctypes.data + 8 * lo,
-                src.ctypes.data + 8 * lo,
-                sizes.ctypes.data + 8 * lo,
-                hi - lo,
-                attrs,
-                idx,
-                1,
-            )
+        # calls carry at most CALL_DESCRIPTORS descriptors, so no single call keeps
+        # the driver busy for long (about 1 us of CPU per descriptor)
+        step = min(self.max_batch, CALL_DESCRIPTORS)
+        for lo in range(0, n, step):
+            hi = min(lo + step, n)
+            k = hi - lo
+            scratch[0, :k] = dst[lo:hi]
+            scratch[1, :k] = src[lo:hi]
+            scratch[2, :k] = sizes[lo:hi]
+            call = driver.batch_hold if k <= HOLD_GIL_DESCRIPTORS else driver.batch
             if driver.batch_has_fail_idx:
-                rc = driver.batch(*args, ctypes.addressof(self._fail_idx), handle)
+                rc = call(d_at, s_at, z_at, k, attrs, idx, 1, self._fail_idx_at, handle)
             else:
-                rc = driver.batch(*args, handle)
+                rc = call(d_at, s_at, z_at, k, attrs, idx, 1, handle)
             if rc:
                 raise TransferError(f"cuMemcpyBatchAsync failed: {driver.error_name(rc)}")
             calls += 1
         return calls
 
+    def _scratch(self) -> tuple[Any, int, int, int]:
+        """This thread's descriptor rows (dst, src, sizes) and their addresses."""
+        found = getattr(self._local, "scratch", None)
+        if found is None:
+            rows = np.empty((3, CALL_DESCRIPTORS), dtype=np.uint64)
+            at = rows.ctypes.data
+            step = 8 * CALL_DESCRIPTORS
+            found = self._local.scratch = (rows, at, at + step, at + 2 * step)
+        return found  # type: ignore[no-any-return]
+
     @property
     def supports_kernel_strategy(self) -> bool:
-        return self._kernel is not None
+        return self._kernel is not None or self._direct is not None
 
     @property
     def block_copy_alignment(self) -> int:  # type: ignore[override]
-        return 8 if self._kernel is not None else 1
+        return 8 if self.supports_kernel_strategy else 1
+
+    def launcher_context(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
+        if self._direct is not None:
+            self._bind_thread()
+            self._check(self._direct(copy, stream.cuda_stream), "cuLaunchKernel")
+            return
+        raw = self._current_raw
+        if self._kernel is not None and raw is not None and raw(self._index) == stream.cuda_stream:
+            self._kernel(copy)  # already current (a handler's launcher thread): no switch
+            return
         with torch.cuda.stream(stream):
             if self._kernel is not None:
                 self._kernel(copy)

@@ -138,3 +138,53 @@ def test_pinned_tier_is_registered_and_released(cuda: object) -> None:
     assert memory.is_pinned()
     tier.release()
     assert not memory.is_pinned()
+
+
+@pytest.mark.parametrize("strategy", [CopyStrategy.STAGED, CopyStrategy.KERNEL])
+@pytest.mark.parametrize("factor", [1, 4])
+def test_round_trip_with_the_triton_kernel(strategy: CopyStrategy, factor: int) -> None:
+    from offload_engine.runtimes.cuda import CudaRuntime
+
+    runtime = CudaRuntime(use_nvrtc=False)  # the fallback where NVRTC is missing
+    assert runtime._direct is None
+    round_trip(runtime, gpu_empty, "flash-attention", strategy, factor)
+    round_trip(runtime, gpu_empty, "groups", strategy, factor)
+
+
+def test_block_copies_launch_the_nvrtc_kernel_directly(cuda: object) -> None:
+    assert cuda._direct is not None, cuda.notes  # type: ignore[attr-defined]
+
+
+def test_batched_copies_are_split_into_short_driver_calls(cuda: object) -> None:
+    from offload_engine.runtimes.cuda import CALL_DESCRIPTORS
+
+    n = 2 * CALL_DESCRIPTORS + 3
+    src = torch.randint(0, 255, (n, 512), dtype=torch.uint8, device="cuda")
+    host = torch.zeros(n, 512, dtype=torch.uint8)
+    release = cuda.pin_host(host)  # type: ignore[attr-defined]
+    try:
+        order = np.random.default_rng(0).permutation(n)
+        dst = np.array([host[i].data_ptr() for i in range(n)], dtype=np.uint64)
+        srcp = np.array([src[int(j)].data_ptr() for j in order], dtype=np.uint64)
+        sizes = np.full(n, 512, dtype=np.uint64)
+        side = torch.cuda.Stream()
+        calls = cuda.memcpy_batch(side, dst, srcp, sizes, Direction.STORE)  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+        assert calls == 3
+        assert torch.equal(host, src[torch.from_numpy(order).cuda()].cpu())
+    finally:
+        release()
+
+
+def test_the_model_step_pass_runs_every_mode_and_variant(cuda: object) -> None:
+    from offload_engine.bench.step import StepPlan, StepShape, format_step_rows, run_step_pass
+
+    plan = StepPlan(shape=StepShape(layers=1, context=64), blocks=(2,), steps=2, reps=1)
+    ticks: list[str] = []
+    rows = run_step_pass(cuda, plan, tick=ticks.append)  # type: ignore[arg-type]
+    assert len(ticks) == plan.ticks
+    assert len(rows) == len(plan.modes) * len(plan.variants)
+    assert {(r.mode, r.stream) for r in rows} == set(plan.modes)
+    assert all(r.step_ms > 0 for r in rows)
+    assert all(r.slowdown == 0 for r in rows if r.variant == "none")
+    assert len(format_step_rows(rows)) == len(plan.modes)

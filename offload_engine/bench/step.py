@@ -1,0 +1,405 @@
+"""How much a model's decode step slows while the engine moves blocks (CUDA).
+
+What a serving user feels is the step, not the link rate. This pass runs a
+decode-like step over and over and, each step, stores and loads ``k`` KV blocks
+through the device handlers, then compares the step's wall time with the same
+step moving nothing, and with the same bytes moved as one contiguous pinned
+copy per direction (the physical floor).
+
+**The step** (:class:`DecodeStep`) is the first ``layers`` layers of a
+Llama-3-8B-shaped model in bf16 with random weights, decoding one token for
+each of ``batch`` sequences with ``context`` tokens of KV each:
+
+* per layer: RMS norm; QKV projection ``hidden -> (heads + 2 kv_heads) x
+  head_dim``; grouped-query attention of one query token over the layer's K and
+  V (``batch x kv_heads x context x head_dim``, a dense stand-in for paged KV,
+  with each KV head's ``heads / kv_heads`` query heads as its query rows); output
+  projection; RMS norm; a SwiGLU MLP ``hidden -> 2 x intermediate -> hidden``;
+  two residual adds;
+* the defaults (16 layers, hidden 4096, intermediate 14336, 32 query and 8 KV
+  heads of 128, batch 32, context 1024) read about 7 GB of weights and 2 GiB of
+  KV per step: about 3 ms on an H100, memory-bound like a real decode step.
+
+A step, as a serving worker runs it: submit the step's loads; run the forward
+pass (eager: about 14 kernel launches per layer from Python; graph: one CUDA
+graph replay); submit the step's stores, which wait for the forward pass
+through the event the handler records at submit; wait for the compute stream
+(the sampler's sync); collect finished results without blocking. Step time is
+the wall time of all of that. Compute runs on the default stream or on a side
+stream (``torch.cuda.stream``), eager or as a CUDA graph.
+
+The moved blocks live in their own KV cache (32 layers, K and V, 8 x 128 bf16,
+16-token blocks: 2 MiB a block, as in ``bench_cuda.py``); stores read random
+cache blocks of one half into random tier slots of one half, loads read the
+other half of the tier into the other half of the cache.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_engine import (
+    KVLayout,
+    Medium,
+    SyncOffloadingEngine,
+    TransferSpec,
+    cpu_blocks,
+    gpu_blocks,
+)
+from offload_engine.handlers.device import (
+    CopyStrategy,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.testing import FakeHandler
+
+#: variants measured per (mode, stream, blocks) besides the strategies: nothing moved,
+#: the contiguous floor, and the engine with an instant fake handler (the queue alone)
+BASELINE, FLOOR, INSTANT = "none", "contiguous", "instant"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """The decode-like step's model shape (see the module docstring)."""
+
+    layers: int = 16
+    hidden: int = 4096
+    intermediate: int = 14336
+    heads: int = 32
+    kv_heads: int = 8
+    head_dim: int = 128
+    batch: int = 32
+    context: int = 1024
+
+    @classmethod
+    def quick(cls) -> StepShape:
+        """A smaller step for CI-sized runs (4 layers: under 1 ms on an H100)."""
+        return cls(layers=4)
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One (mode, stream, blocks, variant) measurement; ``slowdown`` is relative to
+    the ``none`` variant of the same mode, stream and blocks, in the same run."""
+
+    mode: str  # "eager" or "graph"
+    stream: str  # "default" or "side"
+    blocks: int  # stored and loaded per step, each way
+    variant: str  # "none", "contiguous", or a strategy
+    step_ms: float  # median wall time per step
+    slowdown: float
+    drain_ms: float  # after the last step, until every transfer had finished
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class DecodeStep:
+    """The decode-like step's weights, KV and static buffers, on one CUDA device."""
+
+    def __init__(self, shape: StepShape, device: torch.device, seed: int = 0) -> None:
+        self.shape = shape
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed)
+        bf16 = torch.bfloat16
+        s = shape
+        qkv = (s.heads + 2 * s.kv_heads) * s.head_dim
+
+        def weight(rows: int, cols: int) -> torch.Tensor:
+            w = torch.randn(rows, cols, device=device, dtype=bf16, generator=gen)
+            return w.mul_(rows**-0.5)
+
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(s.layers):
+            kv = torch.randn(
+                2, s.batch, s.kv_heads, s.context, s.head_dim, device=device, dtype=bf16,
+                generator=gen,
+            )  # fmt: skip
+            self.layers.append(
+                {
+                    "qkv": weight(s.hidden, qkv),
+                    "o": weight(s.heads * s.head_dim, s.hidden),
+                    "gate_up": weight(s.hidden, 2 * s.intermediate),
+                    "down": weight(s.intermediate, s.hidden),
+                    "norm1": torch.ones(s.hidden, device=device, dtype=bf16),
+                    "norm2": torch.ones(s.hidden, device=device, dtype=bf16),
+                    "k": kv[0],
+                    "v": kv[1],
+                }
+            )
+        self.x = torch.randn(s.batch, s.hidden, device=device, dtype=bf16, generator=gen)
+        self.out = torch.empty_like(self.x)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def forward(self) -> None:
+        """One step's forward pass, from ``self.x`` into ``self.out``."""
+        s = self.shape
+        f = torch.nn.functional
+        group = s.heads // s.kv_heads
+        x = self.x
+        for w in self.layers:
+            h = f.rms_norm(x, (s.hidden,), w["norm1"])
+            qkv = h @ w["qkv"]
+            q = qkv[:, : s.heads * s.head_dim].view(s.batch, s.kv_heads, group, s.head_dim)
+            attn = f.scaled_dot_product_attention(q, w["k"], w["v"])
+            x = x + attn.reshape(s.batch, s.heads * s.head_dim) @ w["o"]
+            h = f.rms_norm(x, (s.hidden,), w["norm2"])
+            gate, up = (h @ w["gate_up"]).chunk(2, dim=-1)
+            x = x + (f.silu(gate) * up) @ w["down"]
+        self.out.copy_(x)
+
+    def capture(self) -> None:
+        """Capture :meth:`forward` as a CUDA graph (before any engine thread starts:
+        a capture refuses concurrent work from other threads)."""
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.forward()
+        torch.cuda.synchronize()
+        self.graph = graph
+
+    def run(self, mode: str) -> None:
+        if mode == "graph":
+            if self.graph is None:
+                raise RuntimeError("capture() the graph first")
+            self.graph.replay()
+        else:
+            self.forward()
+
+
+class _Mover:
+    """What moves ``k`` blocks each way per step: nothing, a contiguous copy, or an engine."""
+
+    def __init__(
+        self,
+        variant: str,
+        runtime: DeviceRuntime,
+        layout: KVLayout,
+        tier: Any,
+        block_bytes: int,
+        max_blocks: int,
+        config: DeviceHandlerConfig | None,
+    ) -> None:
+        self.variant = variant
+        self.engine: SyncOffloadingEngine | None = None
+        self.pending: list[int] = []
+        self.block_bytes = block_bytes
+        if variant == FLOOR:
+            nbytes = max_blocks * block_bytes
+            device = layout.device
+            self.dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+            self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self.streams = [torch.cuda.Stream(device=device) for _ in range(2)]  # type: ignore[no-untyped-call]
+        elif variant == INSTANT:
+            self.engine = SyncOffloadingEngine(
+                [FakeHandler(Medium.GPU, Medium.CPU), FakeHandler(Medium.CPU, Medium.GPU)],
+                capacity=100_000,
+            )
+        elif variant != BASELINE:
+            store, load = make_device_handlers(runtime, layout, tier, config)
+            self.engine = SyncOffloadingEngine([store, load], capacity=100_000)
+
+    def move(self, spec: TransferSpec | None, k: int, *, store: bool) -> None:
+        """Submit this step's load (before the forward pass) or store (after it)."""
+        if self.engine is not None and spec is not None:
+            self.pending.append(self.engine.submit_nowait(spec))
+        elif self.variant == FLOOR:
+            side = 0 if store else 1
+            stream = self.streams[side]
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                n = k * self.block_bytes
+                dst, src = (self.host, self.dev) if store else (self.dev, self.host)
+                dst[side][:n].copy_(src[side][:n], non_blocking=True)
+
+    def poll(self) -> None:
+        if self.engine is not None:
+            done = self.engine.get_finished()
+            failed = [r for r in done if not r.success]
+            if failed:
+                raise RuntimeError(f"a transfer failed: {failed[0].error}")
+            finished = {r.job_id for r in done}
+            self.pending = [j for j in self.pending if j not in finished]
+
+    def drain(self) -> None:
+        if self.engine is not None:
+            results = self.engine.wait(self.pending)
+            self.pending = []
+            self.engine.get_finished()
+            failed = [r for r in results if not r.success]
+            if failed:
+                raise RuntimeError(f"a transfer failed: {failed[0].error}")
+        elif self.variant == FLOOR:
+            for s in self.streams:
+                s.synchronize()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What :func:`run_step_pass` measures."""
+
+    shape: StepShape = StepShape()
+    blocks: tuple[int, ...] = (4, 16, 64)
+    strategies: tuple[CopyStrategy, ...] = (CopyStrategy.AUTO, CopyStrategy.DMA)
+    modes: tuple[tuple[str, str], ...] = (
+        ("eager", "default"),
+        ("eager", "side"),
+        ("graph", "default"),
+        ("graph", "side"),
+    )
+    steps: int = 30  # timed steps per variant and round
+    reps: int = 3  # rounds
+    cache_blocks: int = 512
+
+    @classmethod
+    def quick(cls) -> StepPlan:
+        """CI-sized: a 4-layer step, 4 and 16 blocks, eager and graph on the default
+        stream, 10 steps, one round."""
+        return cls(
+            shape=StepShape.quick(),
+            blocks=(4, 16),
+            modes=(("eager", "default"), ("graph", "default")),
+            steps=10,
+            reps=1,
+        )
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        return (BASELINE, FLOOR, INSTANT, *(s.value for s in self.strategies))
+
+    @property
+    def ticks(self) -> int:
+        """How many times :func:`run_step_pass` calls ``tick``."""
+        return len(self.modes) * len(self.blocks) * self.reps * len(self.variants)
+
+
+def run_step_pass(
+    runtime: DeviceRuntime,
+    plan: StepPlan | None = None,
+    *,
+    tick: Callable[[str], None] = lambda what: None,
+) -> list[StepRow]:
+    """Measure every (mode, stream, blocks) with every variant, interleaved: each of
+    ``plan.reps`` rounds runs ``plan.steps`` steps of each variant in turn; the median
+    step over all rounds is reported, and the slowdown against ``none`` from the same
+    rounds."""
+    plan = plan or StepPlan()
+    shape, blocks, modes = plan.shape, plan.blocks, plan.modes
+    steps, reps, cache_blocks = plan.steps, plan.reps, plan.cache_blocks
+    device = runtime.device
+    model = DecodeStep(shape, device)
+    if any(mode == "graph" for mode, _ in modes):
+        model.capture()  # before any engine thread exists
+    layers = [
+        torch.randn(2, cache_blocks, 16, 8, 128, device=device, dtype=torch.bfloat16)
+        for _ in range(32)
+    ]
+    layout = KVLayout.flash_attention(layers)
+    tier = pinned_host_tier(runtime, layout, cache_blocks)
+    variants = list(plan.variants)
+    movers: dict[str, _Mover] = {}
+    try:
+        for v in variants:
+            special = (BASELINE, FLOOR, INSTANT)
+            config = None if v in special else DeviceHandlerConfig(strategy=CopyStrategy(v))
+            movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(blocks), config)
+        for mode, stream_kind in modes:  # warm every mode up before the first timed step
+            warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(warm):
+                for _ in range(10):
+                    model.run(mode)
+                torch.cuda.current_stream().synchronize()
+        rows: list[StepRow] = []
+        rng = np.random.default_rng(0)
+        half = cache_blocks // 2
+        for mode, stream_kind in modes:
+            side = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
+            for k in blocks:
+                samples: dict[str, list[float]] = {v: [] for v in variants}
+                drains: dict[str, list[float]] = {v: [] for v in variants}
+                for _ in range(reps):
+                    for v in variants:
+                        mover = movers[v]
+                        tick(f"step {mode}/{stream_kind} {k} blocks {v}")
+                        with torch.cuda.stream(side):  # None: the default stream
+                            for i in range(steps + 3):  # 3 warm-up steps
+                                load = store = None
+                                if mover.engine is not None:
+                                    c = rng.choice(half, size=k, replace=False)
+                                    t = rng.choice(half, size=k, replace=False)
+                                    load = TransferSpec(cpu_blocks(t + half), gpu_blocks(c + half))
+                                    c = rng.choice(half, size=k, replace=False)
+                                    t = rng.choice(half, size=k, replace=False)
+                                    store = TransferSpec(gpu_blocks(c), cpu_blocks(t))
+                                t0 = time.perf_counter()
+                                mover.move(load, k, store=False)
+                                model.run(mode)
+                                mover.move(store, k, store=True)
+                                torch.cuda.current_stream().synchronize()
+                                mover.poll()
+                                seconds = time.perf_counter() - t0
+                                if i >= 3:
+                                    samples[v].append(seconds)
+                            t0 = time.perf_counter()
+                            mover.drain()
+                            drains[v].append(time.perf_counter() - t0)
+                base = statistics.median(samples[BASELINE])
+                for v in variants:
+                    med = statistics.median(samples[v])
+                    rows.append(
+                        StepRow(
+                            mode=mode,
+                            stream=stream_kind,
+                            blocks=k,
+                            variant=v,
+                            step_ms=med * 1e3,
+                            slowdown=med / base - 1,
+                            drain_ms=statistics.median(drains[v]) * 1e3,
+                        )
+                    )
+        return rows
+    finally:
+        for mover in movers.values():
+            mover.close()
+        tier.release()
+
+
+def format_step_rows(rows: Sequence[StepRow]) -> list[str]:
+    """One line per (mode, stream, blocks): step ms alone and each variant's slowdown."""
+    out = []
+    keys: list[tuple[str, str, int]] = []
+    for r in rows:
+        key = (r.mode, r.stream, r.blocks)
+        if key not in keys:
+            keys.append(key)
+    for key in keys:
+        group = [r for r in rows if (r.mode, r.stream, r.blocks) == key]
+        base = next(r for r in group if r.variant == BASELINE)
+        parts = [
+            f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms)"
+            for r in group
+            if r.variant != BASELINE
+        ]
+        out.append(
+            f"  step {key[0]:5} {key[1]:7} {key[2]:3} blocks: {base.step_ms:.2f} ms alone; "
+            + ", ".join(parts)
+        )
+    return out
