@@ -31,6 +31,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from datetime import date
 
@@ -58,7 +59,32 @@ MIX = {
 EXPLICIT_IDS = 1 << 40  # explicit ids live above the automatic ones
 
 
-class Producer:
+class ChaosThread:
+    """A thread of a chaos run: its seed, its counts, and what killed it (if anything).
+    Subclasses implement :meth:`_run`."""
+
+    def __init__(self, index: int, ledger: Ledger, jobs: int, seed: int, name: str) -> None:
+        self.index = index
+        self.ledger = ledger
+        self.jobs = jobs
+        self.rng = random.Random(seed * 1_000 + index)
+        self.counts: Counter[str] = Counter()
+        self.error: BaseException | None = None
+        self.where = ""  # the end of the traceback of ``error``
+        self.thread = threading.Thread(target=self.run, name=f"{name}-{index}")
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            self.error = exc
+            self.where = traceback.format_exc(limit=-3)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Producer(ChaosThread):
     """One submitting thread and what it counted."""
 
     def __init__(
@@ -70,22 +96,10 @@ class Producer:
         jobs: int,
         seed: int,
     ) -> None:
-        self.index = index
+        super().__init__(index, ledger, jobs, seed, "chaos-producer")
         self.engine = engine
         self.handlers = handlers
-        self.ledger = ledger
-        self.jobs = jobs
-        self.rng = random.Random(seed * 1_000 + index)
-        self.counts: Counter[str] = Counter()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self.run, name=f"chaos-producer-{index}")
         self._next_id = EXPLICIT_IDS + (index << 32)
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            self.error = exc
 
     def _collect(self, results: list) -> None:  # type: ignore[type-arg]
         self.ledger.collected(results)

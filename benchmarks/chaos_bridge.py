@@ -32,18 +32,16 @@ import argparse
 import json
 import logging
 import platform
-import random
 import sys
 import threading
 import time
-import traceback
 from collections import Counter
 from datetime import date
 from typing import Any
 
 import numpy as np
 import torch
-from chaos import MIX  # a sibling: the same fault mix as benchmarks/chaos.py
+from chaos import MIX, ChaosThread  # a sibling: the fault mix of benchmarks/chaos.py
 
 from connectors.vllm.bridge import EngineBridge
 from offload_engine import (
@@ -101,7 +99,7 @@ def make_bridge(backend: str) -> tuple[EngineBridge, list[CodedFaultyHandler]]:
     return EngineBridge(engine, Medium.GPU, log=quiet), handlers
 
 
-class Worker:
+class Worker(ChaosThread):
     """One thread stepping the bridge as vLLM's worker does."""
 
     def __init__(
@@ -113,25 +111,11 @@ class Worker:
         jobs: int,
         seed: int,
     ) -> None:
-        self.index = index
+        super().__init__(index, ledger, jobs, seed, "chaos-bridge-worker")
         self.bridge = bridge
-        self.ledger = ledger
         self.next_id = next_id
-        self.jobs = jobs
-        self.rng = random.Random(seed * 1_000 + index)
-        self.counts: Counter[str] = Counter()
-        self.error: BaseException | None = None
-        self.where = ""
         self.pending: list[int] = []
         self.faults: dict[int, Fault] = {}
-        self.thread = threading.Thread(target=self.run, name=f"chaos-bridge-worker-{index}")
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            self.error = exc
-            self.where = traceback.format_exc(limit=-3)
 
     def _ids(self, values: list[int]) -> Any:
         kind = self.rng.random()
