@@ -22,8 +22,8 @@ fault mix. A job's fault is coded in its first cache block id, so the handler ca
 it from any spec the bridge builds. Every job the bridge accepted and every result
 ``get_finished`` handed out go through a :class:`~offload_engine.testing.Ledger`. The
 run fails (exit status 1) if a result is lost, handed out twice, unexpected or
-impossible for its fault, if the bridge still holds jobs or results at the end, or if
-``shutdown`` finds results never handed out.
+impossible for its fault, if a worker thread dies, if the bridge still holds jobs or
+results at the end, or if the adapter's counters disagree.
 """
 
 from __future__ import annotations
