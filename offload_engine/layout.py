@@ -297,9 +297,10 @@ class KVLayout:
         """Per-layer tensors ``(2, num_blocks, block_tokens, heads, head_dim)``:
         K and V before ``num_blocks`` (FlashAttention). Two regions per layer."""
         first = _check_uniform(layers, "flash_attention")
-        if first.dim() < 3 or first.shape[0] != 2:
+        if first.dim() < 3 or first.shape[0] != 2 or first.shape[1] < 1:
             raise LayoutError(
-                f"flash_attention expects (2, num_blocks, ...) tensors, got {tuple(first.shape)}"
+                f"flash_attention expects (2, num_blocks, ...) tensors with num_blocks >= 1, "
+                f"got {tuple(first.shape)}"
             )
         esz = first.element_size()
         regions: list[Region] = []

@@ -413,6 +413,8 @@ def test_8_close_from_a_handler_worker_thread_is_refused() -> None:
 def test_9_validation_gaps_get_typed_errors_naming_the_argument() -> None:
     with pytest.raises(LayoutError, match="num_blocks"):
         KVLayout.from_block_tensors([torch.zeros(0, 8)])
+    with pytest.raises(LayoutError, match="num_blocks"):  # found by the long fuzz run
+        KVLayout.flash_attention([torch.zeros(2, 0, 4)])
     with pytest.raises(TypeError, match="k_layers"):
         KVLayout.separate_kv(torch.zeros(4, 8), torch.zeros(4, 8))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="v_layers"):
