@@ -178,16 +178,22 @@ class Producer(ChaosThread):
                 self._collect(engine.get_finished())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def chaos_arguments(doc: str, min_threads: int) -> argparse.Namespace:
+    """The command line every chaos script takes: jobs, threads, seed, backend, json."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", maxsplit=1)[0])
     parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
-    if args.threads < 4 or args.jobs < 1:
-        parser.error("use at least 4 threads and 1 job")
+    if args.threads < min_threads or args.jobs < 1:
+        parser.error(f"use at least {min_threads} threads and 1 job")
+    return args
+
+
+def main() -> int:
+    args = chaos_arguments(__doc__, min_threads=4)
 
     handlers = [
         FaultyHandler(FaultPlan(Medium.GPU, Medium.CPU), workers=2, ordered=True),

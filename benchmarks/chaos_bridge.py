@@ -28,7 +28,6 @@ results at the end, or if the adapter's counters disagree.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import platform
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from chaos import MIX, ChaosThread  # a sibling: the fault mix of benchmarks/chaos.py
+from chaos import MIX, ChaosThread, chaos_arguments  # a sibling: benchmarks/chaos.py
 
 from connectors.vllm.bridge import EngineBridge
 from offload_engine import (
@@ -253,15 +252,7 @@ def run(jobs: int, threads: int, seed: int, backend: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--jobs", type=int, default=100_000)
-    parser.add_argument("--threads", type=int, default=4)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
-    parser.add_argument("--json", help="write the figures to this file")
-    args = parser.parse_args()
-    if args.threads < 2 or args.jobs < 1:
-        parser.error("use at least 2 threads and 1 job")
+    args = chaos_arguments(__doc__, min_threads=2)
     figures = run(args.jobs, args.threads, args.seed, args.backend)
     figures["command"] = " ".join(sys.argv)
     if args.json:
