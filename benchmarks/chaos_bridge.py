@@ -4,7 +4,7 @@
                                       [--backend asyncio] [--json out.json]
 
 Each thread plays a worker's model-runner step loop against one shared
-:class:`~connectors.vllm.bridge.EngineBridge` (no vLLM needed):
+:class:`~offload_engine.connectors.vllm.bridge.EngineBridge` (no vLLM needed):
 
 * each step submits a few stores (``submit_store``) and loads (``submit_load``) with
   vLLM-style ids: cache block ids, group sizes, first block indices and tier block ids,
@@ -42,7 +42,6 @@ import numpy as np
 import torch
 from chaos import MIX, ChaosThread, chaos_arguments  # a sibling: benchmarks/chaos.py
 
-from connectors.vllm.bridge import EngineBridge
 from offload_engine import (
     CacheBlocks,
     InvalidTransferError,
@@ -50,6 +49,7 @@ from offload_engine import (
     SyncOffloadingEngine,
     TransferSpec,
 )
+from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.testing import Fault, FaultPlan, FaultyHandler, Ledger
 
 FAULTS = list(Fault)

@@ -25,8 +25,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connectors.vllm.bridge import EngineBridge
-from connectors.vllm.config import parse_extra_config
 from offload_engine import (
     BlockSpec,
     CacheBlocks,
@@ -55,6 +53,8 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.completions import check_wait_timeout
+from offload_engine.connectors.vllm.bridge import EngineBridge
+from offload_engine.connectors.vllm.config import parse_extra_config
 from offload_engine.handlers.device import (
     DeviceCopyHandler,
     DeviceHandlerConfig,

@@ -1,7 +1,8 @@
 """The chaos run through the vLLM bridge (``benchmarks/chaos_bridge.py``), CI-sized.
 
-Several threads share one :class:`~connectors.vllm.bridge.EngineBridge` and call it the
-way vLLM's worker does (``submit_store``/``submit_load``, ``get_finished`` every step,
+Several threads share one
+:class:`~offload_engine.connectors.vllm.bridge.EngineBridge` and call it the way vLLM's
+worker does (``submit_store``/``submit_load``, ``get_finished`` every step,
 ``wait`` on preemption), over handlers that inject the chaos fault mix. Nothing may be
 lost, handed out twice, or left in the bridge. ``--run-slow`` runs a longer variant.
 """
@@ -16,8 +17,8 @@ from types import ModuleType
 
 import pytest
 
-from connectors.vllm.bridge import EngineBridge
 from offload_engine import Medium, SyncOffloadingEngine
+from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.testing import FakeHandler
 
 SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "chaos_bridge.py"
