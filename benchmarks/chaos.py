@@ -31,6 +31,7 @@ import random
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
 from datetime import date
 
@@ -58,7 +59,32 @@ MIX = {
 EXPLICIT_IDS = 1 << 40  # explicit ids live above the automatic ones
 
 
-class Producer:
+class ChaosThread:
+    """A thread of a chaos run: its seed, its counts, and what killed it (if anything).
+    Subclasses implement :meth:`_run`."""
+
+    def __init__(self, index: int, ledger: Ledger, jobs: int, seed: int, name: str) -> None:
+        self.index = index
+        self.ledger = ledger
+        self.jobs = jobs
+        self.rng = random.Random(seed * 1_000 + index)
+        self.counts: Counter[str] = Counter()
+        self.error: BaseException | None = None
+        self.where = ""  # the end of the traceback of ``error``
+        self.thread = threading.Thread(target=self.run, name=f"{name}-{index}")
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            self.error = exc
+            self.where = traceback.format_exc(limit=-3)
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class Producer(ChaosThread):
     """One submitting thread and what it counted."""
 
     def __init__(
@@ -70,22 +96,10 @@ class Producer:
         jobs: int,
         seed: int,
     ) -> None:
-        self.index = index
+        super().__init__(index, ledger, jobs, seed, "chaos-producer")
         self.engine = engine
         self.handlers = handlers
-        self.ledger = ledger
-        self.jobs = jobs
-        self.rng = random.Random(seed * 1_000 + index)
-        self.counts: Counter[str] = Counter()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self.run, name=f"chaos-producer-{index}")
         self._next_id = EXPLICIT_IDS + (index << 32)
-
-    def run(self) -> None:
-        try:
-            self._run()
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            self.error = exc
 
     def _collect(self, results: list) -> None:  # type: ignore[type-arg]
         self.ledger.collected(results)
@@ -164,16 +178,22 @@ class Producer:
                 self._collect(engine.get_finished())
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def chaos_arguments(doc: str, min_threads: int) -> argparse.Namespace:
+    """The command line every chaos script takes: jobs, threads, seed, backend, json."""
+    parser = argparse.ArgumentParser(description=doc.split("\n", maxsplit=1)[0])
     parser.add_argument("--jobs", type=int, default=100_000)
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args()
-    if args.threads < 4 or args.jobs < 1:
-        parser.error("use at least 4 threads and 1 job")
+    if args.threads < min_threads or args.jobs < 1:
+        parser.error(f"use at least {min_threads} threads and 1 job")
+    return args
+
+
+def main() -> int:
+    args = chaos_arguments(__doc__, min_threads=4)
 
     handlers = [
         FaultyHandler(FaultPlan(Medium.GPU, Medium.CPU), workers=2, ordered=True),

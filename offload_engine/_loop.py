@@ -23,12 +23,14 @@ from offload_engine.errors import EngineBrokenError
 class LoopBridge:
     """Captures the running loop; lets any thread schedule work on it."""
 
-    __slots__ = ("_call", "backend", "thread_id")
+    __slots__ = ("_call", "backend", "thread")
 
     def __init__(self) -> None:
         token = anyio.lowlevel.current_token()
         native = token.native_token
-        self.thread_id = threading.get_ident()
+        # The thread object, not its ident: once the loop's thread has exited, a new
+        # thread may get the same ident, and must not pass for the loop's thread.
+        self.thread = threading.current_thread()
         if isinstance(native, asyncio.AbstractEventLoop):
             self.backend = "asyncio"
             self._call: Callable[..., object] = native.call_soon_threadsafe
@@ -37,7 +39,7 @@ class LoopBridge:
             self._call = native.run_sync_soon  # type: ignore[attr-defined]
 
     def in_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread_id
+        return threading.current_thread() is self.thread
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop soon. Safe from any thread; never blocks."""

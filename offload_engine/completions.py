@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+import operator
 import threading
 import time
 from collections.abc import Iterable
@@ -40,20 +41,50 @@ from offload_engine.vocabulary import TransferResult
 
 _INT64_MAX = (1 << 63) - 1
 
+#: Seconds from which a timeout means "no bound" (about 31 years). A thread's
+#: blocking wait cannot take much more (``threading.TIMEOUT_MAX``, the platform's
+#: ``time_t``), and nobody means a longer one.
+UNBOUNDED = 1e9
+
 
 def check_job_id(job_id: object) -> int:
-    """Return ``job_id`` as an int, or raise a typed error."""
+    """Return ``job_id`` as a plain int, or raise a typed error.
+
+    An ``int`` subclass comes back as a plain ``int``, so no method of the
+    caller's class runs later, under the engine's lock.
+    """
     if isinstance(job_id, bool) or not isinstance(job_id, int):
         raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
-    if not 0 <= job_id <= _INT64_MAX:
-        raise ValueError(f"job ids lie in [0, 2**63), got {job_id}")
-    return job_id
+    value = operator.index(job_id)  # exact int; runs no code of an int subclass
+    if not 0 <= value <= _INT64_MAX:
+        raise ValueError(f"job ids lie in [0, 2**63), got {value}")
+    return value
+
+
+def check_job_ids(job_ids: object) -> list[int]:
+    """Materialise the caller's iterable of job ids, outside any lock.
+
+    Consuming it may run the caller's code (a generator that submits, say);
+    doing that under the engine's lock would deadlock the engine.
+    """
+    if isinstance(job_ids, (str, bytes)) or not isinstance(job_ids, Iterable):
+        raise TypeError(f"job ids come as an iterable of ints, got {type(job_ids).__name__}")
+    return [check_job_id(j) for j in list(job_ids)]
+
+
+def _seconds(value: numbers.Real) -> float:
+    """``float(value)``; an int too large for a float (10**400) is +-inf."""
+    try:
+        return float(value)
+    except OverflowError:
+        return -math.inf if value < 0 else math.inf
 
 
 def check_wait_timeout(timeout: object, *, what: str = "timeout") -> float | None:
     """Return a bound on a wait (``None``: no bound), or raise a typed error.
 
-    A real number, ``inf`` included; zero or less means "do not wait". NaN is
+    A real number; zero or less means "do not wait", and ``inf`` or anything
+    from :data:`UNBOUNDED` seconds up means no bound (``None``). NaN is
     refused (it compared false with every deadline, so a wait never ended),
     and so are bools and non-numbers.
     """
@@ -61,10 +92,29 @@ def check_wait_timeout(timeout: object, *, what: str = "timeout") -> float | Non
         return None
     if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
         raise TypeError(f"{what} must be a number of seconds or None, got {timeout!r}")
-    value = float(timeout)
+    value = _seconds(timeout)
     if math.isnan(value):
         raise ValueError(f"{what} must be a number of seconds or None, got NaN")
-    return value
+    return None if value >= UNBOUNDED else value
+
+
+def check_job_timeout(
+    timeout: object, *, what: str = "timeout", error: type[ValueError] = ValueError
+) -> float | None:
+    """Return a job's time limit (``None``: no limit), or raise a typed error.
+
+    A positive number of seconds; ``inf`` or anything from :data:`UNBOUNDED`
+    up means no limit. ``None`` passes through. Bools and non-numbers raise
+    ``TypeError``; zero, negative values and NaN raise ``error``.
+    """
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise TypeError(f"{what} must be a positive number of seconds or None, got {timeout!r}")
+    value = _seconds(timeout)
+    if not value > 0:  # NaN too
+        raise error(f"{what} must be a positive number of seconds, got {timeout!r}")
+    return None if value >= UNBOUNDED else value
 
 
 class CompletionStore:
@@ -143,10 +193,10 @@ class CompletionStore:
                 raise EngineClosedError("the engine is closed; close() returned the last results")
             return self.drain_locked()
 
-    def _claim_locked(self, ids: Iterable[int]) -> list[int]:
+    def _claim_locked(self, wanted: list[int]) -> list[int]:
+        """Claim ``wanted`` (plain ints, from :func:`check_job_ids`)."""
         if self._closed:
             raise EngineClosedError("the engine is closed; close() returned the last results")
-        wanted = [check_job_id(j) for j in ids]
         if len(set(wanted)) != len(wanted):
             raise ValueError(f"job ids repeat in {wanted}")
         for jid in wanted:
@@ -170,6 +220,7 @@ class CompletionStore:
     async def wait(self, ids: Iterable[int], timeout: float | None = None) -> list[TransferResult]:
         """Await the results of ``ids``; returned in the order of ``ids``."""
         timeout = check_wait_timeout(timeout)
+        ids = check_job_ids(ids)
         with self._lock:
             wanted = self._claim_locked(ids)
             done = self._take_if_ready_locked(wanted)
@@ -195,9 +246,10 @@ class CompletionStore:
     ) -> list[TransferResult]:
         """Block the calling thread until the results of ``ids`` are in."""
         timeout = check_wait_timeout(timeout)
+        wanted = check_job_ids(ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            wanted = self._claim_locked(ids)
+            wanted = self._claim_locked(wanted)
             try:
                 while True:
                     done = self._take_if_ready_locked(wanted)

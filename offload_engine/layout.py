@@ -270,6 +270,11 @@ class KVLayout:
         if not tensors:
             raise LayoutError("from_block_tensors needs at least one tensor")
         num_blocks = int(tensors[0].shape[0]) if tensors[0].dim() else 0
+        if num_blocks < 1:
+            raise LayoutError(
+                f"from_block_tensors: tensor 0 has shape {tuple(tensors[0].shape)}; it must lead "
+                "with num_blocks >= 1"
+            )
         regions: list[Region] = []
         for i, t in enumerate(tensors):
             if t.dim() < 1 or int(t.shape[0]) != num_blocks:
@@ -292,9 +297,10 @@ class KVLayout:
         """Per-layer tensors ``(2, num_blocks, block_tokens, heads, head_dim)``:
         K and V before ``num_blocks`` (FlashAttention). Two regions per layer."""
         first = _check_uniform(layers, "flash_attention")
-        if first.dim() < 3 or first.shape[0] != 2:
+        if first.dim() < 3 or first.shape[0] != 2 or first.shape[1] < 1:
             raise LayoutError(
-                f"flash_attention expects (2, num_blocks, ...) tensors, got {tuple(first.shape)}"
+                f"flash_attention expects (2, num_blocks, ...) tensors with num_blocks >= 1, "
+                f"got {tuple(first.shape)}"
             )
         esz = first.element_size()
         regions: list[Region] = []
@@ -349,6 +355,8 @@ class KVLayout:
         """K and V in separate per-layer tensors ``(num_blocks, ...)`` (the Ascend
         layout). Block views come from shape and strides, so storage a runtime
         over-allocated for alignment is never touched."""
+        k_layers = _as_tensors(k_layers, "separate_kv's k_layers")
+        v_layers = _as_tensors(v_layers, "separate_kv's v_layers")
         if len(k_layers) != len(v_layers):
             raise LayoutError(f"{len(k_layers)} K tensors but {len(v_layers)} V tensors")
         both = [t for pair in zip(k_layers, v_layers, strict=True) for t in pair]

@@ -42,13 +42,20 @@ from typing import Any, Final
 import anyio
 import anyio.lowlevel
 
-from offload_engine._checks import check_int, check_seconds
+from offload_engine._checks import check_int
 from offload_engine._deadlines import Deadlines
 from offload_engine._jobs import DONE, INFLIGHT, QUEUED, Job, Route
 from offload_engine._loop import LoopBridge
 from offload_engine._wakeups import Wakeups
-from offload_engine.completions import CompletionStore, check_job_id, check_wait_timeout
+from offload_engine.completions import (
+    CompletionStore,
+    check_job_id,
+    check_job_timeout,
+    check_wait_timeout,
+)
 from offload_engine.errors import (
+    ConfigError,
+    EngineBrokenError,
     EngineClosedError,
     EngineNotStartedError,
     HandlerRegistrationError,
@@ -56,10 +63,17 @@ from offload_engine.errors import (
     JobTimeoutError,
     NoHandlerError,
     QueueFullError,
+    TransferError,
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handlers.base import LoopCaller, TransferHandler
+from offload_engine.handlers.base import (
+    LoopCaller,
+    TransferHandler,
+    claim_handler,
+    release_handler,
+    retire_handler,
+)
 from offload_engine.stats import EngineStats
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
 
@@ -87,6 +101,7 @@ class _ResultIterator:
         return self
 
     async def __anext__(self) -> TransferResult:
+        await anyio.lowlevel.checkpoint()
         result = await self._store.next_result()
         if result is None:
             raise StopAsyncIteration
@@ -124,14 +139,16 @@ class OffloadingQueueManager:
         default_timeout: float | None = None,
     ) -> None:
         check_int(capacity, "capacity", error=ValueError)
-        if default_timeout is not None and not default_timeout > 0:
-            raise ValueError(f"default_timeout must be positive, got {default_timeout!r}")
+        default_timeout = check_job_timeout(
+            default_timeout, what="default_timeout", error=ConfigError
+        )
         self._lock = threading.Lock()
         self._space_cond = threading.Condition(self._lock)
         self._store = CompletionStore(self._lock)
         self._capacity = capacity
         self._default_timeout = default_timeout
         self._routes: dict[tuple[Medium, Medium], Route] = {}
+        self._registering: set[tuple[Medium, Medium]] = set()
         self._jobs: dict[int, Job] = {}
         self._state = _NEW
         self._bridge: LoopBridge | None = None
@@ -149,8 +166,14 @@ class OffloadingQueueManager:
         #: results nobody collected when ``async with`` closed the engine, or when
         #: :meth:`aclose` raised a handler's close error
         self.leftover_results: tuple[TransferResult, ...] = ()
-        for handler in handlers:
-            self.register(handler)
+        #: what crashed one of the engine's tasks (the engine is broken then), or None
+        self.crash: BaseException | None = None
+        try:
+            for handler in handlers:
+                self.register(handler)
+        except BaseException:
+            self._release_handlers()
+            raise
 
     # ------------------------------------------------------------ registration
 
@@ -176,22 +199,39 @@ class OffloadingQueueManager:
         with self._lock:
             if self._state in (_CLOSING, _CLOSED):
                 raise EngineClosedError("cannot register a handler on a closed engine")
+            if self.crash is not None:
+                raise EngineBrokenError("the engine is broken") from self.crash
             running = self._state == _RUNNING
             if running and not self._on_loop():
                 raise WrongThreadError("register handlers on a running engine from its loop thread")
-            if pair in self._routes:
+            if pair in self._routes or pair in self._registering:
+                held = self._routes.get(pair)
                 raise HandlerRegistrationError(
                     f"a handler is already registered for {pair[0].value}->{pair[1].value}: "
-                    f"{self._routes[pair].handler!r}"
+                    f"{held.handler if held is not None else 'one being started'!r}"
                 )
+            claim_handler(handler, self)
             route = Route(handler, self._capacity)
-            self._routes[pair] = route
-        if running:
-            assert_bridge = self._bridge
-            if assert_bridge is None:  # pragma: no cover - running implies a bridge
+            if not running:
+                self._routes[pair] = route
+                return
+            # Started before it is routable: until start() returns, a submit for this
+            # pair gets NoHandlerError, and if start() raises, nothing was accepted.
+            self._registering.add(pair)
+        bridge = self._bridge
+        try:
+            if bridge is None:  # pragma: no cover - running implies a bridge
                 raise EngineNotStartedError("engine has no loop")
-            handler.start(_Context(assert_bridge.call_soon, self._spawn))
-            self._spawn(self._route_main, route)
+            handler.start(_Context(bridge.call_soon, self._spawn))
+        except BaseException:
+            with self._lock:
+                self._registering.discard(pair)
+            release_handler(handler, self)
+            raise
+        with self._lock:
+            self._registering.discard(pair)
+            self._routes[pair] = route
+        self._spawn(self._route_main, route)
 
     @property
     def handlers(self) -> tuple[TransferHandler[Any], ...]:
@@ -200,6 +240,7 @@ class OffloadingQueueManager:
     # ------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> OffloadingQueueManager:
+        await anyio.lowlevel.checkpoint()
         with self._lock:
             if self._state != _NEW:
                 raise EngineClosedError(f"an engine starts once; this one is {self._state}")
@@ -216,8 +257,12 @@ class OffloadingQueueManager:
         except BaseException:
             with anyio.CancelScope(shield=True):
                 for handler in started:
+                    retire_handler(handler)
                     await handler.aclose()
-            self._state = _CLOSED
+            self._release_handlers()  # those never started may serve another engine
+            with self._lock:
+                self._state = _CLOSED
+                self._store.close_locked()
             self._tg = None
             await tg.__aexit__(None, None, None)
             raise
@@ -266,6 +311,19 @@ class OffloadingQueueManager:
         # checked before anything changes: a bad value must not close the engine and
         # then lose the results it was about to return
         timeout = check_wait_timeout(timeout)
+        results = await self._aclose(cancel_queued, timeout)
+        # A checkpoint on every path (an engine already closed returns at once). It
+        # comes after the close, as trio's aclose() rule asks: a cancelled close has
+        # still closed, and the results it could not return go to leftover_results.
+        try:
+            await anyio.lowlevel.checkpoint()
+        except BaseException:
+            if results:
+                self.leftover_results = tuple(results)
+            raise
+        return results
+
+    async def _aclose(self, cancel_queued: bool, timeout: float | None) -> list[TransferResult]:
         with self._lock:
             state = self._state
             if state == _CLOSED:
@@ -339,12 +397,16 @@ class OffloadingQueueManager:
             )
 
     async def _close_unstarted(self) -> list[TransferResult]:
-        errors = await self._close_handlers()
+        with anyio.CancelScope(shield=True):
+            errors = await self._close_handlers()
         with self._lock:
             self._state = _CLOSED
             self._store.close_locked()
-            self._add_todo(self._closed_event)
-            self._closed_event = None
+            closed_event, self._closed_event = self._closed_event, None
+        if closed_event is not None:
+            # No loop bridge exists before start: a second aclose() waiting on this
+            # event runs on this same loop, so it is set here, directly.
+            closed_event.set()
         if errors:
             raise errors[0]
         return []
@@ -352,11 +414,17 @@ class OffloadingQueueManager:
     async def _close_handlers(self) -> list[BaseException]:
         errors: list[BaseException] = []
         for route in self._routes.values():
+            retire_handler(route.handler)
             try:
                 await route.handler.aclose()
             except Exception as exc:  # noqa: BLE001 - collected and re-raised after all closed
                 errors.append(exc)
         return errors
+
+    def _release_handlers(self) -> None:
+        """Let every registered handler go to another engine (this one never ran them)."""
+        for route in self._routes.values():
+            release_handler(route.handler, self)
 
     @property
     def closed(self) -> bool:
@@ -391,10 +459,38 @@ class OffloadingQueueManager:
         try:
             with scope:
                 await fn(*args)
+        except BaseException as exc:
+            if isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise
+            # Anything else would escape into the task group, cancel the host's body
+            # and leave jobs without results. The engine is broken instead: it
+            # refuses new jobs, a crashed route's jobs fail now, and close still
+            # works within its timeout.
+            route = args[0] if args and isinstance(args[0], Route) else None
+            self._crashed(exc, route)
         finally:
             self._tasks_running -= 1
             if self._tasks_running == 0 and self._tasks_done is not None:
                 self._tasks_done.set()
+
+    def _crashed(self, exc: BaseException, route: Route | None) -> None:
+        """An engine task died of ``exc``: mark the engine broken; fail ``route``'s jobs."""
+        with self._lock:
+            if self.crash is None:
+                self.crash = exc
+            if route is not None:
+                for job in [*route.inflight.values(), *route.queue]:
+                    error = TransferError(
+                        f"job {job.job_id}: the engine's task for {route.label} crashed: {exc!r}"
+                    )
+                    error.__cause__ = exc
+                    self._resolve_locked(job, error)
+            # tasks and threads waiting for room find the engine broken
+            for r in self._routes.values():
+                self._add_todo(r.space)
+                r.space = None
+            self._space_cond.notify_all()
+        self._flush()
 
     async def _stop_tasks(self) -> None:
         if self._tasks_running:
@@ -484,6 +580,10 @@ class OffloadingQueueManager:
             if state == _NEW:
                 raise EngineNotStartedError("enter the engine ('async with') before submitting")
             raise EngineClosedError(f"the engine is {state}; it accepts no more jobs")
+        if self.crash is not None:
+            raise EngineBrokenError(
+                f"an engine task crashed ({self.crash!r}); the engine accepts no more jobs"
+            ) from self.crash
 
     def _route_for(self, spec: TransferSpec) -> Route:
         if not isinstance(spec, TransferSpec):
@@ -499,18 +599,20 @@ class OffloadingQueueManager:
 
     def _prepare(
         self, spec: TransferSpec, job_id: int | None, timeout: float | None
-    ) -> tuple[Route, object, float | None]:
+    ) -> tuple[Route, object, float | None, int | None]:
+        """Check the arguments and run the handler's ``prepare``, outside the lock.
+
+        The job id and timeout come back as a plain int and float, so nothing
+        the caller passed runs code under the lock later."""
         with self._lock:
             self._check_running_locked()
         if job_id is not None:
-            check_job_id(job_id)
-        if timeout is None:
-            timeout = self._default_timeout
-        else:
-            check_seconds(timeout, "timeout", error=ValueError)
+            job_id = check_job_id(job_id)
+        # a plain float (or None) now: no caller code runs under the lock later
+        timeout = self._default_timeout if timeout is None else check_job_timeout(timeout)
         route = self._route_for(spec)
         prepared = route.handler.prepare(spec)
-        return route, prepared, timeout
+        return route, prepared, timeout, job_id
 
     def _enqueue_locked(
         self,
@@ -549,7 +651,7 @@ class OffloadingQueueManager:
         Raises :class:`QueueFullError` at capacity, and a typed error for bad
         input (no handler, bad ids, duplicate live id). Nothing is queued then.
         """
-        route, prepared, timeout = self._prepare(spec, job_id, timeout)
+        route, prepared, timeout, job_id = self._prepare(spec, job_id, timeout)
         with self._lock:
             jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
         if self._todo:
@@ -560,11 +662,12 @@ class OffloadingQueueManager:
         self, spec: TransferSpec, *, job_id: int | None = None, timeout: float | None = None
     ) -> int:
         """Queue ``spec``, waiting while the handler is at capacity. Loop thread only."""
+        await anyio.lowlevel.checkpoint()  # every await is a checkpoint, even when not full
         if not self._on_loop():
             raise WrongThreadError(
                 "await submit() on the engine's loop; use submit_nowait elsewhere"
             )
-        route, prepared, timeout = self._prepare(spec, job_id, timeout)
+        route, prepared, timeout, job_id = self._prepare(spec, job_id, timeout)
         while True:
             event: anyio.Event | None = None
             with self._lock:
@@ -594,7 +697,7 @@ class OffloadingQueueManager:
         if self._on_loop():
             raise WrongThreadError("submit_blocking would deadlock on the engine's loop thread")
         wait_timeout = check_wait_timeout(wait_timeout, what="wait_timeout")
-        route, prepared, timeout = self._prepare(spec, job_id, timeout)
+        route, prepared, timeout, job_id = self._prepare(spec, job_id, timeout)
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
         with self._lock:
             while True:
@@ -616,7 +719,7 @@ class OffloadingQueueManager:
     def cancel(self, job_id: int) -> bool:
         """Cancel a queued job: True if it was queued and now has a cancelled
         result; False if it is already in flight or finished. Any thread."""
-        check_job_id(job_id)
+        job_id = check_job_id(job_id)  # a plain int: no caller code under the lock
         with self._lock:
             if self._state == _NEW:
                 raise EngineNotStartedError("enter the engine ('async with') first")
@@ -740,6 +843,10 @@ class OffloadingQueueManager:
         ``TimeoutError`` if they are not all in within ``timeout`` seconds
         (the jobs go on; their results stay collectable).
         """
+        # A checkpoint even when the results are already in (or the call fails at
+        # once): a loop of such awaits must not starve the other tasks. It comes
+        # first, so a cancellation there leaves every result where it was.
+        await anyio.lowlevel.checkpoint()
         if self._state == _NEW:
             raise EngineNotStartedError("enter the engine ('async with') first")
         return await self._store.wait(job_ids, timeout)

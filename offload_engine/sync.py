@@ -75,7 +75,8 @@ class _LoopThread:
                 self._close_error = exc
 
     def in_loop_thread(self) -> bool:
-        return threading.get_ident() == self.thread.ident
+        # the object, not its ident, which a new thread may reuse once this one exited
+        return threading.current_thread() is self.thread
 
     def close(self, **close_args: Any) -> list[TransferResult]:
         bridge, stop = self._bridge, self._stop
@@ -196,6 +197,14 @@ class SyncOffloadingEngine:
         :attr:`leftover_results`."""
         if self._host.in_loop_thread():
             raise WrongThreadError("close() cannot run on the engine's own loop thread")
+        current = threading.current_thread()
+        for handler in self._manager.handlers:
+            if handler.owns_thread(current):
+                # close waits for every job, the one this thread is running included
+                raise WrongThreadError(
+                    f"close() cannot run on a thread of {handler.name} ({current.name}): "
+                    "it would wait for the job that thread is running"
+                )
         timeout = check_wait_timeout(timeout)
         with self._close_lock:
             if self._closed:

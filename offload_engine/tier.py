@@ -10,6 +10,7 @@ offload region), with a page size and a stride between blocks.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ import numpy.typing as npt
 import torch
 
 from offload_engine._checks import check_int
-from offload_engine.errors import InvalidTransferError, LayoutError
+from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
 from offload_engine.layout import (
     GroupMapping,
     KVLayout,
@@ -27,6 +28,14 @@ from offload_engine.layout import (
     slot_byte_offsets,
 )
 from offload_engine.vocabulary import BlockIds, CacheBlocks, Direction, TierBlocks, TransferSpec
+
+
+def _physical_memory() -> int:
+    """This host's physical memory in bytes (a bound no pageable tier may pass)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 1 << 56
 
 
 class HostTier:
@@ -58,7 +67,22 @@ class HostTier:
             check_int(value, f"HostTier {key}")
         rows = num_blocks * factor
         if memory is None:
-            memory = torch.empty((rows, slot_bytes), dtype=torch.uint8)
+            nbytes = rows * slot_bytes
+            if nbytes > _physical_memory():
+                # refused before torch tries: with overcommit a huge allocation may
+                # "succeed" and fail later, page by page, far from this call
+                raise ConfigError(
+                    f"HostTier num_blocks={num_blocks} x factor={factor} x slot_bytes="
+                    f"{slot_bytes} is {nbytes} bytes, more than this host's memory "
+                    f"({_physical_memory()} bytes)"
+                )
+            try:
+                memory = torch.empty((rows, slot_bytes), dtype=torch.uint8)
+            except (RuntimeError, MemoryError) as exc:  # torch reports a failed malloc so
+                raise ConfigError(
+                    f"HostTier num_blocks={num_blocks} x factor={factor} x slot_bytes="
+                    f"{slot_bytes} ({nbytes / 2**30:.1f} GiB) cannot be allocated: {exc}"
+                ) from exc
         elif not isinstance(memory, torch.Tensor):
             raise TypeError(f"tier memory must be a torch.Tensor, got {type(memory).__name__}")
         elif (

@@ -63,9 +63,11 @@ class Direction(enum.Enum):
 def as_block_ids(values: object, *, what: str = "block_ids") -> BlockIds:
     """Validate ``values`` and return them as a read-only 1-D int64 array.
 
-    Accepts a sequence of Python ints or an integer numpy array. Refuses floats
-    (even integral ones), bools, other dimensions and negative ids with
-    :class:`InvalidBlockIdsError`. The result never aliases a writable input.
+    Accepts a sequence of Python ints or an integer array (numpy, torch,
+    ``array.array``, ``memoryview``). Refuses floats (even integral ones),
+    bools, other dimensions and negative ids with :class:`InvalidBlockIdsError`.
+    The result is always a copy: it never aliases the caller's memory, so a
+    caller may rewrite its id buffer as soon as this returns.
     """
     if isinstance(values, np.ndarray):
         if values.ndim == 1 and values.dtype in _FAST_DTYPES:  # the common case, made cheap
@@ -75,6 +77,7 @@ def as_block_ids(values: object, *, what: str = "block_ids") -> BlockIds:
             out.flags.writeable = False
             return out
         arr = values
+        fresh = False
     else:
         if isinstance(values, (str, bytes)) or not hasattr(values, "__len__"):
             raise InvalidBlockIdsError(
@@ -87,6 +90,10 @@ def as_block_ids(values: object, *, what: str = "block_ids") -> BlockIds:
             raise InvalidBlockIdsError(f"{what} is not an array of integers: {exc}") from exc
         if arr.size == 0:
             arr = np.empty(0, dtype=np.int64)
+        # np.asarray builds a new array from a list, tuple or range; from anything else
+        # (a torch tensor, array.array, memoryview, an object with __array__) it may
+        # return a view of the caller's memory, which the caller may rewrite later.
+        fresh = isinstance(values, (list, tuple, range)) or arr.size == 0
     if arr.ndim != 1:
         raise InvalidBlockIdsError(f"{what} must be 1-D, got shape {arr.shape}")
     kind = arr.dtype.kind
@@ -100,11 +107,7 @@ def as_block_ids(values: object, *, what: str = "block_ids") -> BlockIds:
             raise InvalidBlockIdsError(f"{what} must be non-negative, got min {int(arr.min())}")
         if kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > _INT64_MAX:
             raise InvalidBlockIdsError(f"{what} holds ids beyond int64")
-    out = (
-        np.array(arr, dtype=np.int64, copy=True)
-        if (arr is values or arr.dtype != np.int64)
-        else arr
-    )
+    out = arr if fresh and arr.dtype == np.int64 else np.array(arr, dtype=np.int64, copy=True)
     out.flags.writeable = False
     return out
 

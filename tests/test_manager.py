@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import anyio
 import pytest
 
 from offload_engine import (
+    ConfigError,
     DuplicateJobIdError,
     EngineClosedError,
     EngineNotStartedError,
@@ -228,11 +230,16 @@ async def test_default_timeout_applies_and_bad_timeouts_are_refused() -> None:
     async with OffloadingQueueManager([fake], default_timeout=0.02) as mgr:
         [r] = await mgr.wait([mgr.submit_nowait(STORE)])
         assert isinstance(r.error, JobTimeoutError)
-        for bad in (0, -1, "1", True):
+        for bad in (0, -1, math.nan):
             with pytest.raises(ValueError):
-                mgr.submit_nowait(STORE, timeout=bad)  # type: ignore[arg-type]
-    with pytest.raises(ValueError):
+                mgr.submit_nowait(STORE, timeout=bad)
+        for wrong in ("1", True):  # wrong types: TypeError (True was taken as 1 s)
+            with pytest.raises(TypeError):
+                mgr.submit_nowait(STORE, timeout=wrong)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="default_timeout"):
         OffloadingQueueManager(default_timeout=0)
+    with pytest.raises(TypeError, match="default_timeout"):
+        OffloadingQueueManager(default_timeout=True)
     with pytest.raises(ValueError):
         OffloadingQueueManager(capacity=0)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import queue
 import threading
 import time
@@ -48,23 +49,37 @@ from hypothesis.stateful import (
 
 from offload_engine import (
     DuplicateJobIdError,
+    EngineBrokenError,
     EngineClosedError,
+    EngineNotRunningError,
     InvalidTransferError,
     Medium,
+    NoHandlerError,
     OffloadingQueueManager,
     QueueFullError,
     SyncOffloadingEngine,
     UnknownJobError,
 )
-from offload_engine.testing import Fault, FaultPlan, FaultyHandler, Ledger, engine_threads
+from offload_engine.testing import (
+    FakeHandler,
+    Fault,
+    FaultPlan,
+    FaultyHandler,
+    Ledger,
+    call_in_thread,
+    engine_threads,
+)
 
 BOUND = 5.0  # seconds: slack any single call may take beyond its own timeout
 CLIENTS = 3
 EXPLICIT_IDS = 1 << 40  # explicit job ids live above the automatic ones
 
 PLANS = (FaultPlan(Medium.GPU, Medium.CPU), FaultPlan(Medium.CPU, Medium.GPU))
+CRASH_PLAN = FaultPlan(Medium.NPU, Medium.CPU)  # a route whose launch crashes (issue 16, 5)
+FAILED_START = (Medium.REMOTE, Medium.CPU)  # a pair whose handler's start() raises (16, 3)
 faults = st.sampled_from(list(Fault))
-timeouts = st.none() | st.sampled_from([0.001, 0.01, 0.05])
+# inf and huge values mean "no timeout" (issue 16, 8)
+timeouts = st.none() | st.sampled_from([0.001, 0.01, 0.05, math.inf, 1e300])
 short_waits = st.sampled_from([0.0, 0.005, 0.02])
 # Which live job a call targets depends on timing, so rules draw indices (never the ids
 # themselves: hypothesis needs draws that do not depend on the engine's state).
@@ -82,11 +97,29 @@ def pick(ids: list[int], indices: list[int]) -> list[int]:
     return list(dict.fromkeys(ids[i % len(ids)] for i in indices))
 
 
+class RouteCrash(BaseException):
+    """Not an Exception: it crashes the engine's task for its route."""
+
+
+class CrashingHandler(FaultyHandler):
+    """Every launch raises :class:`RouteCrash`: the engine breaks."""
+
+    def launch(self, job: Any) -> None:
+        raise RouteCrash(f"job {job.job_id} crashed its route")
+
+
+class StartFails(FaultyHandler):
+    def start(self, context: Any) -> None:
+        raise RuntimeError("start failed on purpose")
+
+
 def make_handlers() -> list[FaultyHandler]:
-    # an ordered two-worker route (results held back in launch order) and an unordered one
+    # an ordered two-worker route (results held back in launch order), an unordered one,
+    # and one that crashes the engine when the crash rule submits to it
     return [
         FaultyHandler(PLANS[0], workers=2, ordered=True, max_inflight=4, delay=0.001),
         FaultyHandler(PLANS[1], workers=1, ordered=False, max_inflight=8),
+        CrashingHandler(CRASH_PLAN, workers=1),
     ]
 
 
@@ -157,6 +190,7 @@ class EngineModel:
         self.resubmitted: set[int] = set()
         self._ids = itertools.count(EXPLICIT_IDS)
         self.closing = False  # set before any close call is issued
+        self.broken = False  # set before the crash rule submits its job
         self.threads_before = set(engine_threads())
 
     def new_id(self, route: int, fault: Fault, timed: bool) -> int:
@@ -170,17 +204,24 @@ class EngineModel:
     ) -> float | None:
         """A lost job on the ordered route would hold back every later result until close,
         so it gets a timeout there; on the unordered route it may wait for close."""
-        if fault is Fault.LOST and route == 0 and timeout is None and default is None:
-            return 0.05
+        if fault is Fault.LOST and route == 0:
+            if timeout is None and default is None:
+                return 0.05
+            if timeout is not None and timeout >= 1e9:  # inf: no timeout, not the default
+                return 0.05
         return timeout
 
     def accepted(self, jid: int, fault: Fault, timed: bool) -> None:
         self.ledger.accepted(jid, fault, timed=timed, nbytes=PLANS[0].nbytes)
 
     def closed_ok(self, exc: BaseException) -> None:
-        """An EngineClosedError is fine once a close was issued, a bug before."""
-        if not (isinstance(exc, EngineClosedError) and self.closing):
-            raise exc
+        """An EngineClosedError is fine once a close was issued, an EngineBrokenError once
+        the crash rule ran; either is a bug before."""
+        if isinstance(exc, EngineClosedError) and self.closing:
+            return
+        if isinstance(exc, EngineBrokenError) and self.broken:
+            return
+        raise exc
 
     def verify_clean(self, tasks_running: int) -> None:
         report = self.ledger.report()
@@ -259,7 +300,7 @@ class FacadeMachine(RuleBasedStateMachine):
                 if not resubmit and jid not in model.resubmitted:
                     raise
                 return
-            except EngineClosedError as exc:
+            except EngineNotRunningError as exc:
                 model.closed_ok(exc)
                 return
             if fault is Fault.REFUSED:
@@ -313,7 +354,7 @@ class FacadeMachine(RuleBasedStateMachine):
                     model.ledger.cancel_confirmed(jid)
             except UnknownJobError:
                 pass  # collected meanwhile (or never submitted)
-            except EngineClosedError as exc:
+            except EngineNotRunningError as exc:
                 model.closed_ok(exc)
 
         self.clients[client].give("cancel", call)
@@ -331,7 +372,7 @@ class FacadeMachine(RuleBasedStateMachine):
                 results = engine.wait(ids, timeout=timeout)
             except (TimeoutError, UnknownJobError):
                 return  # still running / collected or claimed by another client
-            except EngineClosedError as exc:
+            except EngineNotRunningError as exc:
                 model.closed_ok(exc)
                 return
             if [r.job_id for r in results] != ids:
@@ -348,7 +389,7 @@ class FacadeMachine(RuleBasedStateMachine):
         def call() -> None:
             try:
                 model.ledger.collected(engine.get_finished())
-            except EngineClosedError as exc:
+            except EngineNotRunningError as exc:
                 model.closed_ok(exc)
 
         self.clients[client].give("get_finished", call)
@@ -398,9 +439,29 @@ class FacadeMachine(RuleBasedStateMachine):
             c.sync(timeout + BOUND * 2)
         self.closed = True
 
+    @rule(client=st.integers(0, CLIENTS - 1))
+    @precondition(lambda self: self.running() and self.submits >= 4 and not self.model.broken)
+    def crash_a_route(self, client: int) -> None:
+        """A launch raises a BaseException: the engine breaks; its calls say so, and close
+        still returns within its bound (issue 16, 5)."""
+        self.model.broken = True  # from now on, any submit may get EngineBrokenError
+        engine, model = self.eng, self.model
+
+        def call() -> None:
+            try:
+                jid = engine.submit_nowait(CRASH_PLAN.spec(Fault.OK))
+            except EngineNotRunningError as exc:
+                model.closed_ok(exc)
+                return
+            model.ledger.accepted(jid, Fault.LAUNCH_RAISES, timed=True, nbytes=PLANS[0].nbytes)
+
+        self.clients[client].give("crash", call)
+
     @rule()
     @precondition(lambda self: self.closed)
     def calls_after_close_raise(self) -> None:
+        """Each call from a thread of its own: a new thread may reuse the ident of the
+        exited loop thread, and must not pass for it (issue 16, 6)."""
         engine = self.eng
         for call in (
             lambda: engine.submit_nowait(PLANS[0].spec(Fault.OK)),
@@ -408,9 +469,11 @@ class FacadeMachine(RuleBasedStateMachine):
             engine.get_finished,
             lambda: engine.wait([0], timeout=0),
             lambda: engine.cancel(0),
+            lambda: engine.manager.wait_blocking([0], timeout=0),
         ):
             with pytest.raises(EngineClosedError):
-                call()
+                call_in_thread(call)
+        assert call_in_thread(engine.close) == []
         assert engine.close() == []
         assert engine.stats().state == "closed"
 
@@ -460,11 +523,20 @@ class AsyncMachine(RuleBasedStateMachine):
         self.default_timeout: float | None = None
         self.submits = 0
 
-    def run(self, fn: Callable[..., Any], *args: Any, bound: float = BOUND) -> Any:
-        """Run ``await fn(*args)`` on the loop; fail if it takes longer than ``bound``."""
+    def run(
+        self, fn: Callable[..., Any], *args: Any, bound: float = BOUND, checkpoint: bool = True
+    ) -> Any:
+        """Run ``await fn(*args)`` on the loop; fail if it takes longer than ``bound``. On
+        trio, also fail unless it executed a checkpoint (issue 16: every public ``await``
+        of the engine is one, even when it need not wait)."""
 
         async def bounded() -> Any:
             with anyio.move_on_after(bound):
+                if checkpoint and self.backend == "trio":
+                    import trio.testing
+
+                    with trio.testing.assert_checkpoints():
+                        return await fn(*args)
                 return await fn(*args)
             raise AssertionError(f"{fn} did not return within {bound}s")
 
@@ -506,7 +578,7 @@ class AsyncMachine(RuleBasedStateMachine):
                 async def nowait() -> int:
                     return mgr.submit_nowait(spec, timeout=timeout)
 
-                jid = self.run(nowait)
+                jid = self.run(nowait, checkpoint=False)
             elif how == "blocking":
                 jid = mgr.submit_blocking(spec, timeout=timeout, wait_timeout=0.02)
             else:
@@ -515,6 +587,9 @@ class AsyncMachine(RuleBasedStateMachine):
             return
         except InvalidTransferError:
             assert fault is Fault.REFUSED
+            return
+        except EngineBrokenError:
+            assert self.model.broken
             return
         assert fault is not Fault.REFUSED
         if jid is not None:
@@ -528,6 +603,61 @@ class AsyncMachine(RuleBasedStateMachine):
         for route, fault, timeout, _ in batch:
             self._submit_one(route, fault, timeout, how)
         self.submits += 1
+
+    @rule()
+    @precondition(lambda self: self.running() and self.submits >= 4 and not self.model.broken)
+    def crash_a_route(self) -> None:
+        """A launch raises a BaseException: the route's jobs fail, the engine is broken
+        (issue 16, 5); later submits say so and close stays bounded."""
+        self.model.broken = True
+        jid = self.m.submit_nowait(CRASH_PLAN.spec(Fault.OK))
+        self.model.ledger.accepted(jid, Fault.LAUNCH_RAISES, timed=True, nbytes=PLANS[0].nbytes)
+
+    @rule()
+    @precondition(running)
+    def register_a_handler_whose_start_raises(self) -> None:
+        """Registration on the running engine is rolled back (issue 16, 3)."""
+        mgr = self.m
+        bad = StartFails(FaultPlan(*FAILED_START))
+
+        async def register() -> None:
+            # the start error, or EngineBrokenError (a RuntimeError too) once a crash
+            # submitted by the crash rule has happened
+            with pytest.raises(RuntimeError) as info:
+                mgr.register(bad)
+            if not self.model.broken:
+                assert not isinstance(info.value, EngineBrokenError)
+
+        self.run(register, checkpoint=False)
+        spec = FaultPlan(*FAILED_START).spec(Fault.OK)
+        refused = (EngineBrokenError, NoHandlerError) if self.model.broken else NoHandlerError
+        with pytest.raises(refused):
+            mgr.submit_nowait(spec)
+
+    @rule(closers=st.integers(1, 3))
+    def close_a_never_started_engine(self, closers: int) -> None:
+        """Concurrent closes of an engine that never started, whose handler's close
+        awaits: all return (issue 16, 4)."""
+
+        class SlowClose(FakeHandler):
+            async def aclose(self) -> None:
+                await anyio.sleep(0.001)
+
+        other = OffloadingQueueManager([SlowClose()])
+
+        async def close_all() -> list[list[Any]]:
+            out: list[list[Any]] = []
+
+            async def one() -> None:
+                out.append(await other.aclose())
+
+            async with anyio.create_task_group() as tg:
+                for _ in range(closers):
+                    tg.start_soon(one)
+            return out
+
+        assert self.run(close_all) == [[]] * closers
+        assert other.closed
 
     @rule(indices=picks)
     @precondition(running)

@@ -13,8 +13,11 @@ hands out before the engine's own fresh results. ``wait`` asks the engine only
 for ids that are still live here (submitted, result not yet collected); vLLM
 may name ids already finished, or never submitted to this worker.
 
-Bookkeeping is single-threaded by vLLM's contract (one model-runner thread);
-the engine itself is thread-safe.
+vLLM calls from one model-runner thread per worker, but nothing here relies
+on it: the bookkeeping (live ids, the stash, the counters) is guarded by one
+lock, held only for non-blocking work (``submit_nowait``, ``get_finished``),
+never across the engine's blocking ``wait``. So several threads may share a
+bridge, as the chaos run through the bridge does.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -34,11 +38,13 @@ from offload_engine import (
     CacheBlocks,
     Direction,
     HostTier,
+    InvalidTransferError,
     Medium,
     OffloadError,
     SyncOffloadingEngine,
     TransferResult,
     TransferSpec,
+    UnknownJobError,
     cpu_blocks,
 )
 
@@ -49,6 +55,26 @@ from .platform import TierPlacement, select_backend
 logger = logging.getLogger(__name__)
 
 IdsLike = Sequence[int] | npt.NDArray[np.integer[Any]]
+
+
+def _length(ids: object) -> str:
+    """``len(ids)`` for a log line, whatever the caller passed."""
+    try:
+        return str(len(ids))  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - only describes bad input that is being refused
+        return f"? ({type(ids).__name__})"
+
+
+def _as_counts(values: object, what: str) -> tuple[int, ...]:
+    """vLLM's group sizes or first indices as a tuple; InvalidTransferError otherwise."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise InvalidTransferError(
+            f"{what} must be a sequence of ints, got {type(values).__name__}"
+        )
+    try:
+        return tuple(values)
+    except Exception as exc:  # a broken iterable from the caller
+        raise InvalidTransferError(f"{what} could not be read: {exc!r}") from exc
 
 
 class EngineBridge:
@@ -68,8 +94,12 @@ class EngineBridge:
         self._tier = tier
         self._stats_path = stats_path
         self._log = log or logger
+        # guards _live, _stash, _waiting and _counts; threads in wait() for ids that
+        # another thread is waiting on sleep on it
+        self._cond = threading.Condition(threading.Lock())
         self._live: dict[int, Direction] = {}  # submitted, result still in the engine
         self._stash: list[tuple[TransferResult, Direction]] = []  # collected by wait()
+        self._waiting: set[int] = set()  # ids a thread is waiting on in the engine
         self._counts = {
             "stores_submitted": 0,
             "loads_submitted": 0,
@@ -120,12 +150,18 @@ class EngineBridge:
         block_indices: Sequence[int],
         tier_ids: IdsLike,
     ) -> bool:
+        # vLLM's ids are ints; anything else is a caller bug, raised (TypeError,
+        # ValueError) rather than logged: None would make the engine pick an id that
+        # this bridge never learns
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
+        job_id = int(job_id)  # a plain int (the engine refuses negative ones)
         try:
             cache = CacheBlocks(
                 self._cache_medium,
                 cache_ids,  # type: ignore[arg-type]  # validated and converted by CacheBlocks
-                tuple(group_sizes),
-                tuple(block_indices),
+                _as_counts(group_sizes, "group_sizes"),
+                _as_counts(block_indices, "block_indices"),
             )
             tier = cpu_blocks(tier_ids)
             spec = (
@@ -133,47 +169,57 @@ class EngineBridge:
                 if direction is Direction.STORE
                 else TransferSpec(tier, cache)
             )
-            self._engine.submit_nowait(spec, job_id=job_id)
+            # under the lock, so no get_finished() in another thread sees this job's
+            # result before the job is recorded as live
+            with self._cond:
+                self._engine.submit_nowait(spec, job_id=job_id)
+                self._live[job_id] = direction
+                self._counts[f"{direction.value}s_submitted"] += 1
         except OffloadError as exc:
             # vLLM's interface has only a bool here (and asserts on it): say why first.
-            self._counts["submits_refused"] += 1
+            with self._cond:
+                self._counts["submits_refused"] += 1
             self._log.error(
-                "offload-engine refused %s job %d (%d cache blocks, groups %s, first "
-                "indices %s, %d tier blocks): %s: %s",
+                "offload-engine refused %s job %r (%s cache blocks, groups %r, first "
+                "indices %r, %s tier blocks): %s: %s",
                 direction.value,
                 job_id,
-                len(cache_ids),
-                tuple(group_sizes),
-                tuple(block_indices),
-                len(tier_ids),
+                _length(cache_ids),
+                group_sizes,
+                block_indices,
+                _length(tier_ids),
                 type(exc).__name__,
                 exc,
             )
             return False
-        self._live[job_id] = direction
-        self._counts[f"{direction.value}s_submitted"] += 1
         return True
 
     # ------------------------------------------------------------ results
 
     def get_finished(self) -> list[TransferResult]:
         """Results not yet handed out: those ``wait`` collected, then the engine's new ones."""
-        fresh = self._engine.get_finished()
-        if not self._stash and not fresh:
-            return []
-        stash, self._stash = self._stash, []
-        live = self._live
-        out: list[TransferResult] = []
-        for result, stashed_direction in stash:
-            self._deliver(result, stashed_direction, out)
-        for result in fresh:
-            direction = live.pop(result.job_id) if result.job_id in live else None
-            if direction is None:  # pragma: no cover - only this bridge submits
-                self._log.error(
-                    "offload-engine returned a result for job %d, which this worker did not submit",
-                    result.job_id,
-                )
-            self._deliver(result, direction, out)
+        with self._cond:
+            fresh = self._engine.get_finished()
+            if not self._stash and not fresh:
+                return []
+            stash, self._stash = self._stash, []
+            live = self._live
+            out: list[TransferResult] = []
+            for result, stashed_direction in stash:
+                self._deliver(result, stashed_direction, out)
+            for result in fresh:
+                # a result another thread's wait() was about to claim is handed out
+                # here; that wait() then finds the job no longer live and skips it
+                direction = live.pop(result.job_id) if result.job_id in live else None
+                if direction is None:  # pragma: no cover - only this bridge submits
+                    self._log.error(
+                        "offload-engine returned a result for job %d, which this worker did "
+                        "not submit",
+                        result.job_id,
+                    )
+                self._deliver(result, direction, out)
+            if fresh:
+                self._cond.notify_all()
         return out
 
     def _deliver(
@@ -194,16 +240,47 @@ class EngineBridge:
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the live ones among ``job_ids`` are done; their results are
-        stashed for the next :meth:`get_finished`. Ids not live here are skipped."""
-        live = self._live
-        wanted = [j for j in job_ids if j in live]
-        self._counts["waits"] += 1
-        if not wanted:
+        stashed for the next :meth:`get_finished`. Ids not live here are skipped.
+
+        Several threads may wait at once: a thread whose ids another thread is
+        already waiting on sleeps until that thread is done with them."""
+        ids = list(job_ids)  # the caller's iterable runs outside the lock
+        with self._cond:
+            self._counts["waits"] += 1
+        while True:
+            with self._cond:
+                while True:
+                    live, waiting = self._live, self._waiting
+                    mine = list(dict.fromkeys(j for j in ids if j in live and j not in waiting))
+                    if mine:
+                        break
+                    if not any(j in waiting for j in ids):
+                        return  # nothing of ours is left in the engine
+                    self._cond.wait()  # another thread waits on the rest; it notifies
+                self._waiting.update(mine)
+                self._counts["waited_jobs"] += len(mine)
+            try:
+                self._wait_for(mine)
+            finally:
+                with self._cond:
+                    self._waiting.difference_update(mine)
+                    self._cond.notify_all()
+
+    def _wait_for(self, ids: list[int]) -> None:
+        """Wait in the engine for ``ids`` (this thread's to wait on); stash their results."""
+        while ids:
+            try:
+                results = self._engine.wait(ids)
+            except UnknownJobError:
+                # get_finished() in another thread handed out one of these between
+                # our look at _live and the engine's claim: the job is done, skip it
+                with self._cond:
+                    ids = [j for j in ids if j in self._live]
+                continue
+            with self._cond:
+                for result in results:
+                    self._stash.append((result, self._live.pop(result.job_id)))
             return
-        self._counts["waited_jobs"] += len(wanted)
-        results = self._engine.wait(wanted)
-        for result in results:
-            self._stash.append((result, live.pop(result.job_id)))
 
     @property
     def live_jobs(self) -> int:
@@ -229,10 +306,9 @@ class EngineBridge:
             bytes_stored=snapshot.bytes_stored,
             bytes_loaded=snapshot.bytes_loaded,
         )
-        return {
-            "engine": engine_stats,
-            "adapter": dict(self._counts, live_jobs=len(self._live), stashed=len(self._stash)),
-        }
+        with self._cond:
+            adapter = dict(self._counts, live_jobs=len(self._live), stashed=len(self._stash))
+        return {"engine": engine_stats, "adapter": adapter}
 
     def shutdown(self) -> None:
         """Close the engine (queued jobs run, in-flight ones are awaited), log the

@@ -197,7 +197,8 @@ def parse_extra_config(
     if stats_path is not None:
         try:
             stats_path.format(rank=0)
-        except (KeyError, IndexError, ValueError):
+        except (KeyError, IndexError, ValueError, AttributeError, TypeError):
+            # "{rank.x}" raises AttributeError, "{rank[0]}" TypeError: all mean a bad path
             r.bad("stats_path", "a file path whose only {placeholder} is {rank}")
             stats_path = None
 

@@ -24,14 +24,23 @@ order (the engine holds an early finisher until its predecessors finish).
 Handlers own their resources. The engine calls :meth:`start` once when it
 starts (or when the handler is registered on a running engine) and
 :meth:`aclose` once when it closes, after the last job has a result.
+
+A handler belongs to one engine at a time, and is used once: registering it
+with a second engine while the first holds it, or registering it after an
+engine closed it, raises :class:`~offload_engine.HandlerRegistrationError`
+(build a new handler instead). An engine that never started lets its
+handlers go when it is closed or garbage-collected.
 """
 
 from __future__ import annotations
 
 import abc
+import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from offload_engine.errors import HandlerRegistrationError
 from offload_engine.vocabulary import Medium, TransferSpec
 
 P = TypeVar("P")
@@ -121,5 +130,71 @@ class TransferHandler(abc.ABC, Generic[P]):
     async def aclose(self) -> None:
         """Release every resource. Called once, after the handler's last result."""
 
+    def owns_thread(self, thread: threading.Thread) -> bool:
+        """Whether ``thread`` is one of this handler's own threads (a worker, a
+        launcher, a watcher). The engine refuses to close from such a thread:
+        close waits for the very job that thread is running."""
+        return False
+
     def __repr__(self) -> str:
         return f"<{self.name} ordered={self.ordered} max_inflight={self.max_inflight}>"
+
+
+# --------------------------------------------------------------------------- ownership
+
+# Which engine holds each handler, and which handlers an engine has closed. Kept
+# here rather than on the handler, so a subclass that skips
+# ``TransferHandler.__init__`` or defines ``__slots__`` is covered too. Keyed by
+# ``id`` (a handler's own ``__eq__``/``__hash__`` never runs); an entry goes when
+# its handler is garbage-collected. The lock makes a claim from two threads at
+# once pick one winner.
+_ownership_lock = threading.RLock()  # reentrant: a GC pass inside may run _forget
+# id(handler) -> (the handler, weakly; its holder, weakly, or None once retired)
+_registry: dict[int, tuple[weakref.ref[Any], weakref.ref[object] | None]] = {}
+
+
+def _forget(key: int) -> Callable[[object], None]:
+    def callback(_ref: object) -> None:
+        with _ownership_lock:
+            _registry.pop(key, None)
+
+    return callback
+
+
+def claim_handler(handler: TransferHandler[Any], engine: object) -> None:
+    """Make ``engine`` the holder of ``handler``, or raise HandlerRegistrationError."""
+    key = id(handler)
+    with _ownership_lock:
+        entry = _registry.get(key)
+        if entry is not None and entry[0]() is handler:
+            holder_ref = entry[1]
+            if holder_ref is None:
+                raise HandlerRegistrationError(
+                    f"{handler.name} was closed by the engine that held it; a handler is "
+                    "used once: build a new one"
+                )
+            holder = holder_ref()
+            if holder is not None and holder is not engine:
+                raise HandlerRegistrationError(
+                    f"{handler.name} already belongs to another engine "
+                    f"({type(holder).__name__} at {id(holder):#x}); a handler serves one "
+                    "engine at a time"
+                )
+        _registry[key] = (weakref.ref(handler, _forget(key)), weakref.ref(engine))
+
+
+def release_handler(handler: TransferHandler[Any], engine: object) -> None:
+    """``engine`` lets ``handler`` go unused (never started, or its registration failed)."""
+    key = id(handler)
+    with _ownership_lock:
+        entry = _registry.get(key)
+        holder = entry[1] if entry is not None and entry[0]() is handler else None
+        if holder is not None and holder() is engine:
+            del _registry[key]
+
+
+def retire_handler(handler: TransferHandler[Any]) -> None:
+    """An engine closed ``handler``: no engine may register it again."""
+    key = id(handler)
+    with _ownership_lock:
+        _registry[key] = (weakref.ref(handler, _forget(key)), None)

@@ -291,6 +291,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             t.start()
         self._started = True
 
+    def owns_thread(self, thread: threading.Thread) -> bool:
+        return thread in getattr(self, "_threads", ())
+
     def _stream_sets(self) -> int:
         if self.config.streams is not None:
             return self.config.streams

@@ -70,6 +70,9 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
     def launch(self, job: LaunchedJob[P]) -> None:
         self._queue.put(job)
 
+    def owns_thread(self, thread: threading.Thread) -> bool:
+        return thread in self._threads
+
     def _work(self) -> None:
         get = self._queue.get
         try:

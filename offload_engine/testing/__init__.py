@@ -8,7 +8,7 @@ Handlers
     :class:`FaultyHandler` with :class:`FaultPlan` and :class:`Fault`
     (faults injected on worker threads), :class:`Ledger` (checks that each
     job got exactly one result its fault allows), :func:`assert_exactly_once`,
-    :func:`engine_threads`.
+    :func:`engine_threads`, :func:`call_in_thread` (a call that fails instead of hanging).
 Device runtimes
     :class:`FakeRuntime` (a CUDA-like runtime backed by host memory, with a
     worker thread per stream) and :class:`FakeNpuRuntime` over
@@ -24,6 +24,7 @@ from offload_engine.testing._fake_handler import (
     FakeTransferFailure,
     JobPredicate,
     assert_exactly_once,
+    call_in_thread,
     engine_threads,
 )
 from offload_engine.testing._fake_npu import (
@@ -105,6 +106,7 @@ __all__ = [
     "assert_exactly_once",
     "build_layout",
     "cache_block_bytes",
+    "call_in_thread",
     "check_outcome",
     "engine_threads",
     "fake_torch_npu_module",

@@ -22,12 +22,15 @@ import heapq
 import itertools
 import threading
 from collections.abc import Callable, Collection, Iterable
+from typing import TypeVar
 
 import anyio
 
 from offload_engine.errors import InvalidTransferError
 from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
+
+T = TypeVar("T")
 
 JobPredicate = Callable[[int], bool]
 
@@ -197,6 +200,29 @@ def assert_exactly_once(submitted: Iterable[int], results: Iterable[TransferResu
             f"results do not match jobs: missing {missing[:10]}, unexpected {extra[:10]}, "
             f"duplicated {dups}"
         )
+
+
+def call_in_thread(fn: Callable[[], T], bound: float = 10.0) -> T:
+    """Run ``fn()`` in a fresh thread and return its result, or re-raise its exception
+    here. Raise ``AssertionError`` if it has not returned within ``bound`` seconds: a
+    hang fails the test instead of hanging it (the thread is a daemon)."""
+    out: list[T] = []
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            out.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target, name="call-in-thread", daemon=True)
+    thread.start()
+    thread.join(bound)
+    if thread.is_alive():
+        raise AssertionError(f"{fn} did not return within {bound}s (a hang)")
+    if errors:
+        raise errors[0]
+    return out[0]
 
 
 def engine_threads() -> list[threading.Thread]:
