@@ -37,6 +37,9 @@ from offload_engine.errors import (
     OffloadError,
     QueueFullError,
     RuntimeUnavailableError,
+    StoreAuthError,
+    StoreError,
+    StoreUnavailableError,
     TierFullError,
     TierUnavailableError,
     TrailerError,
@@ -54,6 +57,7 @@ from offload_engine.handlers.device import (
 )
 from offload_engine.handlers.disk import DiskHandler, disk_handlers, page_aligned_tier
 from offload_engine.handlers.host import HostCopyHandler
+from offload_engine.handlers.remote import RemoteHandler, RemoteTier, RemoteTierStats
 from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.keyed import LayoutDigest, Trailer
 from offload_engine.layout import KVLayout, Region
@@ -152,7 +156,13 @@ __all__ = [
     "OffloadingQueueManager",
     "QueueFullError",
     "Region",
+    "RemoteHandler",
+    "RemoteTier",
+    "RemoteTierStats",
     "RuntimeUnavailableError",
+    "StoreAuthError",
+    "StoreError",
+    "StoreUnavailableError",
     "SyncOffloadingEngine",
     "ThreadPoolHandler",
     "TierBlocks",

@@ -157,3 +157,18 @@ class KeyMissError(TransferError):
 class TierFullError(TransferError):
     """A store did not fit: the tier's byte cap could not be met by eviction, or the
     device ran out of space (ENOSPC, chained as ``__cause__``)."""
+
+
+# --------------------------------------------------------------------------- remote stores
+
+
+class StoreError(OffloadError):
+    """A remote store (Redis/Valkey, Mooncake Store) refused or failed a call."""
+
+
+class StoreUnavailableError(StoreError, TierUnavailableError, ConnectionError):
+    """The store's server cannot be reached (down, wrong address, killed mid-call)."""
+
+
+class StoreAuthError(StoreError, PermissionError):
+    """The store's server refused the credentials (wrong password or ACL user)."""

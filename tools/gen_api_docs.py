@@ -3,9 +3,10 @@
     python tools/gen_api_docs.py          # rewrite docs/api.md
     python tools/gen_api_docs.py --check  # exit 1 if docs/api.md is out of date
 
-The public API is ``offload_engine.__all__`` plus the ``offload_engine.runtimes``
-and ``offload_engine.testing`` modules. Every name in ``__all__`` must be placed
-in a section below, so a new export cannot go undocumented; the two modules are
+The public API is ``offload_engine.__all__`` plus the ``offload_engine.runtimes``,
+``offload_engine.testing`` and ``offload_engine.stores`` modules. Every name in
+``__all__`` must be placed in a section below, so a new export cannot go
+undocumented; the modules are
 documented whole (every public class and function they define, or for a package
 with ``__all__``, every class and function it exports). Docstrings are
 reStructuredText-flavoured; this script turns their roles (``:class:`X```),
@@ -60,6 +61,13 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "Blocks named by key (disk, remote store), the object trailer every stored object "
         "carries, and the layout digest that keeps other layouts' bytes out.",
         ["KeyedBlocks", "disk_blocks", "remote_blocks", "Trailer", "LayoutDigest"],
+    ),
+    (
+        "Remote tier",
+        "A host tier's blocks in a distributed store (Redis/Valkey, Mooncake Store): the "
+        "`CPU -> REMOTE` and `REMOTE -> CPU` handlers. The stores themselves are below "
+        "(`offload_engine.stores`).",
+        ["RemoteTier", "RemoteHandler", "RemoteTierStats"],
     ),
     (
         "The disk tier",
@@ -121,6 +129,7 @@ MODULE_SECTIONS: list[tuple[str, str | None]] = [
         "(what `offload-engine info` prints).",
     ),
     ("offload_engine.testing", None),
+    ("offload_engine.stores", None),
 ]
 
 
@@ -414,7 +423,8 @@ def render() -> str:
         "",
         f"The public API is what `offload_engine` exports (`offload_engine.__all__`, version "
         f"`{offload_engine.__version__}`),",
-        "plus the `offload_engine.runtimes` and `offload_engine.testing` modules. Everything else",
+        "plus the `offload_engine.runtimes`, `offload_engine.testing` and "
+        "`offload_engine.stores.*` modules. Everything else",
         "is private and may change without notice.",
         "",
         "## Contents",

@@ -28,6 +28,7 @@ from .platform import Backend, select_backend
 
 if TYPE_CHECKING:
     from .disk_tier import EngineDiskTier
+    from .remote_tier import EngineRemoteTier
     from .spec import EngineOffloadingSpec
     from .tiering import EngineTieringSpec, EngineTieringWorker
     from .worker import EngineOffloadingWorker
@@ -36,6 +37,7 @@ from .compat import SUPPORTED_VLLM
 
 _LAZY = {
     "EngineDiskTier": ".disk_tier",
+    "EngineRemoteTier": ".remote_tier",
     "EngineOffloadingSpec": ".spec",
     "EngineOffloadingWorker": ".worker",
     "EngineTieringSpec": ".tiering",
@@ -71,6 +73,7 @@ __all__ = [
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",
     "EngineOffloadingWorker",
+    "EngineRemoteTier",
     "EngineTieringSpec",
     "EngineTieringWorker",
     "parse_extra_config",

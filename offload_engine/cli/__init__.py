@@ -143,10 +143,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--tier",
-        choices=("host", "disk"),
+        choices=("host", "disk", "remote"),
         default="host",
         help="host (default): host-memory and GPU cases; disk: the disk tier against fio and "
-        "vLLM's fs tier in --dir",
+        "vLLM's fs tier in --dir; remote: a remote store against its raw client, on a server "
+        "started on 127.0.0.1 (--backend)",
+    )
+    bench.add_argument(
+        "--backend",
+        choices=("redis", "mooncake", "both"),
+        default="redis",
+        help="--tier remote: the store (default redis)",
     )
     bench.add_argument(
         "--dir",

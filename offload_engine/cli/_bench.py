@@ -21,6 +21,7 @@ from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 from offload_engine.bench.rigs import RigShape
 from offload_engine.cli._console import progress_bar
+from offload_engine.cli._report import report_header
 
 SCHEMA = "offload-engine-bench/1"
 BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
@@ -148,10 +149,13 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     if getattr(args, "tier", "host") == "disk":
         return cmd_bench_disk(args)
+    if getattr(args, "tier", "host") == "remote":
+        from offload_engine.cli._bench_remote import cmd_bench_remote
+
+        return cmd_bench_remote(args)
     from rich.console import Console
     from rich.table import Table
 
-    from offload_engine import __version__
     from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.overhead import backends, run_overhead
@@ -220,12 +224,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     throughput_figure(results.sweep, label, day, out_dir / THROUGHPUT_PNG, note)
     latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
     report = {
-        "schema": SCHEMA,
-        "command": shlex.join(["offload-engine", *args.argv]),
-        "date": day,
-        "offload_engine": __version__,
-        "quick": args.quick,
-        "machine": {**machine.as_dict(), "label": label},
+        **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "runtimes": [asdict(r) for r in found],
         "plan": asdict(plan),
         "gpu": gpu_status,

@@ -1,0 +1,99 @@
+"""``offload-engine bench --tier remote --backend redis|mooncake``: the remote tier
+against its backend's raw client (and redis-benchmark), on a server it starts on
+127.0.0.1. Writes ``remote-report.json`` into the output directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from datetime import date
+from pathlib import Path
+
+from offload_engine.cli._console import progress_bar
+
+REMOTE_REPORT = "remote-report.json"
+SCHEMA = "offload-engine-bench-remote/1"
+
+
+def cmd_bench_remote(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from offload_engine.bench.machine import Machine
+    from offload_engine.bench.remote import RemotePlan, run_remote_bench
+    from offload_engine.cli._report import report_header
+
+    out = Console(highlight=False, soft_wrap=True)
+    err = Console(stderr=True, highlight=False, soft_wrap=True)
+    plan = RemotePlan.quick() if args.quick else RemotePlan()
+    backends = ["redis", "mooncake"] if args.backend == "both" else [args.backend]
+    steps = len(plan.chunk_mib) * len(plan.concurrency) * len(backends)
+    points = []
+    with progress_bar(err) as progress:
+        task = progress.add_task("bench remote", total=steps)
+
+        def tick(what: str) -> None:
+            progress.update(task, advance=1, description=what)
+
+        for backend in backends:
+            points += run_remote_bench(backend, plan, tick=tick)
+
+    machine = Machine.detect()
+    label = args.machine_label or machine.label()
+    day = date.today().isoformat()
+    table = Table(
+        title=f"Remote tier on loopback: engine vs raw client, GB/s ({label}, {day})",
+        title_justify="left",
+    )
+    for col in (
+        "backend",
+        "chunk MiB",
+        "jobs",
+        "engine put",
+        "raw put",
+        "ratio",
+        "engine get",
+        "raw get",
+        "ratio",
+        "submit us/chunk",
+        "CPU ms/MiB put e/r",
+        "get e/r",
+        "r-bench set",
+        "r-bench get",
+    ):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    for p in points:
+        table.add_row(
+            p.backend,
+            f"{p.chunk_bytes / 2**20:g}",
+            str(p.concurrency),
+            f"{p.engine_put_gbps:.2f}",
+            f"{p.raw_put_gbps:.2f}",
+            f"{p.put_ratio:.2f}",
+            f"{p.engine_get_gbps:.2f}",
+            f"{p.raw_get_gbps:.2f}",
+            f"{p.get_ratio:.2f}",
+            f"{p.submit_us_per_chunk:.1f}",
+            f"{p.cpu_ms_per_mib[0]:.2f}/{p.cpu_ms_per_mib[1]:.2f}",
+            f"{p.cpu_ms_per_mib[2]:.2f}/{p.cpu_ms_per_mib[3]:.2f}",
+            "-" if p.redis_benchmark_set_gbps is None else f"{p.redis_benchmark_set_gbps:.2f}",
+            "-" if p.redis_benchmark_get_gbps is None else f"{p.redis_benchmark_get_gbps:.2f}",
+        )
+    out.print(table)
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        **report_header(SCHEMA, args, day, machine.as_dict(), label),
+        "plan": {
+            "volume_mib": plan.volume_mib,
+            "chunk_mib": list(plan.chunk_mib),
+            "concurrency": list(plan.concurrency),
+            "chunks_per_job": plan.chunks_per_job,
+            "reps": plan.reps,
+        },
+        "points": [p.as_dict() for p in points],
+        "loopback_cannot_show": ["RDMA", "network latency", "several hosts"],
+    }
+    (out_dir / REMOTE_REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    out.print(f"wrote {out_dir / REMOTE_REPORT}", markup=False)
+    return 0
