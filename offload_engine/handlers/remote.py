@@ -13,7 +13,7 @@ On the wire:
   parallel rank, page bytes, format) use other names and never see each
   other's objects.
 * **objects**: the host block's bytes, then a :class:`~offload_engine.Trailer`
-  (format version, the object's name, length, xxh64). The trailer of block
+  (format version, the object's name, length, xxh3-64). The trailer of block
   ``b`` is built in row ``b`` of a small registered trailer area, so a backend
   that moves bytes from registered memory (Mooncake) sends both parts without
   a copy. Nothing is pickled.

@@ -19,7 +19,7 @@ published file may be torn, and then its checksum fails and it is a miss.
 ``"always"`` also fsyncs the directory after it (durable names).
 
 **Verifying.** A load reads payload and trailer in one ``preadv`` straight into
-the host slot, then checks the trailer's key, length, version and xxh64. A
+the host slot, then checks the trailer's key, length, version and xxh3-64. A
 missing, truncated, corrupted or foreign file is a *miss*: counted, reported in
 :class:`~offload_engine.KeyMissError`, its slot zeroed, and the file dropped.
 
