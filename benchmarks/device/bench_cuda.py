@@ -26,6 +26,7 @@ side stream, against the same bytes as one contiguous pinned copy
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -122,7 +123,11 @@ class Bench:
         self.block_bytes = self.layout.slot_bytes
 
     def engine(
-        self, strategy: CopyStrategy, buffers: int = 2, staging: int = 256 << 20
+        self,
+        strategy: CopyStrategy,
+        buffers: int = 2,
+        staging: int = 256 << 20,
+        inline: int | None = None,
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
         cfg = DeviceHandlerConfig(
             strategy=strategy,
@@ -131,6 +136,8 @@ class Bench:
             max_inflight=8,
             streams=self.streams,
         )
+        if inline is not None:
+            cfg = dataclasses.replace(cfg, inline_launch_blocks=inline)
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
 
@@ -294,8 +301,11 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     runtime = CudaRuntime()
     bench = Bench(runtime, 16, 1536)
-    for strategy in STRATEGIES:
-        engine, store, _ = bench.engine(strategy)
+    default = DeviceHandlerConfig().inline_launch_blocks
+    # each strategy with its default launch (small jobs inline on the loop thread) and
+    # with every job through the launcher thread (inline_launch_blocks=0), side by side
+    for strategy, inline in [(s, i) for s in STRATEGIES for i in (default, 0)]:
+        engine, store, _ = bench.engine(strategy, inline=inline)
         launch_cpu: list[float] = []
         real_enqueue = store._enqueue
 
@@ -332,27 +342,41 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     submit_cpu.append((time.thread_time_ns() - t0) / 1e3)
                 engine.wait(ids)
                 alone_cpu = []
+                latency = []
                 prepare_cpu.clear()
+                launch_back_to_back = statistics.median(launch_cpu)
+                launch_cpu.clear()
+                p0 = time.process_time_ns()
                 for s in specs[:20]:  # one at a time: nothing else of the engine's is running
+                    w0 = time.perf_counter_ns()
                     t0 = time.thread_time_ns()
                     job = engine.submit(s)
                     alone_cpu.append((time.thread_time_ns() - t0) / 1e3)
                     engine.wait([job])
+                    latency.append((time.perf_counter_ns() - w0) / 1e3)
                 row = {
                     "pass": "cpu",
                     "strategy": strategy.value,
+                    "inline_launch_blocks": inline,
                     "blocks_per_job": per_job,
+                    # every thread's CPU per job, one job at a time, and submit to result
+                    "process_alone_us": (time.process_time_ns() - p0) / 1e3 / 20,
+                    "latency_alone_us": statistics.median(latency),
                     "submit_us": statistics.median(submit_cpu),
                     "submit_alone_us": statistics.median(alone_cpu),
-                    "launch_us": statistics.median(launch_cpu),
+                    "launch_us": launch_back_to_back,
+                    "launch_alone_us": statistics.median(launch_cpu),
                     "prepare_alone_us": statistics.median(prepare_cpu),
                 }
                 rows.append(row)
                 print(
-                    f"  {strategy.value:7} {per_job:4} blocks: submit {row['submit_us']:.0f} us "
-                    f"back to back, {row['submit_alone_us']:.0f} us alone (prepare "
-                    f"{row['prepare_alone_us']:.0f} us); launch "
-                    f"{row['launch_us']:.0f} us (median CPU time per job)",
+                    f"  {strategy.value:7} inline<={inline:2} {per_job:4} blocks: submit "
+                    f"{row['submit_us']:.0f} us back to back, {row['submit_alone_us']:.0f} us "
+                    f"alone (prepare {row['prepare_alone_us']:.0f} us); launch "
+                    f"{row['launch_us']:.0f} us back to back, {row['launch_alone_us']:.0f} us "
+                    f"alone (median CPU time per job); alone: "
+                    f"{row['process_alone_us']:.0f} us CPU of all threads per job, "
+                    f"{row['latency_alone_us']:.0f} us submit to result",
                     flush=True,
                 )
         finally:
@@ -370,6 +394,7 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         modes=tuple(tuple(m.split(":")) for m in args.step_modes.split(",")),  # type: ignore[misc]
         steps=args.step_steps,
         reps=args.reps,
+        launcher_variants=args.step_launcher,
     )
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -399,6 +424,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the step"
+    )
+    parser.add_argument(
+        "--step-launcher",
+        action="store_true",
+        help="step pass: also each strategy with every job through the launcher thread",
     )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
@@ -442,9 +472,14 @@ def main() -> int:
             cpu = (
                 f"submit {r['submit_us']:.0f} us (alone {r['submit_alone_us']:.0f} us, prepare "
                 f"{r['prepare_alone_us']:.0f} us) "
-                f"launch {r['launch_us']:.0f} us"
+                f"launch {r['launch_us']:.0f} us (alone {r['launch_alone_us']:.0f} us)"
             )
-            print(f"  cpu  {r['strategy']:7} {r['blocks_per_job']:3} blocks {cpu}")
+            cpu += (
+                f", all threads {r['process_alone_us']:.0f} us, "
+                f"submit to result {r['latency_alone_us']:.0f} us"
+            )
+            what = f"{r['strategy']:7} inline<={r['inline_launch_blocks']:2}"
+            print(f"  cpu  {what} {r['blocks_per_job']:3} blocks {cpu}")
     for r in rows:
         if r["pass"] == "step" and r["variant"] != "none":
             what = f"{r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks {r['variant']:10}"

@@ -36,6 +36,7 @@ other half of the tier into the other half of the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -65,6 +66,7 @@ from offload_engine.testing import FakeHandler
 #: variants measured per (mode, stream, blocks) besides the strategies: nothing moved,
 #: the contiguous floor, and the engine with an instant fake handler (the queue alone)
 BASELINE, FLOOR, INSTANT = "none", "contiguous", "instant"
+LAUNCHER = "/launcher"  # suffix: the strategy with every job through the launcher thread
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,9 @@ class StepPlan:
     steps: int = 30  # timed steps per variant and round
     reps: int = 3  # rounds
     cache_blocks: int = 512
+    #: also run each strategy with every job through the launcher thread
+    #: (``inline_launch_blocks=0``), as variant ``<strategy>/launcher``
+    launcher_variants: bool = False
 
     @classmethod
     def quick(cls) -> StepPlan:
@@ -283,7 +288,10 @@ class StepPlan:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        return (BASELINE, FLOOR, INSTANT, *(s.value for s in self.strategies))
+        names = [s.value for s in self.strategies]
+        if self.launcher_variants:
+            names += [f"{n}{LAUNCHER}" for n in names]
+        return (BASELINE, FLOOR, INSTANT, *names)
 
     @property
     def ticks(self) -> int:
@@ -319,7 +327,11 @@ def run_step_pass(
     try:
         for v in variants:
             special = (BASELINE, FLOOR, INSTANT)
-            config = None if v in special else DeviceHandlerConfig(strategy=CopyStrategy(v))
+            config = None
+            if v not in special:
+                config = DeviceHandlerConfig(strategy=CopyStrategy(v.removesuffix(LAUNCHER)))
+                if v.endswith(LAUNCHER):
+                    config = dataclasses.replace(config, inline_launch_blocks=0)
             movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(blocks), config)
         for mode, stream_kind in modes:  # warm every mode up before the first timed step
             warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
