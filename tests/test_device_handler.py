@@ -194,8 +194,8 @@ def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(fake: FakeRunti
     real = store._enqueue
 
     def held(plan: DevicePlan) -> None:
-        launched_by.append((plan.blocks, threading.current_thread().name))
-        if plan.blocks > 2:
+        launched_by.append((plan.units, threading.current_thread().name))
+        if plan.units > 2:
             gate.wait()  # the big job is still being launched when the small one comes
         real(plan)
 
@@ -215,7 +215,7 @@ def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(fake: FakeRunti
     assert [(n, name.endswith("-launch")) for n, name in launched_by] == [
         (3, True),
         (1, True),
-        (1, False),  # the launcher was idle: launched on the engine's loop thread
+        (1, False),  # the launcher was idle: launched by the submitting thread
     ]
     tier.release()
 

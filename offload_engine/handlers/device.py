@@ -75,11 +75,13 @@ class DeviceHandlerConfig:
     ``max_inflight``: jobs launched and not yet finished.
     ``close_timeout``: how long close waits for device work already abandoned
     by the engine before reporting the device broken.
-    ``inline_launch_blocks``: a job of at most this many blocks is launched on
-    the thread that hands it over (the engine's loop thread) when the launcher
-    thread has nothing pending, which spares one thread wake-up per job; larger
-    jobs, and jobs behind them, go through the launcher thread. 0 sends every
-    job through the launcher thread.
+    ``inline_launch_blocks``: a job of at most this many blocks (``dma``: block
+    regions, one copy descriptor each) is put on the streams by the thread that
+    submits it, or by the engine's loop thread if others were queued, when the
+    launcher thread has nothing pending; this spares one or two thread wake-ups
+    per job. Larger jobs, and jobs behind them, go through the launcher thread.
+    0 sends every job through the launcher thread and the engine's loop, as
+    does a runtime whose launches may wait (``nonblocking_launch`` false: NPU).
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -119,7 +121,9 @@ class DevicePlan:
     # since a device error surfaces at the next event recorded on its own stream
     checks: list[Any] = field(default_factory=list)
     ids: IdBuffer | None = None  # the job's block ids on their way up; reused when done
-    blocks: int = 0  # blocks the job moves, every group together
+    # what the launch costs: blocks moved (every group together), or for dma the
+    # copy descriptors before merging (blocks x regions)
+    units: int = 0
 
 
 class _Staging:
@@ -195,6 +199,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.src, self.dst = (runtime.medium, Medium.CPU) if store else (Medium.CPU, runtime.medium)
         self.ordered = True
         self.max_inflight = config.max_inflight
+        # an idle handler's small job is launched by the submitting thread (launch
+        # calls never overlap); see launch
+        self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
+        self.launch_in_submitter = self._inline_units > 0
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
@@ -226,6 +234,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 "regions and tier slots"
             )
         self._stage_rows = rows
+        self._regions = [len(g) for g in layout.groups]
         min_region = min(r.size for g in layout.groups for r in g)
         self._auto = (
             CopyStrategy.DMA
@@ -269,6 +278,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # the same regions as torch byte views, for runtimes that copy with torch ops
         self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
         self._tier_base = self.tier.memory.data_ptr()
+        # every tier row's address, computed once: a staged piece's host side is one
+        # index into it instead of three array operations per job
+        self._tier_rows = np.uint64(self._tier_base) + np.arange(
+            self.tier.memory.shape[0], dtype=np.uint64
+        ) * np.uint64(self.tier.slot_bytes)
         # each group's bytes per staging row, as a descriptor size column
         rows = max(self._stage_rows, 1)
         self._used_sizes = [np.full(rows, b, dtype=np.uint64) for b in self.layout.group_bytes]
@@ -375,17 +389,22 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         )
         ready = self._event()
         self.runtime.record_current(ready)
-        blocks = sum(int(m.cache_ids.shape[0]) for m in job.groups)
-        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready], blocks=blocks)
+        if strategy is CopyStrategy.DMA:  # one descriptor per block region, each ~1 us
+            units = sum(int(m.cache_ids.shape[0]) * self._regions[m.group] for m in job.groups)
+        else:
+            units = sum(int(m.cache_ids.shape[0]) for m in job.groups)
+        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready], units=units)
 
     # ------------------------------------------------------------ launch
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
-        # A small job goes on the streams right here (the engine's loop thread) when
-        # the launcher has nothing pending, so jobs still launch in order; this spares
-        # the launcher's wake-up and its GIL hand-off, which cost more than the launch.
-        # Only this thread adds to ``_pending``, so a zero read here stays zero.
-        if self._pending == 0 and job.prepared.blocks <= self.config.inline_launch_blocks:
+        # A small job goes on the streams right here (the submitting thread when the
+        # engine's queue for this handler was empty, else the engine's loop thread)
+        # when the launcher thread has nothing pending, so jobs still launch in order;
+        # this spares the loop's and the launcher's wake-ups and GIL hand-offs, which
+        # cost more than the launch itself. Launch calls never overlap and only they
+        # add to ``_pending``, so a zero read here stays zero.
+        if self._pending == 0 and 0 < job.prepared.units <= self._inline_units:
             self._launch_one(job)
             return
         with self._pending_lock:
@@ -510,13 +529,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 rt.wait_event(stream, self._last_effect)
         # every group's ids in one upload, before any piece
         ids = self._upload_ids(plan, sm, [m.cache_ids for m in plan.groups])
-        tier_base = np.uint64(self._tier_base)
-        slot_bytes = np.uint64(self.tier.slot_bytes)
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
         for m, group_ids in zip(plan.groups, ids, strict=True):
             n = int(m.cache_ids.shape[0])
-            tier_rows = tier_base + m.slots.astype(np.uint64) * slot_bytes
+            tier_rows = self._tier_rows[m.slots]
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
