@@ -24,6 +24,7 @@ from offload_engine import (
     gpu_blocks,
     npu_blocks,
 )
+from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceCopyHandler,
@@ -75,7 +76,7 @@ def round_trip(
     factor: int,
     *,
     staging_blocks: int = 2,
-    inline_launch_blocks: int = 64,
+    launch: str = "loop",
 ) -> None:
     """Store random blocks (mid tier block, every group), load them elsewhere, compare
     bit for bit; destination blocks and tier start poisoned, and skipped slots stay so.
@@ -98,7 +99,7 @@ def round_trip(
     cfg = DeviceHandlerConfig(
         strategy=strategy,
         staging_bytes=2 * staging_blocks * layout.slot_bytes,
-        inline_launch_blocks=inline_launch_blocks,
+        **LAUNCH_MODES[launch],
     )
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     try:
@@ -134,11 +135,11 @@ def round_trip(
 @pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
-@pytest.mark.parametrize("inline", [64, 0], ids=["inline-launch", "launcher-thread"])
+@pytest.mark.parametrize("launch", ["loop", "submitter", "launcher"])
 def test_round_trip_every_layout_and_strategy(
-    fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int, inline: int
+    fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int, launch: str
 ) -> None:
-    round_trip(fake, fake.empty, kind, strategy, factor, inline_launch_blocks=inline)
+    round_trip(fake, fake.empty, kind, strategy, factor, launch=launch)
 
 
 def test_a_store_waits_for_compute_writing_its_blocks(fake: FakeRuntime) -> None:
@@ -183,11 +184,17 @@ def test_jobs_take_effect_in_submission_order(fake: FakeRuntime) -> None:
     tier.release()
 
 
-def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(fake: FakeRuntime) -> None:
+@pytest.mark.parametrize("submitter", [False, True])
+def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(
+    fake: FakeRuntime, submitter: bool
+) -> None:
     layout = build_layout("flashinfer", fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 4)
     store, _ = make_device_handlers(
-        fake, layout, tier, config(CopyStrategy.STAGED, layout, inline_launch_blocks=2)
+        fake,
+        layout,
+        tier,
+        config(CopyStrategy.STAGED, layout, inline_launch_blocks=2, submitter_launch=submitter),
     )
     gate = threading.Event()
     launched_by: list[tuple[int, str]] = []
@@ -200,7 +207,7 @@ def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(fake: FakeRunti
         real(plan)
 
     store._enqueue = held  # type: ignore[method-assign]
-    with SyncOffloadingEngine([store]) as engine:
+    with SyncOffloadingEngine([store], thread_name="loop") as engine:
         big = engine.submit(TransferSpec(gpu_blocks([0, 1, 2]), cpu_blocks([0, 1, 2])))
         small = engine.submit(TransferSpec(gpu_blocks([5]), cpu_blocks([0])))
         with pytest.raises(TimeoutError):  # queued behind the big job, not launched ahead
@@ -212,17 +219,17 @@ def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(fake: FakeRunti
         [late] = engine.wait([engine.submit(TransferSpec(gpu_blocks([6]), cpu_blocks([3])))])
         assert late.success
     assert tier.memory[3].numpy().tobytes() == cache_block_bytes(layout, 6)
-    assert [(n, name.endswith("-launch")) for n, name in launched_by] == [
-        (3, True),
-        (1, True),
-        (1, False),  # the launcher was idle: launched by the submitting thread
-    ]
+    here = threading.current_thread().name if submitter else "loop"
+    assert [(n, name.endswith("-launch")) for n, name in launched_by[:2]] == [(3, True), (1, True)]
+    assert launched_by[2] == (1, here)  # the launcher was idle: launched without it
     tier.release()
 
 
-def test_inline_launch_blocks_is_checked() -> None:
+def test_inline_launch_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="inline_launch_blocks"):
         DeviceHandlerConfig(inline_launch_blocks=-1)
+    with pytest.raises(ConfigError, match="submitter_launch"):
+        DeviceHandlerConfig(submitter_launch=1)  # type: ignore[arg-type]
 
 
 def test_a_failed_copy_fails_its_job_and_later_jobs_run(fake: FakeRuntime) -> None:

@@ -26,7 +26,6 @@ side stream, against the same bytes as one contiguous pinned copy
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceCopyHandler,
@@ -127,7 +127,7 @@ class Bench:
         strategy: CopyStrategy,
         buffers: int = 2,
         staging: int = 256 << 20,
-        inline: int | None = None,
+        launch: str = "loop",
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
         cfg = DeviceHandlerConfig(
             strategy=strategy,
@@ -135,9 +135,8 @@ class Bench:
             staging_buffers=buffers,
             max_inflight=8,
             streams=self.streams,
+            **LAUNCH_MODES[launch],
         )
-        if inline is not None:
-            cfg = dataclasses.replace(cfg, inline_launch_blocks=inline)
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
 
@@ -301,11 +300,10 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     runtime = CudaRuntime()
     bench = Bench(runtime, 16, 1536)
-    default = DeviceHandlerConfig().inline_launch_blocks
-    # each strategy with its default launch (small jobs inline on the loop thread) and
-    # with every job through the launcher thread (inline_launch_blocks=0), side by side
-    for strategy, inline in [(s, i) for s in STRATEGIES for i in (default, 0)]:
-        engine, store, _ = bench.engine(strategy, inline=inline)
+    # each strategy with each launch mode side by side (LAUNCH_MODES: small jobs
+    # enqueued on the engine's loop, the submitting thread or the launcher thread)
+    for strategy, launch in [(s, m) for s in STRATEGIES for m in args.launch_modes]:
+        engine, store, _ = bench.engine(strategy, launch=launch)
         launch_cpu: list[float] = []
         real_enqueue = store._enqueue
 
@@ -357,7 +355,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                 row = {
                     "pass": "cpu",
                     "strategy": strategy.value,
-                    "inline_launch_blocks": inline,
+                    "launch": launch,
                     "blocks_per_job": per_job,
                     # every thread's CPU per job, one job at a time, and submit to result
                     "process_alone_us": (time.process_time_ns() - p0) / 1e3 / 20,
@@ -370,7 +368,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                 }
                 rows.append(row)
                 print(
-                    f"  {strategy.value:7} inline<={inline:2} {per_job:4} blocks: submit "
+                    f"  {strategy.value:7} {launch:9} {per_job:4} blocks: submit "
                     f"{row['submit_us']:.0f} us back to back, {row['submit_alone_us']:.0f} us "
                     f"alone (prepare {row['prepare_alone_us']:.0f} us); launch "
                     f"{row['launch_us']:.0f} us back to back, {row['launch_alone_us']:.0f} us "
@@ -394,7 +392,7 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         modes=tuple(tuple(m.split(":")) for m in args.step_modes.split(",")),  # type: ignore[misc]
         steps=args.step_steps,
         reps=args.reps,
-        launcher_variants=args.step_launcher,
+        launch_modes=tuple(m for m in args.launch_modes if m != "loop"),
     )
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -426,9 +424,10 @@ def main() -> int:
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the step"
     )
     parser.add_argument(
-        "--step-launcher",
-        action="store_true",
-        help="step pass: also each strategy with every job through the launcher thread",
+        "--launch-modes",
+        default="loop,submitter,launcher",
+        help="cpu pass: where small jobs launch (LAUNCH_MODES); the step pass adds the "
+        "modes other than loop as variants <strategy>/<mode>",
     )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
@@ -437,6 +436,7 @@ def main() -> int:
     args.per_job = [int(t) for t in args.per_job.split(",")]
     args.strategies = [CopyStrategy(t) for t in args.strategies.split(",")]
     args.step_blocks = [int(t) for t in args.step_blocks.split(",")]
+    args.launch_modes = args.launch_modes.split(",")
     if args.streams is not None:
         Bench.streams = args.streams
     rows: list[dict[str, Any]] = []
@@ -478,7 +478,7 @@ def main() -> int:
                 f", all threads {r['process_alone_us']:.0f} us, "
                 f"submit to result {r['latency_alone_us']:.0f} us"
             )
-            what = f"{r['strategy']:7} inline<={r['inline_launch_blocks']:2}"
+            what = f"{r['strategy']:7} {r['launch']:9}"
             print(f"  cpu  {what} {r['blocks_per_job']:3} blocks {cpu}")
     for r in rows:
         if r["pass"] == "step" and r["variant"] != "none":

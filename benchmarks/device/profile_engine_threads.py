@@ -1,13 +1,14 @@
 """CPU time per job in each of the engine's threads, small device jobs one step at a time.
 
     python benchmarks/device/profile_engine_threads.py [--jobs 2000] [--blocks 8]
-        [--inline 64,0] [--strategy staged]
+        [--launch loop,submitter,launcher] [--strategy staged]
 
 Each "step" submits one load and one store of ``--blocks`` blocks (16-token
 Llama-3-8B-shaped blocks in a FlashAttention layout), waits for both, and polls
-nothing else, so every thread's CPU time is this work's. For each
-``inline_launch_blocks`` value it prints the CPU time per job of the caller, the
-engine's loop thread, each handler's launcher and watcher, and the whole process
+nothing else, so every thread's CPU time is this work's. For each launch mode
+(``offload_engine.bench.step.LAUNCH_MODES``: where small jobs are enqueued) it
+prints the CPU time per job of the caller, the engine's loop thread, each
+handler's launcher and watcher, and the whole process
 (``time.pthread_getcpuclockid``), and the wall time per step. Run it under a
 sampling profiler (``py-spy record -r 1000 -f raw -- python ...``) to see where
 each thread's time goes. Needs a CUDA device.
@@ -28,6 +29,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
+from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceHandlerConfig,
@@ -57,7 +59,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=2000, help="steps (a load and a store each)")
     parser.add_argument("--blocks", type=int, default=8)
-    parser.add_argument("--inline", default="64,0", help="inline_launch_blocks values")
+    parser.add_argument("--launch", default="loop,submitter,launcher", help="launch modes")
     parser.add_argument("--strategy", default="staged")
     args = parser.parse_args()
     runtime = CudaRuntime()
@@ -78,8 +80,8 @@ def main() -> int:
 
     specs = [step_specs() for _ in range(args.jobs)]
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
-    for inline in (int(v) for v in args.inline.split(",")):
-        cfg = DeviceHandlerConfig(strategy=CopyStrategy(args.strategy), inline_launch_blocks=inline)
+    for launch in args.launch.split(","):
+        cfg = DeviceHandlerConfig(strategy=CopyStrategy(args.strategy), **LAUNCH_MODES[launch])
         store, load = make_device_handlers(runtime, layout, tier, cfg)
         with SyncOffloadingEngine([store, load]) as engine:
             for ld, st in specs[:50]:  # warm-up
@@ -93,7 +95,7 @@ def main() -> int:
             after = thread_clocks()
         jobs = 2 * args.jobs
         print(
-            f"{args.strategy} {n} blocks, inline_launch_blocks={inline}: "
+            f"{args.strategy} {n} blocks, launched on the {launch}: "
             f"{wall / 1e3 / args.jobs:.0f} us wall per step, "
             f"{process / 1e3 / jobs:.0f} us process CPU per job",
             flush=True,

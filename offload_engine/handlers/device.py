@@ -76,12 +76,15 @@ class DeviceHandlerConfig:
     ``close_timeout``: how long close waits for device work already abandoned
     by the engine before reporting the device broken.
     ``inline_launch_blocks``: a job of at most this many blocks (``dma``: block
-    regions, one copy descriptor each) is put on the streams by the thread that
-    submits it, or by the engine's loop thread if others were queued, when the
-    launcher thread has nothing pending; this spares one or two thread wake-ups
-    per job. Larger jobs, and jobs behind them, go through the launcher thread.
-    0 sends every job through the launcher thread and the engine's loop, as
-    does a runtime whose launches may wait (``nonblocking_launch`` false: NPU).
+    regions, one copy descriptor each) is put on the streams by the engine's
+    loop thread when the launcher thread has nothing pending, which spares the
+    launcher's wake-up; larger jobs, and jobs behind them, go through the
+    launcher thread. 0 sends every job through the launcher thread, as does a
+    runtime whose launches may wait (``nonblocking_launch`` false: NPU).
+    ``submitter_launch``: such small jobs are launched by the thread that
+    submits them when nothing is queued before them, sparing the loop's wake-up
+    too: the least CPU per job in all, but the submitter pays the launch (a CUDA
+    graph step then starts later; see docs/performance.md).
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -92,8 +95,11 @@ class DeviceHandlerConfig:
     max_inflight: int = 16
     close_timeout: float = 30.0
     inline_launch_blocks: int = 64
+    submitter_launch: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.submitter_launch, bool):
+            raise ConfigError(f"submitter_launch must be a bool, got {self.submitter_launch!r}")
         if not isinstance(self.strategy, CopyStrategy):
             raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
         for key in ("staging_bytes", "dma_min_chunk_bytes", "inline_launch_blocks"):
@@ -199,10 +205,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.src, self.dst = (runtime.medium, Medium.CPU) if store else (Medium.CPU, runtime.medium)
         self.ordered = True
         self.max_inflight = config.max_inflight
-        # an idle handler's small job is launched by the submitting thread (launch
-        # calls never overlap); see launch
+        # small jobs launch on the thread that hands them over (see launch): the
+        # engine's loop, or with submitter_launch the submitting thread
         self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
-        self.launch_in_submitter = self._inline_units > 0
+        self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
@@ -398,12 +404,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ launch
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
-        # A small job goes on the streams right here (the submitting thread when the
-        # engine's queue for this handler was empty, else the engine's loop thread)
-        # when the launcher thread has nothing pending, so jobs still launch in order;
-        # this spares the loop's and the launcher's wake-ups and GIL hand-offs, which
-        # cost more than the launch itself. Launch calls never overlap and only they
-        # add to ``_pending``, so a zero read here stays zero.
+        # A small job goes on the streams right here (the engine's loop thread, or
+        # with submitter_launch the submitting thread when nothing was queued) when
+        # the launcher thread has nothing pending, so jobs still launch in order; this
+        # spares the launcher's wake-up and GIL hand-offs, which cost more than the
+        # launch itself. Launch calls never overlap and only they add to ``_pending``,
+        # so a zero read here stays zero.
         if self._pending == 0 and 0 < job.prepared.units <= self._inline_units:
             self._launch_one(job)
             return
