@@ -60,6 +60,11 @@ class InvalidBlockIdsError(InvalidTransferError):
     name one destination twice within a job."""
 
 
+class InvalidKeyError(InvalidTransferError):
+    """Keys of a keyed tier are not a sequence of distinct, non-empty ``bytes`` of at
+    most ``MAX_KEY_BYTES`` bytes."""
+
+
 class BlockCountMismatchError(InvalidTransferError):
     """Source and destination block counts disagree once the block factor is applied."""
 
@@ -82,6 +87,26 @@ class HandlerRegistrationError(OffloadError, ValueError):
 
 class ConfigError(OffloadError, ValueError):
     """A configuration value is missing or invalid; the message names the key."""
+
+
+class LayoutMismatchError(ConfigError):
+    """A keyed tier's directory or namespace was written under another layout digest
+    (model, dtype, block size, parallel rank, page bytes or format); it is never read."""
+
+
+class TierUnavailableError(OffloadError, RuntimeError):
+    """A keyed tier's backing store cannot be used (a missing or read-only directory,
+    a server that does not answer); raised at construction, the message says why."""
+
+
+class TrailerError(OffloadError, ValueError):
+    """An object's bytes fail verification against its trailer (truncated, foreign
+    key, other format, length or checksum mismatch). ``reason`` names which check.
+    A keyed tier turns it into a miss; it never loads such bytes."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class LayoutError(OffloadError, ValueError):
@@ -109,3 +134,21 @@ class JobTimeoutError(JobFailedError, TimeoutError):
 
 class JobCancelledError(JobFailedError):
     """The job was cancelled while queued, or abandoned at close."""
+
+
+class KeyMissError(TransferError):
+    """A load found some keys absent or unverifiable (a miss). ``missing`` names
+    them, ``loaded`` names the keys whose bytes were verified and delivered; the
+    slots of missing keys hold no data a caller may use."""
+
+    def __init__(
+        self, message: str, *, missing: tuple[bytes, ...], loaded: tuple[bytes, ...]
+    ) -> None:
+        super().__init__(message)
+        self.missing = missing
+        self.loaded = loaded
+
+
+class TierFullError(TransferError):
+    """A store did not fit: the tier's byte cap could not be met by eviction, or the
+    device ran out of space (ENOSPC, chained as ``__cause__``)."""

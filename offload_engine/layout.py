@@ -125,6 +125,19 @@ def merge_runs(dst: U64, src: U64, sizes: U64) -> tuple[U64, U64, U64]:
     return dst[starts], src[starts], np.add.reduceat(sizes, starts).astype(np.uint64)
 
 
+def slot_byte_offsets(
+    slots: BlockIds, *, slot_bytes: int, factor: int = 1, block_stride: int | None = None
+) -> U64:
+    """Byte offset of each tier slot from the tier's start: ``s * slot_bytes`` when
+    the tier's blocks are back to back (``block_stride`` None or ``factor *
+    slot_bytes``), else ``(s // factor) * block_stride + (s % factor) * slot_bytes``."""
+    ids = slots.astype(np.uint64)
+    if block_stride is None or block_stride == factor * slot_bytes:
+        return ids * np.uint64(slot_bytes)
+    f = np.uint64(factor)
+    return (ids // f) * np.uint64(block_stride) + (ids % f) * np.uint64(slot_bytes)
+
+
 def chunk_descriptors(
     tables: RegionTables,
     cache_ids: BlockIds,
@@ -133,16 +146,19 @@ def chunk_descriptors(
     tier_base: int,
     slot_bytes: int,
     direction: Direction,
+    factor: int = 1,
+    block_stride: int | None = None,
 ) -> tuple[U64, U64, U64]:
     """``(dst, src, sizes)`` for every (block, region) chunk of one group, in
-    block-major order (a block's regions are adjacent in its tier slot), merged."""
+    block-major order (a block's regions are adjacent in its tier slot), merged.
+    ``factor`` and ``block_stride`` place the slots of a tier with gaps between
+    its blocks (:func:`slot_byte_offsets`)."""
     ids = cache_ids.astype(np.uint64)[:, None]
     cache = (tables.base[None, :] + ids * tables.stride[None, :]).ravel()
-    tier = (
-        np.uint64(tier_base)
-        + slots.astype(np.uint64)[:, None] * np.uint64(slot_bytes)
-        + tables.slot_offset[None, :]
-    ).ravel()
+    offsets = slot_byte_offsets(
+        slots, slot_bytes=slot_bytes, factor=factor, block_stride=block_stride
+    )
+    tier = (np.uint64(tier_base) + offsets[:, None] + tables.slot_offset[None, :]).ravel()
     sizes = np.broadcast_to(tables.size, (cache_ids.shape[0], tables.size.shape[0])).ravel()
     if direction is Direction.STORE:
         return merge_runs(tier, cache, sizes)

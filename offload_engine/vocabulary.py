@@ -7,9 +7,12 @@ two kinds of block store:
   model computes on. It lives on a GPU, an NPU, or in host memory (vLLM's CPU
   backend). Its spec carries the KV-group structure and the logical index of
   each group's first block, which decides how a partial tier block is skipped.
-* an **offload tier** (:class:`TierBlocks`): host memory now, disk or a remote
-  store later. One tier block holds ``factor`` cache blocks (the block-size
-  factor, vLLM's ``blocks_per_chunk``).
+* an **offload tier** (:class:`TierBlocks`): host memory. One tier block holds
+  ``factor`` cache blocks (the block-size factor, vLLM's ``blocks_per_chunk``).
+* a **keyed tier** (:class:`KeyedBlocks`): local disk or a remote store, where
+  a block is named by a ``bytes`` key (vLLM's ``OffloadKey``: block hash plus
+  group index), not by a slot index. Keyed tiers move whole host-tier blocks:
+  a job pairs host-tier blocks (:class:`TierBlocks` on ``Medium.CPU``) with keys.
 
 The engine routes a job by ``(src.medium, dst.medium)``; the handler for that
 pair decides from the spec classes whether it is a store (cache -> tier) or a
@@ -20,14 +23,14 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 
-from offload_engine.errors import InvalidBlockIdsError, InvalidTransferError
+from offload_engine.errors import InvalidBlockIdsError, InvalidKeyError, InvalidTransferError
 
 BlockIds: TypeAlias = npt.NDArray[np.int64]
 BlockIdsLike: TypeAlias = "Sequence[int] | npt.NDArray[np.integer]"
@@ -178,6 +181,91 @@ class TierBlocks(BlockSpec):
     """Blocks of an offload tier; each holds ``factor`` KV-cache blocks."""
 
 
+KEYED_MEDIA = frozenset({Medium.DISK, Medium.REMOTE})
+"""The media whose blocks are named by key (:class:`KeyedBlocks`)."""
+
+MAX_KEY_BYTES = 120
+"""The longest key a keyed tier takes. A disk tier names each file by its key in
+hex, and 240 hex digits plus a suffix stay within a file name's 255 bytes."""
+
+
+def as_keys(values: object, *, what: str = "keys") -> tuple[bytes, ...]:
+    """Validate ``values`` and return them as a tuple of ``bytes``.
+
+    Accepts a sequence (or other iterable with a length) of ``bytes``,
+    ``bytearray`` or ``memoryview`` items; each becomes its own immutable copy,
+    so the result never aliases caller memory. Refuses a bare ``bytes``/``str``,
+    non-bytes items, an empty key, a key over :data:`MAX_KEY_BYTES` bytes and a
+    key named twice, with :class:`InvalidKeyError`.
+    """
+    if isinstance(values, (str, bytes, bytearray, memoryview)) or not hasattr(values, "__len__"):
+        raise InvalidKeyError(
+            f"{what} must be a sequence of bytes keys, got {type(values).__name__}"
+        )
+    out: list[bytes] = []
+    items: Iterable[object] = values  # type: ignore[assignment]
+    for i, key in enumerate(items):
+        if not isinstance(key, (bytes, bytearray, memoryview)):
+            raise InvalidKeyError(f"{what}[{i}] must be bytes, got {type(key).__name__}")
+        data = bytes(key)
+        if not data:
+            raise InvalidKeyError(f"{what}[{i}] is empty")
+        if len(data) > MAX_KEY_BYTES:
+            raise InvalidKeyError(
+                f"{what}[{i}] has {len(data)} bytes; keys hold at most {MAX_KEY_BYTES}"
+            )
+        out.append(data)
+    keys = tuple(out)
+    if len(set(keys)) != len(keys):
+        seen: set[bytes] = set()
+        for key in keys:
+            if key in seen:
+                raise InvalidKeyError(f"{what} names key {key.hex()} twice")
+            seen.add(key)
+    return keys
+
+
+@dataclass(frozen=True, eq=False)
+class KeyedBlocks:
+    """Blocks of a keyed tier (disk, remote store), named by ``bytes`` keys.
+
+    ``keys`` is validated at construction (:func:`as_keys`) and held as a tuple
+    of immutable ``bytes`` copies. ``medium`` must be a keyed medium
+    (:data:`KEYED_MEDIA`).
+    """
+
+    medium: Medium
+    keys: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.medium, Medium):
+            raise InvalidTransferError(f"medium must be a Medium, got {self.medium!r}")
+        if self.medium not in KEYED_MEDIA:
+            raise InvalidTransferError(
+                f"KeyedBlocks live on a keyed medium (DISK, REMOTE), got {self.medium.value}"
+            )
+        object.__setattr__(self, "keys", as_keys(self.keys))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __repr__(self) -> str:
+        keys = self.keys
+        shown = [k.hex()[:12] for k in keys[:4]]
+        more = f"...({len(keys)} keys)" if len(keys) > 4 else ""
+        return f"KeyedBlocks({self.medium.value}, {shown}{more})"
+
+
+def disk_blocks(keys: Collection[bytes]) -> KeyedBlocks:
+    """Blocks of the local-disk tier, named by key."""
+    return KeyedBlocks(Medium.DISK, keys)  # type: ignore[arg-type]
+
+
+def remote_blocks(keys: Collection[bytes]) -> KeyedBlocks:
+    """Blocks of a remote store, named by key."""
+    return KeyedBlocks(Medium.REMOTE, keys)  # type: ignore[arg-type]
+
+
 def gpu_blocks(
     block_ids: BlockIdsLike,
     *,
@@ -217,15 +305,16 @@ def cpu_blocks(block_ids: BlockIdsLike) -> TierBlocks:
 class TransferSpec:
     """Move the blocks of ``src`` into the blocks of ``dst``."""
 
-    src: BlockSpec
-    dst: BlockSpec
+    src: BlockSpec | KeyedBlocks
+    dst: BlockSpec | KeyedBlocks
 
     def __post_init__(self) -> None:
         for side in ("src", "dst"):
             value = getattr(self, side)
-            if not isinstance(value, BlockSpec):
+            if not isinstance(value, (BlockSpec, KeyedBlocks)):
                 raise InvalidTransferError(
-                    f"TransferSpec.{side} must be a BlockSpec, got {type(value).__name__}"
+                    f"TransferSpec.{side} must be a BlockSpec or KeyedBlocks, "
+                    f"got {type(value).__name__}"
                 )
 
     @property

@@ -11,6 +11,23 @@ import pytest
 from offload_engine.testing import engine_threads
 
 
+@pytest.fixture
+def ascend(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A fake Ascend machine: ``import torch_npu`` finds the fake torch.npu, libascendcl is
+    the fake library, and the runtime class the platform names builds on them."""
+    import sys
+
+    from offload_engine.runtimes import npu as npu_module
+    from offload_engine.testing import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
+
+    device = FakeAscend()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu_module(device))
+    monkeypatch.setattr(npu_module, "load_ascendcl", lambda: device.acl)
+    monkeypatch.setattr(npu_module, "NpuRuntime", lambda: FakeNpuRuntime(device, via_import=True))
+    yield device
+    device.close()
+
+
 @pytest.fixture(params=["asyncio", "trio"])
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -27,6 +27,13 @@ PUBLIC_API = {
     "TransferResult", "TransferSpec", "UnknownJobError", "WrongThreadError", "__version__",
     "cpu_blocks", "gpu_blocks", "host_cache_blocks", "make_device_handlers", "npu_blocks",
     "pinned_host_tier",
+    # keyed tiers (disk, remote)
+    "InvalidKeyError", "KeyMissError", "KeyedBlocks", "LayoutDigest", "LayoutMismatchError",
+    "TierFullError", "TierUnavailableError", "Trailer", "TrailerError", "disk_blocks",
+    "remote_blocks",
+    # the disk tier
+    "DiskHandler", "DiskStore", "DiskStoreStats", "EvictionPolicy", "LRUPolicy", "disk_handlers",
+    "page_aligned_tier",
 }  # fmt: skip
 
 #: the public modules below the top level; every other offload_engine.* module is private

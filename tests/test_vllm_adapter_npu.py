@@ -12,9 +12,7 @@ over them avoids the three defects found in review of vllm-ascend's first NPU of
 from __future__ import annotations
 
 import logging
-import sys
 import threading
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -34,9 +32,8 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.handlers.device import DeviceCopyHandler
-from offload_engine.runtimes import npu as npu_module
 from offload_engine.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
-from offload_engine.testing import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
+from offload_engine.testing import FakeAscend
 
 GROUPS = (((0, 240), (1, 240)), ((2, 160),))
 
@@ -45,18 +42,6 @@ class NpuPlatform:
     """What the bridge reads of vllm-ascend's ``current_platform``."""
 
     device_type = "npu"
-
-
-@pytest.fixture
-def ascend(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeAscend]:
-    """A fake Ascend machine: ``import torch_npu`` finds the fake torch.npu, libascendcl is
-    the fake library, and the runtime class the platform names builds on them."""
-    device = FakeAscend()
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu_module(device))
-    monkeypatch.setattr(npu_module, "load_ascendcl", lambda: device.acl)
-    monkeypatch.setattr(npu_module, "NpuRuntime", lambda: FakeNpuRuntime(device, via_import=True))
-    yield device
-    device.close()
 
 
 def kv_caches(ascend: FakeAscend, num_blocks: int = 16) -> FakeCanonicalKVCaches:

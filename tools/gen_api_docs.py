@@ -56,6 +56,26 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         ],
     ),
     (
+        "Keyed tiers",
+        "Blocks named by key (disk, remote store), the object trailer every stored object "
+        "carries, and the layout digest that keeps other layouts' bytes out.",
+        ["KeyedBlocks", "disk_blocks", "remote_blocks", "Trailer", "LayoutDigest"],
+    ),
+    (
+        "The disk tier",
+        "Files on a local drive behind the CPU <-> DISK handlers: checksummed, published "
+        "atomically, capped with LRU eviction, rebuilt from the directory at start.",
+        [
+            "DiskStore",
+            "DiskStoreStats",
+            "EvictionPolicy",
+            "LRUPolicy",
+            "DiskHandler",
+            "disk_handlers",
+            "page_aligned_tier",
+        ],
+    ),
+    (
         "Layouts and the host tier",
         "How the KV cache is laid out in memory, and the host-memory pool blocks are offloaded to.",
         ["KVLayout", "Region", "HostTier"],

@@ -1,14 +1,21 @@
-"""offload-engine for vLLM: ``EngineOffloadingSpec`` for vLLM's OffloadingConnector.
+"""offload-engine for vLLM: two specs for vLLM's OffloadingConnector.
 
-Load it with no patching::
+``EngineOffloadingSpec``: a private host tier per worker. ``EngineTieringSpec``:
+vLLM's multi-tier offloading (its CPU primary tier in the shared offload
+region, and vLLM's secondary tiers such as ``fs`` behind it), with
+offload-engine moving the worker's bytes. Load either with no patching::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "EngineOffloadingSpec",
         "spec_module_path": "connectors.vllm", "cpu_bytes_to_use": 4000000000}}'
 
-Importing this package does not import vLLM: the config, layout and platform
-modules are vLLM-free, and :class:`EngineOffloadingSpec` and
-:class:`EngineOffloadingWorker` are imported (with vLLM) on first access.
+Importing this package does not import vLLM: the config, compat, layout and
+platform modules are vLLM-free, and the specs and workers are imported (with
+vLLM) on first access.
+``EngineDiskTier`` (also lazy) is the engine's disk tier as a vLLM secondary
+tier: ``{"type": "EngineDiskTier", "module_path": "connectors.vllm", "path": ...,
+"capacity_bytes": ...}`` in ``secondary_tiers``.
+
 See docs/vllm.md.
 """
 
@@ -20,15 +27,19 @@ from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
 from connectors.vllm.platform import Backend, select_backend
 
 if TYPE_CHECKING:
+    from connectors.vllm.disk_tier import EngineDiskTier
     from connectors.vllm.spec import EngineOffloadingSpec
+    from connectors.vllm.tiering import EngineTieringSpec, EngineTieringWorker
     from connectors.vllm.worker import EngineOffloadingWorker
 
-#: The vLLM releases this adapter is written and tested against.
-SUPPORTED_VLLM = ("0.32.0",)
+from connectors.vllm.compat import SUPPORTED_VLLM
 
 _LAZY = {
+    "EngineDiskTier": "connectors.vllm.disk_tier",
     "EngineOffloadingSpec": "connectors.vllm.spec",
     "EngineOffloadingWorker": "connectors.vllm.worker",
+    "EngineTieringSpec": "connectors.vllm.tiering",
+    "EngineTieringWorker": "connectors.vllm.tiering",
 }
 
 
@@ -56,9 +67,12 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SUPPORTED_VLLM",
     "Backend",
+    "EngineDiskTier",
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",
     "EngineOffloadingWorker",
+    "EngineTieringSpec",
+    "EngineTieringWorker",
     "parse_extra_config",
     "select_backend",
 ]

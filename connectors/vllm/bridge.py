@@ -32,7 +32,7 @@ import numpy.typing as npt
 
 from connectors.vllm.config import EngineOffloadingConfig
 from connectors.vllm.layout import layout_from_canonical
-from connectors.vllm.platform import select_backend
+from connectors.vllm.platform import TierPlacement, select_backend
 from offload_engine import (
     CacheBlocks,
     Direction,
@@ -286,16 +286,18 @@ def build_bridge(
     *,
     rank: int = 0,
     log: logging.Logger | None = None,
+    placement: TierPlacement | None = None,
 ) -> EngineBridge:
     """Layout, backend, handlers, engine: the worker side, from vLLM's registration.
 
     Raises :class:`LayoutError` for a KV cache the engine cannot move and
     :class:`RuntimeUnavailableError` for a platform without a handler, before
-    any memory is taken.
+    any memory is taken. With a ``placement`` the tier lives in that memory
+    (vLLM's shared offload region) instead of a private allocation.
     """
     layout = layout_from_canonical(kv_caches)
     backend = select_backend(platform)
-    handlers, tier = backend.build(layout, num_tier_blocks, config)
+    handlers, tier = backend.build(layout, num_tier_blocks, config, placement)
     try:
         engine = SyncOffloadingEngine(
             handlers,

@@ -180,7 +180,7 @@ def parse_extra_config(
     if r.bool_("canonical_layout", False):
         r.problems.append(
             "kv_connector_extra_config['canonical_layout'] is not supported by "
-            "EngineOffloadingSpec: its host tier keeps each worker's own page layout"
+            "offload-engine's specs: their host tier keeps each worker's own page layout"
         )
 
     strategy = r.str_("strategy", "auto", f"one of {', '.join(STRATEGIES)}") or "auto"

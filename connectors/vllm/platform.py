@@ -22,7 +22,9 @@ import importlib
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 from offload_engine import (
@@ -39,10 +41,43 @@ from offload_engine import (
     pinned_host_tier,
 )
 
-#: ``build(layout, num_tier_blocks, config) -> (handlers, tier)``
-BuildHandlers = Callable[
-    [KVLayout, int, EngineOffloadingConfig], tuple[list[TransferHandler[Any]], HostTier]
-]
+
+@dataclass(frozen=True)
+class TierPlacement:
+    """Where the host tier lives when its memory is someone else's (vLLM's shared
+    offload region): block ``b`` is ``page_bytes`` at ``offset + b * block_stride``
+    of ``buffer``, a contiguous ``(rows, row_bytes)`` byte tensor. ``owner`` names
+    it in errors."""
+
+    buffer: torch.Tensor
+    offset: int
+    page_bytes: int
+    block_stride: int
+    owner: str
+
+    def tier_kwargs(self) -> dict[str, Any]:
+        """The keywords :meth:`HostTier.over` and :func:`pinned_host_tier` take."""
+        return {
+            "buffer": self.buffer,
+            "offset": self.offset,
+            "page_bytes": self.page_bytes,
+            "block_stride": self.block_stride,
+            "owner": self.owner,
+        }
+
+
+class BuildHandlers(Protocol):
+    """``build(layout, num_tier_blocks, config, placement) -> (handlers, tier)``;
+    without a placement the tier is allocated privately."""
+
+    def __call__(
+        self,
+        layout: KVLayout,
+        num_tier_blocks: int,
+        config: EngineOffloadingConfig,
+        placement: TierPlacement | None = None,
+    ) -> tuple[list[TransferHandler[Any]], HostTier]: ...
+
 
 #: The device runtime of each platform, as ``module:class``, imported on selection.
 CUDA_RUNTIME = "offload_engine:CudaRuntime"
@@ -62,7 +97,10 @@ class Backend:
 
 
 def build_host_handlers(
-    layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
+    layout: KVLayout,
+    num_tier_blocks: int,
+    config: EngineOffloadingConfig,
+    placement: TierPlacement | None = None,
 ) -> tuple[list[TransferHandler[Any]], HostTier]:
     """CPU platform: one HostCopyHandler serves stores and loads (CPU <-> CPU)."""
     if config.strategy != "auto" or config.staging_bytes != DEFAULT_STAGING_BYTES:
@@ -70,7 +108,15 @@ def build_host_handlers(
             "offload-engine: 'strategy' and 'staging_bytes' apply to device handlers; "
             "ignored on vLLM's CPU platform"
         )
-    tier = HostTier.for_layout(layout, num_tier_blocks, factor=config.blocks_per_chunk)
+    if placement is None:
+        tier = HostTier.for_layout(layout, num_tier_blocks, factor=config.blocks_per_chunk)
+    else:
+        tier = HostTier.over(
+            num_blocks=num_tier_blocks,
+            slot_bytes=layout.slot_bytes,
+            factor=config.blocks_per_chunk,
+            **placement.tier_kwargs(),
+        )
     try:
         handler = HostCopyHandler(layout, tier, workers=config.host_workers)
     except BaseException:
@@ -80,10 +126,18 @@ def build_host_handlers(
 
 
 def build_device_handlers(
-    runtime: DeviceRuntime, layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
+    runtime: DeviceRuntime,
+    layout: KVLayout,
+    num_tier_blocks: int,
+    config: EngineOffloadingConfig,
+    placement: TierPlacement | None = None,
 ) -> tuple[list[TransferHandler[Any]], HostTier]:
-    """A device platform: a store and a load handler over one pinned host tier."""
-    tier = pinned_host_tier(runtime, layout, num_tier_blocks, factor=config.blocks_per_chunk)
+    """A device platform: a store and a load handler over one pinned host tier
+    (the placement's memory registered with the runtime, never copied)."""
+    where = placement.tier_kwargs() if placement is not None else {}
+    tier = pinned_host_tier(
+        runtime, layout, num_tier_blocks, factor=config.blocks_per_chunk, **where
+    )
     try:
         handlers = make_device_handlers(
             runtime,
@@ -125,9 +179,12 @@ def _device_backend(name: str, medium: Medium, target: str) -> Backend:
     make_runtime = load_runtime(name, target)
 
     def build(
-        layout: KVLayout, num_tier_blocks: int, config: EngineOffloadingConfig
+        layout: KVLayout,
+        num_tier_blocks: int,
+        config: EngineOffloadingConfig,
+        placement: TierPlacement | None = None,
     ) -> tuple[list[TransferHandler[Any]], HostTier]:
-        return build_device_handlers(make_runtime(), layout, num_tier_blocks, config)
+        return build_device_handlers(make_runtime(), layout, num_tier_blocks, config, placement)
 
     return Backend(name, medium, build)
 

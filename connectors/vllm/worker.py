@@ -39,7 +39,17 @@ class EngineOffloadingWorker(OffloadingWorker):
             dst_spec.block_ids,  # type: ignore[attr-defined]
         )
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+    def submit_load(
+        self,
+        job_id: int,
+        src_spec: LoadStoreSpec,
+        dst_spec: GPULoadStoreSpec,
+        expedited: bool = False,
+    ) -> bool:
+        # vLLM 0.33 marks loads it waits on within the step as expedited; the
+        # engine runs a handler's jobs in submission order, so it queues like any
+        # load (see connectors.vllm.compat).
+        del expedited
         return self.bridge.submit_load(
             job_id,
             src_spec.block_ids,  # type: ignore[attr-defined]

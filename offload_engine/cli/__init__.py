@@ -132,6 +132,31 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="TEXT",
         help="how the figures name the machine (default: CPU, cores, memory, GPUs, torch)",
     )
+    bench.add_argument(
+        "--tier",
+        choices=("host", "disk"),
+        default="host",
+        help="host (default): host-memory and GPU cases; disk: the disk tier against fio and "
+        "vLLM's fs tier in --dir",
+    )
+    bench.add_argument(
+        "--dir",
+        default=".",
+        metavar="DIR",
+        help="--tier disk: an existing directory on the drive to measure (default .)",
+    )
+    bench.add_argument(
+        "--queue-depth",
+        type=positive_int,
+        default=4,
+        help="--tier disk: I/O threads per direction, and fio's numjobs (default 4)",
+    )
+    bench.add_argument(
+        "--chunk-kib",
+        type=positive_int,
+        default=2048,
+        help="--tier disk: bytes per chunk (one object, one request), in KiB (default 2048)",
+    )
     bench.set_defaults(func=_bench.cmd_bench, parser=bench)
     return parser
 

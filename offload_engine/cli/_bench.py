@@ -81,7 +81,73 @@ def _latency_table(series: list[LatencySeries]) -> Any:
     return table
 
 
+def _disk_table(report: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table(
+        title=f"disk tier, cold (O_DIRECT), side by side, median of {report['repeats']}",
+        title_justify="left",
+    )
+    for col in ("system", "direction", "GB/s", "seconds", "O_DIRECT", "submit us/chunk"):
+        table.add_column(col, justify="left" if col in ("system", "direction") else "right")
+    for f in report["figures"]:
+        submit = f["submit_us_per_chunk"]
+        table.add_row(
+            f["system"],
+            f["direction"],
+            f"{f['gbps']:.3f}",
+            f"{f['seconds']:.3f}",
+            "yes" if f["direct"] else "no",
+            "-" if submit is None else f"{submit:.1f}",
+        )
+    table.caption = "; ".join(f"{k} = {v:.2f}" for k, v in report["ratios"].items())
+    table.caption_justify = "left"
+    return table
+
+
+def cmd_bench_disk(args: argparse.Namespace) -> int:
+    """``bench --tier disk``: the engine's disk tier, fio and vLLM's fs tier, one run."""
+    from rich.console import Console
+
+    from offload_engine.bench.disk import DiskBenchPlan, run_disk_bench
+    from offload_engine.bench.machine import Machine
+
+    chunk = args.chunk_kib * 1024
+    plan = (
+        DiskBenchPlan.quick()
+        if args.quick
+        else DiskBenchPlan(chunk_bytes=chunk, chunks=max(16, (512 * 2**20) // chunk))
+    )
+    plan = DiskBenchPlan(
+        chunk_bytes=plan.chunk_bytes,
+        chunks=plan.chunks,
+        chunks_per_job=plan.chunks_per_job,
+        jobs_in_flight=plan.jobs_in_flight,
+        queue_depth=args.queue_depth,
+    )
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        raise OSError(f"--dir {directory} is not a directory")
+    report = run_disk_bench(directory, plan, repeats=1 if args.quick else 3)
+    report.update(
+        schema=SCHEMA,
+        command=shlex.join(["offload-engine", *args.argv]),
+        date=date.today().isoformat(),
+        machine=args.machine_label or Machine.detect(gpus=()).label(),
+    )
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "disk-report.json").write_text(json.dumps(report, indent=1) + "\n")
+    out = Console()
+    out.print(f"disk bench on {report['machine']}, {report['date']}", markup=False)
+    out.print(_disk_table(report))
+    out.print(f"wrote {out_dir / 'disk-report.json'}", markup=False)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
+    if getattr(args, "tier", "host") == "disk":
+        return cmd_bench_disk(args)
     from rich.console import Console
     from rich.table import Table
 

@@ -189,7 +189,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 )
         if tier.memory.dtype.itemsize != 1:
             raise LayoutError(f"tier memory must be bytes, got {tier.memory.dtype}")
-        if not runtime.is_pinned(tier.memory):
+        if not runtime.is_pinned(tier.span):
             raise LayoutError(
                 "the host tier is not pinned: DMA needs registered host memory "
                 "(build it with pinned_host_tier)"
@@ -211,7 +211,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
         align = runtime.block_copy_alignment
         aligned = (
-            all(v % align == 0 for t in [*layout.tensors, tier.memory] for v in (t.data_ptr(),))
+            all(v % align == 0 for t in [*layout.tensors, tier.span] for v in (t.data_ptr(),))
             and all(
                 v % align == 0
                 for g in layout.groups
@@ -219,6 +219,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 for v in (r.offset, r.stride, r.size)
             )
             and tier.slot_bytes % align == 0
+            and tier.block_stride % align == 0
         )
         block_copies = runtime.supports_block_copy and aligned
         rows = (
@@ -233,11 +234,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 f"{layout.slot_bytes} (one block per buffer); got {config.staging_bytes}"
             )
         if config.strategy is CopyStrategy.KERNEL and not (
-            runtime.supports_kernel_strategy and aligned
+            runtime.supports_kernel_strategy and aligned and tier.slot_pitch is not None
         ):
             raise ConfigError(
-                f"the kernel strategy needs a {runtime.name} copy kernel and {align}-byte aligned "
-                "regions and tier slots"
+                f"the kernel strategy needs a {runtime.name} copy kernel, {align}-byte aligned "
+                "regions and tier slots, and evenly spaced tier slots (a tier with gaps between "
+                f"its blocks of {tier.factor} slots has none: use dma or staged)"
             )
         self._stage_rows = rows
         self._regions = [len(g) for g in layout.groups]
@@ -283,16 +285,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
         self._views = [self.layout.region_views(g) for g in range(len(self.layout.groups))]
-        self._tier_base = self.tier.memory.data_ptr()
-        # every tier row's address, computed once: a staged piece's host side is one
-        # index into it instead of three array operations per job
-        self._tier_rows = np.uint64(self._tier_base) + np.arange(
-            self.tier.memory.shape[0], dtype=np.uint64
-        ) * np.uint64(self.tier.slot_bytes)
+        self._tier_base = self.tier.span.data_ptr()
         # each group's bytes per staging row, as a descriptor size column
         rows = max(self._stage_rows, 1)
         self._used_sizes = [np.full(rows, b, dtype=np.uint64) for b in self.layout.group_bytes]
-        self._tier_view = self.tier.memory.view(-1, self.tier.slot_bytes)
+        # the tier's slot rows (strided by the slot pitch), for the kernel strategy;
+        # None where the slots are not evenly spaced, which refuses that strategy
+        self._tier_view = self.tier.slot_rows()
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
@@ -461,9 +460,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     tier_base=self._tier_base,
                     slot_bytes=self.tier.slot_bytes,
                     direction=self.direction,
+                    factor=self.tier.factor,
+                    block_stride=self.tier.block_stride,
                 )
                 rt.memcpy_batch(stream, dst, src, sizes, self.direction)
         elif plan.groups:
+            if self._tier_view is None:  # pragma: no cover - refused at construction
+                raise ConfigError("the kernel strategy needs evenly spaced tier slots")
             arrays = [a for m in plan.groups for a in (m.cache_ids, m.slots)]
             ids = self._upload_ids(plan, stream, arrays)
             for k, m in enumerate(plan.groups):
@@ -506,7 +509,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 slot_ids=slot_ids,
                 count=count,
                 slot_base=slot_base,
-                slot_bytes=slot_view.shape[1],
+                slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
                 direction=self.direction,
                 cache_views=self._views[m.group],
                 slot_view=slot_view,
@@ -535,11 +538,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 rt.wait_event(stream, self._last_effect)
         # every group's ids in one upload, before any piece
         ids = self._upload_ids(plan, sm, [m.cache_ids for m in plan.groups])
+        tier_base = np.uint64(self._tier_base)
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
         for m, group_ids in zip(plan.groups, ids, strict=True):
             n = int(m.cache_ids.shape[0])
-            tier_rows = self._tier_rows[m.slots]
+            tier_rows = tier_base + self.tier.slot_offsets(m.slots)
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
@@ -601,10 +605,28 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
 
 def pinned_host_tier(
-    runtime: DeviceRuntime, layout: KVLayout, num_blocks: int, *, factor: int = 1
+    runtime: DeviceRuntime,
+    layout: KVLayout,
+    num_blocks: int,
+    *,
+    factor: int = 1,
+    buffer: torch.Tensor | None = None,
+    offset: int = 0,
+    page_bytes: int | None = None,
+    block_stride: int | None = None,
+    owner: str = "the buffer",
 ) -> HostTier:
-    """A host tier for ``layout``, allocated plainly (no power-of-two rounding) and
-    registered with the runtime in chunks; ``tier.release()`` unregisters it."""
+    """A host tier for ``layout``, registered with the runtime in chunks;
+    ``tier.release()`` unregisters it.
+
+    Without ``buffer`` the memory is allocated plainly (no power-of-two
+    rounding). With one (a contiguous CPU byte tensor someone else owns, such as
+    vLLM's shared offload region) the tier lives inside it, as
+    :meth:`HostTier.over` places it, and ``buffer`` is registered as it is, never
+    copied; give it as ``(rows, row_bytes)`` to make the registration chunks
+    end on row boundaries. Release unregisters it and leaves the memory to its
+    owner.
+    """
     if not isinstance(runtime, DeviceRuntime) or not isinstance(layout, KVLayout):
         raise TypeError(
             f"pinned_host_tier takes a DeviceRuntime and a KVLayout, got "
@@ -612,12 +634,29 @@ def pinned_host_tier(
         )
     for key, value in (("num_blocks", num_blocks), ("factor", factor)):
         check_int(value, f"pinned_host_tier {key}")
-    rows = num_blocks * factor
-    memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
-    unpin = runtime.pin_host(memory)
-    return HostTier(
-        num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
-    )
+    if buffer is None:
+        rows = num_blocks * factor
+        memory = torch.empty((rows, layout.slot_bytes), dtype=torch.uint8)
+        unpin = runtime.pin_host(memory)
+        return HostTier(
+            num_blocks, layout.slot_bytes, factor=factor, memory=memory, release=unpin, pinned=True
+        )
+    place: dict[str, Any] = {
+        "num_blocks": num_blocks,
+        "slot_bytes": layout.slot_bytes,
+        "factor": factor,
+        "offset": offset,
+        "page_bytes": page_bytes,
+        "block_stride": block_stride,
+        "owner": owner,
+    }
+    HostTier.over(buffer, **place).release()  # validate before registering anything
+    unpin = runtime.pin_host(buffer)
+    try:
+        return HostTier.over(buffer, release=unpin, pinned=True, **place)
+    except BaseException:
+        unpin()
+        raise
 
 
 def make_device_handlers(

@@ -67,10 +67,16 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         self.layout = layout
         self.tier = tier
         # (num_blocks, size) strided byte views of every region, and the matching
-        # (num_slots, size) column slices of the tier, built once
+        # (num_slots, size) column slices of the tier's slot rows, built once. A
+        # tier whose slots are not evenly spaced (blocks of several slots with
+        # gaps between blocks) has no slot rows: its (num_blocks, factor, size)
+        # grid is indexed by (block, slot-in-block) pairs instead.
+        rows = tier.slot_rows()
+        self._grid = rows is None
+        slots = tier.slot_grid() if rows is None else rows
         self._views: tuple[tuple[tuple[torch.Tensor, torch.Tensor], ...], ...] = tuple(
             tuple(
-                (view, tier.memory[:, off : off + view.shape[1]])
+                (view, slots[..., off : off + view.shape[1]])
                 for view, off in zip(layout.region_views(g), layout.slot_offsets[g], strict=True)
             )
             for g in range(len(layout.groups))
@@ -82,9 +88,18 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
+        factor = self.tier.factor
         for m in plan.groups:  # index tensors are built here, off the submitting thread
             cache_idx = torch.from_numpy(m.cache_ids.copy())
             slot_idx = torch.from_numpy(m.slots.copy())
+            if self._grid:
+                where = (slot_idx // factor, slot_idx % factor)
+                for cache_view, tier_grid in self._views[m.group]:
+                    if plan.direction is Direction.STORE:
+                        tier_grid.index_put_(where, cache_view.index_select(0, cache_idx))
+                    else:
+                        cache_view.index_copy_(0, cache_idx, tier_grid[where])
+                continue
             for cache_view, tier_view in self._views[m.group]:
                 if plan.direction is Direction.STORE:
                     tier_view.index_copy_(0, slot_idx, cache_view.index_select(0, cache_idx))

@@ -27,14 +27,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import build_tiny_llama, make_prompts
 
 
-def _metrics(llm: Any) -> dict[str, Any]:
+def _metric_value(m: Any) -> Any:
+    value = getattr(m, "value", None)
+    return getattr(m, "count", None) if value is None else value
+
+
+def _metrics(llm: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """vLLM's metrics by name (the last series of each), and every series with its labels."""
     out: dict[str, Any] = {}
+    series: list[dict[str, Any]] = []
     for m in llm.get_metrics():
-        value = getattr(m, "value", None)
-        if value is None:
-            value = getattr(m, "count", None)
+        value = _metric_value(m)
         out[m.name] = value
-    return out
+        series.append(
+            {"name": m.name, "labels": dict(getattr(m, "labels", {}) or {}), "value": value}
+        )
+    return out, series
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,13 +90,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
     t_gen = time.perf_counter() - t1
-    metrics = _metrics(llm)
+    metrics, series = _metrics(llm)
     # Shut the engine down now (not at interpreter exit), so the offload worker
     # closes its engine and writes its stats before we return.
     llm.llm_engine.engine_core.shutdown()
     return {
         "rounds": rounds,
         "metrics": metrics,
+        "series": series,
         "seconds": {"init": t_init, "generate": t_gen},
         "offload": bool(args.offload),
     }

@@ -122,3 +122,94 @@ def test_offloaded_prefixes_come_back_with_identical_tokens(
     assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
     if variant == "chunk2-slow-stores":
         assert adapter["waited_jobs"] > 0, "vLLM never flushed a pending store"
+
+
+# ---------------------------------------------------------------- EngineTieringSpec
+
+#: 8 chunks of the tiny model's 32 KiB blocks: far fewer than the prompts' prefix
+#: blocks, so in the second round most prefixes must come back from the fs tier
+TIERING_CPU_BYTES = 8 * 32 * 1024
+
+
+def tiering_args(fs_dir: Path, stats_path: Path) -> list[str]:
+    fs = {"type": "fs", "root_dir": str(fs_dir), "n_read_threads": 2, "n_write_threads": 2}
+    return [
+        "--offload",
+        "--spec-name",
+        "EngineTieringSpec",
+        "--cpu-bytes",
+        str(TIERING_CPU_BYTES),
+        "--stats-path",
+        str(stats_path),
+        "--extra",
+        json.dumps({"secondary_tiers": [fs]}),
+    ]
+
+
+def fs_tier_metric(run: dict[str, Any], name: str) -> int:
+    """A tiering metric of vLLM's fs tier (series labelled ``tier="<index>:fs"``)."""
+    return sum(
+        int(s["value"])
+        for s in run["series"]
+        if s["name"] == name and str(s["labels"].get("tier", "")).endswith(":fs")
+    )
+
+
+def check_engine_loaded(stats_path: Path, run: dict[str, Any]) -> None:
+    assert stats_path.exists(), f"no engine stats; log: {run['log']}"
+    stats = json.loads(stats_path.read_text())
+    engine, adapter = stats["engine"], stats["adapter"]
+    assert engine["state"] == "closed"
+    assert engine["loads_succeeded"] > 0 and engine["bytes_loaded"] > 0
+    [handler] = engine["handlers"]
+    assert handler["handler"] == "HostCopyHandler[CPU->CPU]" and handler["failed"] == 0
+    assert adapter["submits_refused"] == 0 and adapter["failures_delivered"] == 0
+    assert adapter["live_jobs"] == 0
+    # vLLM's own offload metrics agree with the engine on what was loaded to the cache
+    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
+
+
+@pytest.fixture(scope="module")
+def fs_dir(workdir: Path) -> Path:
+    return workdir / "fs-tier"
+
+
+@pytest.fixture(scope="module")
+def tiering_run(workdir: Path, fs_dir: Path) -> dict[str, Any]:
+    stats = workdir / "tiering-engine-stats.json"
+    run = run_vllm(workdir, "tiering", workdir / "model", *tiering_args(fs_dir, stats))
+    return dict(run, stats_path=str(stats))
+
+
+def test_tiering_prefixes_come_back_from_vllms_fs_tier(
+    baseline: dict[str, Any], tiering_run: dict[str, Any], fs_dir: Path
+) -> None:
+    run = tiering_run
+    # greedy token ids are identical with and without offloading, in every round
+    assert run["rounds"] == baseline["rounds"]
+    assert baseline["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    assert run["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    # vLLM's tiering metrics: the fs tier wrote chunks, answered lookups with hits,
+    # and promoted bytes into the shared region the engine loaded from
+    assert fs_tier_metric(run, "vllm:kv_offload_tiering_write_bytes") > 0
+    assert fs_tier_metric(run, "vllm:kv_offload_tiering_chunk_hits") > 0
+    assert fs_tier_metric(run, "vllm:kv_offload_tiering_read_bytes") > 0
+    assert list(fs_dir.rglob("*.bin")), "the fs tier wrote no files"
+    check_engine_loaded(Path(run["stats_path"]), run)
+
+
+def test_a_new_process_gets_hits_from_the_files_the_first_run_wrote(
+    workdir: Path, baseline: dict[str, Any], tiering_run: dict[str, Any], fs_dir: Path
+) -> None:
+    files = sorted(fs_dir.rglob("*.bin"))
+    assert files
+    stats = workdir / "tiering-again-engine-stats.json"
+    # one round: the host tier starts empty, so every hit is a file of the first run
+    run = run_vllm(
+        workdir, "tiering-again", workdir / "model", *tiering_args(fs_dir, stats), "--rounds", "1"
+    )
+    assert run["rounds"] == baseline["rounds"][:1]
+    assert run["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert fs_tier_metric(run, "vllm:kv_offload_tiering_chunk_hits") > 0
+    assert fs_tier_metric(run, "vllm:kv_offload_tiering_read_bytes") > 0
+    check_engine_loaded(stats, run)

@@ -10,6 +10,8 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base")
 
+import vllm_configs
+
 from connectors.vllm.testing import fake_canonical_kv_caches, page_bytes
 from offload_engine import ConfigError, LayoutError
 
@@ -22,42 +24,8 @@ pytestmark = [
 SPEC_KEYS = {"spec_name": "EngineOffloadingSpec", "spec_module_path": "connectors.vllm"}
 
 
-def offloading_config(
-    extra: dict[str, Any],
-    *,
-    blocks_per_chunk: int = 1,
-    bytes_per_block: int = 704,
-    world_size: int = 1,
-) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=32, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=bytes_per_block,
-        enable_kv_cache_events=False,
-        extra_config={**SPEC_KEYS, **extra},
-        engine_id="test-engine",
-        model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=blocks_per_chunk),
-        parallel=OffloadingParallelConfig(
-            rank=0,
-            world_size=world_size,
-            tp_size=world_size,
-            pp_size=1,
-            pcp_size=1,
-            dcp_size=1,
-            data_parallel_index=0,
-            data_parallel_size=1,
-            data_parallel_rank_local=None,
-            is_parallelism_agnostic=True,
-        ),
-    )
+def offloading_config(extra: dict[str, Any], **kwargs: Any) -> Any:
+    return vllm_configs.offloading_config(extra, spec_keys=SPEC_KEYS, **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,286 @@
+"""The disk tier's benchmark: this engine, fio, and vLLM's fs tier, side by side, one run.
+
+All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
+the same directory with the same queue depth, O_DIRECT where the filesystem
+takes it:
+
+* **engine**: a :class:`~offload_engine.stores.disk.DiskStore` with
+  ``queue_depth`` threads per direction, driven through the sync facade with
+  ``chunks_per_job`` chunks per job, ``jobs_in_flight`` jobs at once;
+* **fio**: ``--ioengine=psync --direct=1 --bs=<chunk> --numjobs=<queue depth>``
+  (each job one synchronous request at a time, as each engine thread), write
+  then read of the same bytes;
+* **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
+  ``SecondaryTierManager`` API on a memoryview, ``queue_depth`` read and write
+  threads, the same jobs.
+
+Every figure is **cold**: O_DIRECT bypasses the page cache for all three
+(the report records whether each one used it). Submit CPU is
+``time.thread_time()`` of the submitting thread over the submit calls, per chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
+from offload_engine.keyed import LayoutDigest
+from offload_engine.stores.disk import DiskStore
+from offload_engine.sync import SyncOffloadingEngine
+from offload_engine.vocabulary import TransferSpec, cpu_blocks, disk_blocks
+
+
+@dataclass(frozen=True)
+class DiskBenchPlan:
+    chunk_bytes: int = 2 * 2**20
+    chunks: int = 256
+    chunks_per_job: int = 16
+    jobs_in_flight: int = 4
+    queue_depth: int = 4
+
+    @classmethod
+    def quick(cls) -> DiskBenchPlan:
+        return cls(chunk_bytes=2**20, chunks=32, chunks_per_job=8)
+
+
+@dataclass(frozen=True)
+class DiskFigure:
+    system: str  # engine | fio | vllm-fs
+    direction: str  # write | read
+    gbps: float
+    seconds: float
+    direct: bool
+    submit_us_per_chunk: float | None = None
+
+
+def _keys(n: int, salt: str) -> list[bytes]:
+    return [salt.encode() + i.to_bytes(32, "big") + (0).to_bytes(4, "big") for i in range(n)]
+
+
+def _drive(
+    submit: Callable[[int], Any], finish: Callable[[], int], jobs: int, in_flight: int
+) -> tuple[float, float]:
+    """Submit ``jobs`` with at most ``in_flight`` outstanding; return (seconds, submit CPU)."""
+    cpu = 0.0
+    done = 0
+    sent = 0
+    t0 = time.perf_counter()
+    while done < jobs:
+        while sent < jobs and sent - done < in_flight:
+            c0 = time.thread_time()
+            submit(sent)
+            cpu += time.thread_time() - c0
+            sent += 1
+        done += finish()
+    return time.perf_counter() - t0, cpu
+
+
+def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
+    n, per = plan.chunks, plan.chunks_per_job
+    tier = page_aligned_tier(n, plan.chunk_bytes)
+    tier.memory.copy_(torch.from_numpy(data))
+    digest = LayoutDigest(
+        model="bench", dtype="uint8", block_size=16, chunk_blocks=1, page_bytes=plan.chunk_bytes
+    )
+    keys = _keys(n, "engine")
+    jobs = n // per
+    out: list[DiskFigure] = []
+    with (
+        DiskStore(
+            path,
+            digest,
+            capacity_bytes=2 * n * (plan.chunk_bytes + 4096),
+            queue_depth=plan.queue_depth,
+        ) as disk,
+        SyncOffloadingEngine(disk_handlers(disk, tier)) as engine,
+    ):
+        pending: list[int] = []
+
+        def finish() -> int:
+            [r] = engine.wait([pending.pop(0)])
+            if not r.success:
+                raise r.error  # type: ignore[misc]
+            return 1
+
+        for direction in ("write", "read"):
+            if direction == "read":
+                tier.memory.zero_()
+
+            def submit(j: int, store: bool = direction == "write") -> None:
+                host = cpu_blocks(range(j * per, (j + 1) * per))
+                keyed = disk_blocks(keys[j * per : (j + 1) * per])
+                spec = TransferSpec(host, keyed) if store else TransferSpec(keyed, host)
+                pending.append(engine.submit_nowait(spec))
+
+            secs, cpu = _drive(submit, finish, jobs, plan.jobs_in_flight)
+            gbps = n * plan.chunk_bytes / secs / 1e9
+            out.append(DiskFigure("engine", direction, gbps, secs, disk.direct, cpu / n * 1e6))
+        if not np.array_equal(tier.memory.numpy(), data):
+            raise RuntimeError("engine bench: the loaded bytes differ from the stored ones")
+    return out
+
+
+def bench_fio(path: Path, plan: DiskBenchPlan) -> list[DiskFigure]:
+    fio = shutil.which("fio")
+    if fio is None:
+        return []
+    qd = plan.queue_depth
+    size = plan.chunks * plan.chunk_bytes // qd
+    out: list[DiskFigure] = []
+    for rw in ("write", "read"):
+        cmd = [
+            fio, "--name=disk-bench", f"--directory={path}", f"--rw={rw}",
+            f"--bs={plan.chunk_bytes}", f"--size={size}", f"--numjobs={qd}", "--ioengine=psync",
+            "--direct=1", "--group_reporting", "--output-format=json", "--fallocate=none",
+        ]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0][rw]
+        bw = job["io_bytes"] / (job["runtime"] / 1000)
+        out.append(DiskFigure("fio", rw, bw / 1e9, job["runtime"] / 1000, True))
+    return out
+
+
+def _fs_tier_spec(plan: DiskBenchPlan) -> Any:
+    config = SimpleNamespace(
+        groups=(SimpleNamespace(tokens_per_block=16, layer_names=("layer0",)),),
+        model=SimpleNamespace(name="bench", dtype="uint8"),
+        cache=SimpleNamespace(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=SimpleNamespace(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            is_parallelism_agnostic=True,
+        ),
+        canonical_layout=False,
+        kv_cache_layout=None,
+        replicated_layout=False,
+    )  # fmt: skip
+    return SimpleNamespace(
+        config=config,
+        blocks_per_chunk=1,
+        kv_events_config=SimpleNamespace(enable_kv_cache_events=False),
+    )
+
+
+def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
+    try:
+        with warnings.catch_warnings():  # vLLM's imports warn about torch APIs; not ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from vllm.v1.kv_offload.base import OffloadKey, ReqContext
+            from vllm.v1.kv_offload.tiering.base import TransferJob
+            from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+    except ImportError:
+        return []
+    n, per, qd = plan.chunks, plan.chunks_per_job, plan.queue_depth
+    buf = mmap.mmap(-1, n * plan.chunk_bytes)
+    array = np.frombuffer(buf, dtype=np.uint8).reshape(n, plan.chunk_bytes)
+    array[:] = data
+    view = memoryview(array)  # type: ignore[arg-type]
+    tier = FileSystemTierManager(
+        _fs_tier_spec(plan), view, "fs", root_dir=str(path), n_read_threads=qd, n_write_threads=qd
+    )
+    keys = [OffloadKey(k) for k in _keys(n, "vllm")]
+    jobs = n // per
+    ctx = ReqContext("bench")
+    out: list[DiskFigure] = []
+    finished: list[Any] = []
+
+    def finish() -> int:
+        while not finished:
+            finished.extend(tier.get_finished_jobs())  # vLLM's scheduler polls like this
+            if not finished:
+                time.sleep(0.0002)
+        r = finished.pop()
+        if not r.success:
+            raise RuntimeError(f"vLLM fs tier job {r.job_id} failed")
+        return 1
+
+    try:
+        for direction, promotion in (("write", False), ("read", True)):
+            if promotion:
+                array[:] = 0
+
+            def submit(j: int, promotion: bool = promotion) -> None:
+                job = TransferJob(
+                    j + (jobs if promotion else 0),
+                    keys[j * per : (j + 1) * per],
+                    np.arange(j * per, (j + 1) * per),
+                    promotion,
+                    ctx,
+                )
+                if promotion:
+                    tier.submit_load(job)
+                else:
+                    tier.submit_store(job)
+
+            secs, cpu = _drive(submit, finish, jobs, plan.jobs_in_flight)
+            out.append(
+                DiskFigure(
+                    "vllm-fs", direction, n * plan.chunk_bytes / secs / 1e9, secs,
+                    bool(tier._use_o_direct), cpu / n * 1e6,
+                )
+            )  # fmt: skip
+        if not np.array_equal(array, data):
+            raise RuntimeError("vLLM fs bench: the loaded bytes differ from the stored ones")
+    finally:
+        tier.shutdown()
+        view.release()
+    return out
+
+
+def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) -> dict[str, Any]:
+    """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
+    in fresh subdirectories of ``directory`` that are removed at the end; report
+    the median of each (system, direction)."""
+    data = np.random.default_rng(0).integers(
+        0, 256, (plan.chunks, plan.chunk_bytes), dtype=np.uint8
+    )
+    runs: tuple[tuple[str, Callable[[Path], list[DiskFigure]]], ...] = (
+        ("engine", lambda p: bench_engine(p, plan, data)),
+        ("fio", lambda p: bench_fio(p, plan)),
+        ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
+    )
+    samples: dict[tuple[str, str], list[DiskFigure]] = {}
+    made: list[Path] = []
+    try:
+        for rep in range(repeats):
+            for name, run in runs:
+                where = directory / f"disk-bench-{name}-{os.getpid()}-{rep}"
+                where.mkdir(parents=True)
+                made.append(where)
+                for f in run(where):
+                    samples.setdefault((f.system, f.direction), []).append(f)
+    finally:
+        # deleted only at the end: with `discard` mounts, deleting hundreds of MiB
+        # starts a TRIM that would slow whichever system runs next
+        for where in made:
+            shutil.rmtree(where, ignore_errors=True)
+    figures = [sorted(fs, key=lambda f: f.gbps)[len(fs) // 2] for fs in samples.values()]
+    by = {(f.system, f.direction): f for f in figures}
+    ratios: dict[str, float] = {}
+    for d in ("write", "read"):
+        ours = by.get(("engine", d))
+        for other in ("fio", "vllm-fs"):
+            theirs = by.get((other, d))
+            if ours and theirs:
+                ratios[f"{d} engine/{other}"] = ours.gbps / theirs.gbps
+    return {
+        "plan": asdict(plan),
+        "repeats": repeats,
+        "directory": str(directory),
+        "figures": [asdict(f) for f in figures],
+        "all_gbps": {f"{s} {d}": [round(f.gbps, 3) for f in fs] for (s, d), fs in samples.items()},
+        "ratios": ratios,
+    }

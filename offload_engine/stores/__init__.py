@@ -1,0 +1,1 @@
+"""What keyed tiers talk to: local files (:mod:`offload_engine.stores.disk`)."""

@@ -1,0 +1,70 @@
+"""End to end: real vLLM (CPU) with EngineTieringSpec + EngineDiskTier, across processes.
+
+Run A serves the prompts twice with the disk tier under vLLM's tiering: the
+chunks cascade from the host tier to disk. Run B is a fresh process on the same
+directory, with an empty host tier: its prefix hits can only come from disk.
+Greedy token ids must equal plain vLLM's in every round of both runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.tiering.base")
+
+import connectors.vllm
+
+if "EngineTieringSpec" not in connectors.vllm.__all__:
+    pytest.skip("needs EngineTieringSpec (issue [tiering])", allow_module_level=True)
+
+from test_vllm_e2e import run_vllm  # tests/vllm is on sys.path (no __init__.py)
+
+pytestmark = pytest.mark.vllm
+
+PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
+
+
+def tiering_args(kv_dir: Path, rounds: int) -> list[str]:
+    tier = {
+        "type": "EngineDiskTier",
+        "module_path": "connectors.vllm",
+        "path": str(kv_dir),
+        "capacity_bytes": 200_000_000,
+    }
+    return [
+        "--offload",
+        "--spec-name",
+        "EngineTieringSpec",
+        "--spec-module",
+        "connectors.vllm",
+        "--extra",
+        json.dumps({"secondary_tiers": [tier]}),
+        *PROMPTS,
+        "--rounds",
+        str(rounds),
+    ]
+
+
+def test_hits_come_from_disk_in_a_fresh_process_with_identical_tokens(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    plain: dict[str, Any] = run_vllm(tmp_path, "plain", model, *PROMPTS, "--rounds", "1")
+    first = run_vllm(tmp_path, "disk-a", model, *tiering_args(kv_dir, 2))
+    second = run_vllm(tmp_path, "disk-b", model, *tiering_args(kv_dir, 1))
+    want = plain["rounds"][0]
+    assert len(want) == 12
+    assert first["rounds"] == [want, want]
+    assert second["rounds"] == [want]
+    assert plain["metrics"]["vllm:external_prefix_cache_hits"] == 0
+    # run A wrote chunks to disk ...
+    assert first["metrics"]["vllm:kv_offload_tiering_write_bytes"] > 0
+    assert list(kv_dir.joinpath("objects").rglob("*.kv"))
+    # ... which run B, with a fresh host tier, read back as external prefix hits
+    assert second["metrics"]["vllm:prefix_cache_hits"] == 0
+    assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0

