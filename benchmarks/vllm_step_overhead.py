@@ -33,7 +33,7 @@ RUNNER = ROOT / "tests" / "vllm" / "e2e_runner.py"
 
 
 def _timed_spec_class() -> type:
-    from connectors.vllm.spec import EngineOffloadingSpec
+    from offload_engine.connectors.vllm.spec import EngineOffloadingSpec
 
     class TimedEngineOffloadingSpec(EngineOffloadingSpec):  # type: ignore[misc]
         """Times the worker's entry points; writes them to extra key ``overhead_path``."""

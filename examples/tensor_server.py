@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import sys
 from collections import deque
 from dataclasses import dataclass
 from functools import partial
@@ -321,10 +322,37 @@ async def main(host: str, port: int) -> None:
         print(f"stopped; engine {store.stats().state}", flush=True)
 
 
-if __name__ == "__main__":
+def _os_errors(exc: BaseException) -> list[OSError]:
+    """The OSErrors inside ``exc``, through nested exception groups."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [e for sub in exc.exceptions for e in _os_errors(sub)]
+    return [exc] if isinstance(exc, OSError) else []
+
+
+def run(argv: list[str] | None = None) -> int:
+    """The command line; returns the exit status. Bad input is one line on stderr:
+    2 for a bad argument, 1 when the server cannot listen (port in use, unknown host)."""
     parser = argparse.ArgumentParser(description="A tensor store over TCP, on offload-engine.")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
     parser.add_argument("--backend", choices=("asyncio", "trio"), default="asyncio")
-    args = parser.parse_args()
-    anyio.run(main, args.host, args.port, backend=args.backend)
+    args = parser.parse_args(argv)
+    prog = parser.prog
+    if not 0 <= args.port <= 65535:
+        print(f"{prog}: error: --port {args.port}: a TCP port is 0 to 65535", file=sys.stderr)
+        return 2
+    failed: list[OSError] = []
+    try:
+        anyio.run(main, args.host, args.port, backend=args.backend)
+    except* OSError as group:  # from the listener: a task group wraps it
+        failed = _os_errors(group)
+    if failed:
+        exc = failed[0]
+        why = f"[Errno {exc.errno}] {exc.strerror}" if exc.strerror else str(exc)
+        print(f"{prog}: error: cannot serve on {args.host}:{args.port}: {why}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run())

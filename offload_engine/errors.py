@@ -117,6 +117,11 @@ class RuntimeUnavailableError(OffloadError, RuntimeError):
     """A device runtime (CUDA, NPU) is not usable on this machine; the message says why."""
 
 
+class InsufficientMemoryError(OffloadError, MemoryError):
+    """The memory a requested size needs is more than the machine has available; raised
+    before anything is allocated, and the message says how much of which memory."""
+
+
 # --------------------------------------------------------------------------- job outcomes
 
 

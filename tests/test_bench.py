@@ -155,6 +155,41 @@ def test_rig_cases_on_a_device_rig(strategy: CopyStrategy) -> None:
     assert [len(s.latencies_ms) for s in out.latency] == [3, 3]
 
 
+@pytest.mark.parametrize(
+    ("lo", "hi", "labels"),
+    [
+        (2.0, 30.0, ["2", "5", "10", "20", "50"]),  # the CPU quick run's range
+        (0.3, 4.0, ["0.2", "0.5", "1", "2", "5"]),
+        (0.02, 80.0, ["0.01", "0.1", "1", "10", "100"]),  # wide: powers of ten only
+    ],
+)
+def test_latency_axis_has_plain_millisecond_ticks_that_do_not_overlap(
+    lo: float, hi: float, labels: list[str]
+) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    values = tuple(lo * (hi / lo) ** (i / 99) for i in range(100))
+    series = [
+        LatencySeries("host", "host-copy", "", d, 8, depth, values)
+        for d in ("store", "load")
+        for depth in (1, 16)
+    ]
+    fig = draw_latency(series, "machine", "2026-11-23")
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()  # type: ignore[attr-defined]
+    boxes = []
+    for ax in fig.axes:
+        shown = [t for t in ax.get_xticklabels() if t.get_text() and t.get_visible()]
+        assert [t.get_text() for t in shown] == labels  # no "2x10^0", no "$10^{1}$"
+        assert ax.get_xticklabels(minor=True) == [] or not any(
+            t.get_text() for t in ax.get_xticklabels(minor=True)
+        )
+        boxes += [t.get_window_extent(renderer) for t in shown]
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            assert not a.overlaps(b), (a, b)
+
+
 def test_the_decode_step_keeps_its_shapes_and_the_plan_counts_its_ticks() -> None:
     import torch
 

@@ -78,3 +78,21 @@ def test_relative_links_and_anchors_resolve() -> None:
             if anchor and resolved.suffix == ".md" and anchor not in _anchors(resolved):
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
     assert broken == []
+
+
+def _pip_commands(text: str) -> set[str]:
+    """Every ``pip install``/``pip uninstall`` in ``text``, without --quiet/--yes flags."""
+    found = set()
+    for m in re.finditer(r"pip (?:install|uninstall) [^&\n]+", text):
+        words = [w for w in m.group(0).split() if w not in ("--quiet", "--yes", "-y")]
+        found.add(" ".join(words).replace("|| true", "").strip())
+    return found
+
+
+def test_ci_installs_with_the_readme_commands() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = README.read_text()
+    ci_cmds = {c for c in _pip_commands(ci) if "--upgrade pip" not in c}
+    assert ci_cmds, "no pip command found in .ci/run"
+    assert ci_cmds <= _pip_commands(readme), ci_cmds - _pip_commands(readme)
+    assert "python -m pytest" in ci

@@ -7,7 +7,11 @@ server leaves no engine thread behind (the conftest checks that too).
 
 from __future__ import annotations
 
+import errno
 import importlib.util
+import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -24,11 +28,13 @@ pytestmark = pytest.mark.anyio
 BLOCK = 4096
 
 
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tensor_server.py"
+
+
 def _load_example() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "examples" / "tensor_server.py"
-    spec = importlib.util.spec_from_file_location("tensor_server_example", path)
+    spec = importlib.util.spec_from_file_location("tensor_server_example", EXAMPLE)
     if spec is None or spec.loader is None:
-        raise ImportError(path)
+        raise ImportError(EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -152,3 +158,30 @@ async def test_stopping_with_requests_in_flight_is_clean() -> None:
     assert stats.state == "closed"
     assert stats.failed == 0 and stats.submitted == stats.succeeded
     assert engine_threads() == []
+
+
+def test_a_port_out_of_range_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert ts.run(["--port", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"{Path(sys.argv[0]).name}: error: --port -1: a TCP port is 0 to 65535"
+    ]
+
+
+def test_a_port_in_use_is_one_line() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLE), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"tensor_server.py: error: cannot serve on 127.0.0.1:{port}: "
+        f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
+    ]

@@ -550,10 +550,12 @@ def test_without_torch_npu_the_runtime_says_how_to_install_it(
     no_torch_npu: pytest.MonkeyPatch,
 ) -> None:
     no_torch_npu.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> not found
-    with pytest.raises(RuntimeUnavailableError, match=r"not installed.*\[npu\]"):
+    with pytest.raises(RuntimeUnavailableError, match=r"not installed.*\[npu\]") as refused:
         NpuRuntime()
     info = probe_npu()
-    assert not info.available and "not installed" in info.reason
+    # info and the runtime give the same install hint
+    assert not info.available and info.reason == str(refused.value)
+    assert "pip install -e '.[npu]'" in info.reason and "CANN" in info.reason
 
 
 def test_a_torch_npu_without_its_npu_module_is_refused(no_torch_npu: pytest.MonkeyPatch) -> None:
@@ -638,10 +640,10 @@ BROKEN_TORCH_NPU = textwrap.dedent(
     from offload_engine.runtimes import probe_runtimes
     from offload_engine.runtimes.npu import NpuRuntime
     from offload_engine.testing import cache_block_bytes, poisoned_tier, random_host_cache
-    from connectors.vllm.config import parse_extra_config
-    from connectors.vllm.layout import layout_from_canonical
-    from connectors.vllm.platform import select_backend
-    from connectors.vllm.testing import fake_canonical_kv_caches
+    from offload_engine.connectors.vllm.config import parse_extra_config
+    from offload_engine.connectors.vllm.layout import layout_from_canonical
+    from offload_engine.connectors.vllm.platform import select_backend
+    from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
 
     for error in errors:
         broken.error = error

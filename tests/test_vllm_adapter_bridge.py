@@ -14,15 +14,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from connectors.vllm.bridge import EngineBridge, build_bridge
-from connectors.vllm.config import parse_extra_config
-from connectors.vllm.testing import FakeCanonicalKVCaches, fake_canonical_kv_caches, page_bytes
 from offload_engine import (
     EngineClosedError,
     LayoutError,
     Medium,
     SyncOffloadingEngine,
     TransferResult,
+)
+from offload_engine.connectors.vllm.bridge import EngineBridge, build_bridge
+from offload_engine.connectors.vllm.config import parse_extra_config
+from offload_engine.connectors.vllm.testing import (
+    FakeCanonicalKVCaches,
+    fake_canonical_kv_caches,
+    page_bytes,
 )
 from offload_engine.testing import FakeHandler
 
@@ -132,7 +136,7 @@ def test_refused_submits_are_logged_with_their_typed_error(
 ) -> None:
     kv = fake_canonical_kv_caches(num_blocks=8)
     bridge = make_bridge(kv, num_tier_blocks=4)
-    caplog.set_level(logging.ERROR, logger="connectors.vllm.bridge")
+    caplog.set_level(logging.ERROR, logger="offload_engine.connectors.vllm.bridge")
     try:
         assert not bridge.submit_store(7, [1, 2], [2, 0], [0, 0], [1, 9])
         assert "store job 7" in caplog.text
@@ -155,7 +159,7 @@ def test_refused_submits_are_logged_with_their_typed_error(
 def test_queue_full_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     engine = SyncOffloadingEngine([FakeHandler(Medium.CPU, Medium.CPU, latency=1.0)], capacity=1)
     bridge = EngineBridge(engine, Medium.CPU)
-    caplog.set_level(logging.ERROR, logger="connectors.vllm.bridge")
+    caplog.set_level(logging.ERROR, logger="offload_engine.connectors.vllm.bridge")
     try:
         assert bridge.submit_store(0, [0], [1], [0], [0])
         assert not bridge.submit_store(1, [1], [1], [0], [1])
@@ -169,7 +173,7 @@ def test_queue_full_is_refused_and_logged(caplog: pytest.LogCaptureFixture) -> N
 def test_failed_results_are_delivered_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     engine = SyncOffloadingEngine([FakeHandler(Medium.CPU, Medium.CPU, fail={2})])
     bridge = EngineBridge(engine, Medium.CPU)
-    caplog.set_level(logging.ERROR, logger="connectors.vllm.bridge")
+    caplog.set_level(logging.ERROR, logger="offload_engine.connectors.vllm.bridge")
     try:
         for j in range(4):
             assert bridge.submit_load(j, [j], [j], [1], [0])

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from connectors.vllm.config import (
+from offload_engine.connectors.vllm.config import (
     DEFAULT_QUEUE_CAPACITY,
     DEFAULT_STAGING_BYTES,
     EngineOffloadingConfig,
@@ -36,7 +36,7 @@ def test_every_key_parsed() -> None:
     cfg = parse_extra_config(
         {
             "spec_name": "EngineOffloadingSpec",  # vLLM's own keys are left alone
-            "spec_module_path": "connectors.vllm",
+            "spec_module_path": "offload_engine.connectors.vllm",
             "cpu_bytes_to_use": 4e9,  # JSON numbers may arrive as floats
             "blocks_per_chunk": 4,
             "eviction_policy": "arc",

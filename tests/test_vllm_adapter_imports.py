@@ -1,4 +1,4 @@
-"""offload_engine and connectors import, and the adapter's config works, without vLLM."""
+"""offload_engine and its vLLM adapter import, and the adapter config works, without vLLM."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ SCRIPT = textwrap.dedent(
     sys.modules["vllm"] = None  # as if vLLM were not installed: `import vllm` fails
 
     import offload_engine
-    import connectors
-    import connectors.vllm
-    from connectors.vllm import parse_extra_config, select_backend
-    from connectors.vllm import bridge, config, layout, platform, testing
+    import offload_engine.connectors
+    import offload_engine.connectors.vllm
+    from offload_engine.connectors.vllm import parse_extra_config, select_backend
+    from offload_engine.connectors.vllm import bridge, config, layout, platform, testing
 
     cfg = parse_extra_config({"cpu_bytes_to_use": 1024})
     backend = select_backend(type("P", (), {"device_type": "cpu"})())
@@ -28,7 +28,7 @@ SCRIPT = textwrap.dedent(
     assert not [m for m in sys.modules if m.startswith("vllm.")], "vLLM submodules imported"
 
     try:
-        connectors.vllm.EngineOffloadingSpec
+        offload_engine.connectors.vllm.EngineOffloadingSpec
     except ImportError as exc:
         assert "needs vLLM" in str(exc), exc
     else:

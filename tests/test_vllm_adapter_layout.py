@@ -6,14 +6,6 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.vllm.layout import layout_from_canonical
-from connectors.vllm.testing import (
-    FakeCanonicalKVCacheRef,
-    FakeCanonicalKVCaches,
-    FakeCanonicalKVCacheTensor,
-    fake_canonical_kv_caches,
-    page_bytes,
-)
 from offload_engine import (
     HostCopyHandler,
     HostTier,
@@ -23,6 +15,14 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
     host_cache_blocks,
+)
+from offload_engine.connectors.vllm.layout import layout_from_canonical
+from offload_engine.connectors.vllm.testing import (
+    FakeCanonicalKVCacheRef,
+    FakeCanonicalKVCaches,
+    FakeCanonicalKVCacheTensor,
+    fake_canonical_kv_caches,
+    page_bytes,
 )
 
 

@@ -17,12 +17,6 @@ import threading
 import numpy as np
 import pytest
 
-from connectors.vllm import platform
-from connectors.vllm.bridge import EngineBridge, build_bridge
-from connectors.vllm.config import parse_extra_config
-from connectors.vllm.layout import layout_from_canonical
-from connectors.vllm.platform import select_backend
-from connectors.vllm.testing import FakeCanonicalKVCaches, fake_canonical_kv_caches, page_bytes
 from offload_engine import (
     Medium,
     SyncOffloadingEngine,
@@ -30,6 +24,16 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
     npu_blocks,
+)
+from offload_engine.connectors.vllm import platform
+from offload_engine.connectors.vllm.bridge import EngineBridge, build_bridge
+from offload_engine.connectors.vllm.config import parse_extra_config
+from offload_engine.connectors.vllm.layout import layout_from_canonical
+from offload_engine.connectors.vllm.platform import select_backend
+from offload_engine.connectors.vllm.testing import (
+    FakeCanonicalKVCaches,
+    fake_canonical_kv_caches,
+    page_bytes,
 )
 from offload_engine.handlers.device import DeviceCopyHandler
 from offload_engine.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
@@ -156,7 +160,7 @@ def test_a_job_finishing_in_a_later_step_keeps_its_mapping(
 ) -> None:
     """(b): a job seen in flight by one step's poll is delivered, with its id, by a later
     step's poll, whichever path (wait's stash or the engine's fresh results) brings it."""
-    caplog.set_level(logging.ERROR, logger="connectors.vllm.bridge")
+    caplog.set_level(logging.ERROR, logger="offload_engine.connectors.vllm.bridge")
     kv = kv_caches(ascend)
     bridge = npu_bridge(ascend, kv, 8)
     gate = threading.Event()

@@ -10,11 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from connectors.vllm import platform
-from connectors.vllm.config import parse_extra_config
-from connectors.vllm.layout import layout_from_canonical
-from connectors.vllm.platform import select_backend
-from connectors.vllm.testing import fake_canonical_kv_caches
 from offload_engine import (
     HostCopyHandler,
     Medium,
@@ -24,6 +19,11 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
+from offload_engine.connectors.vllm import platform
+from offload_engine.connectors.vllm.config import parse_extra_config
+from offload_engine.connectors.vllm.layout import layout_from_canonical
+from offload_engine.connectors.vllm.platform import select_backend
+from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
 from offload_engine.handlers.device import DeviceCopyHandler
 from offload_engine.testing import FakeRuntime, cache_block_bytes
 

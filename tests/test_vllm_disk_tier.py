@@ -22,8 +22,8 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey, ReqContext
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from connectors.vllm.disk_tier import EngineDiskTier
 from offload_engine import LayoutMismatchError
+from offload_engine.connectors.vllm.disk_tier import EngineDiskTier
 from tests.test_disk import gated
 
 pytestmark = pytest.mark.vllm
@@ -51,7 +51,7 @@ def primary_view() -> tuple[memoryview, np.ndarray]:
 def make_tier(path: Path, view: memoryview, spec: Any = None, **extra: Any) -> EngineDiskTier:
     config = {
         "type": "EngineDiskTier",
-        "module_path": "connectors.vllm",
+        "module_path": "offload_engine.connectors.vllm",
         "path": str(path),
         "capacity_bytes": 64 * (CHUNK + 4096),
         **extra,

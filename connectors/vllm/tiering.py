@@ -39,13 +39,14 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from connectors.vllm.bridge import EngineBridge
-from connectors.vllm.compat import open_worker_region, region_rows
-from connectors.vllm.config import EngineOffloadingConfig
-from connectors.vllm.platform import TierPlacement
-from connectors.vllm.spec import check_chunks, engine_bridge, parse_engine_config
-from connectors.vllm.worker import EngineOffloadingWorker
 from offload_engine import ConfigError, LayoutError
+
+from .bridge import EngineBridge
+from .compat import open_worker_region, region_rows
+from .config import EngineOffloadingConfig
+from .platform import TierPlacement
+from .spec import check_chunks, engine_bridge, parse_engine_config
+from .worker import EngineOffloadingWorker
 
 logger = init_logger("vllm.offload_engine")
 
@@ -140,7 +141,8 @@ class EngineTieringWorker(EngineOffloadingWorker):
 
 
 class EngineTieringSpec(TieringOffloadingSpec):
-    """Load with ``"spec_name": "EngineTieringSpec", "spec_module_path": "connectors.vllm"``."""
+    """Load with ``"spec_name": "EngineTieringSpec"`` and
+    ``"spec_module_path": "offload_engine.connectors.vllm"``."""
 
     @classmethod
     @override

@@ -2,7 +2,7 @@
 
 This module imports vLLM. It only translates: vLLM's load/store specs to block
 ids, engine results to vLLM's ``TransferResult``. The bookkeeping lives in
-:mod:`connectors.vllm.bridge`.
+:mod:`offload_engine.connectors.vllm.bridge`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
-from connectors.vllm.bridge import EngineBridge
+from .bridge import EngineBridge
 
 
 class EngineOffloadingWorker(OffloadingWorker):
@@ -48,7 +48,7 @@ class EngineOffloadingWorker(OffloadingWorker):
     ) -> bool:
         # vLLM 0.33 marks loads it waits on within the step as expedited; the
         # engine runs a handler's jobs in submission order, so it queues like any
-        # load (see connectors.vllm.compat).
+        # load (see offload_engine.connectors.vllm.compat).
         del expedited
         return self.bridge.submit_load(
             job_id,

@@ -33,7 +33,7 @@ from offload_engine.bench import BenchPlan, CaseResults
 from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
-from offload_engine.errors import RuntimeUnavailableError
+from offload_engine.errors import InsufficientMemoryError, RuntimeUnavailableError
 from offload_engine.handlers.device import CopyStrategy
 from offload_engine.runtimes import RuntimeInfo
 from offload_engine.runtimes.cuda import CudaRuntime
@@ -41,6 +41,12 @@ from offload_engine.runtimes.cuda import CudaRuntime
 
 def _rig(runtime: CudaRuntime, shape: RigShape, strategy: CopyStrategy, own: bool) -> Rig:
     device = runtime.device
+    free, _ = torch.cuda.mem_get_info(device)
+    if shape.cache_bytes > free:
+        raise InsufficientMemoryError(
+            f"the KV cache needs {shape.cache_bytes / 2**30:.1f} GiB of {device} memory, "
+            f"but only {free / 2**30:.1f} GiB is free"
+        )
 
     def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, device=device)

@@ -26,6 +26,21 @@ def _memory_bytes() -> int:
         return 0
 
 
+def available_memory_bytes() -> int | None:
+    """Host memory available to a new allocation (Linux ``MemAvailable``), or None if unknown."""
+    meminfo = Path("/proc/meminfo")
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def _version(dist: str) -> str | None:
     try:
         return metadata.version(dist)

@@ -5,12 +5,15 @@ Every figure carries the machine and the date in a footer.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.layout_engine import ConstrainedLayoutEngine
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter
 
 from offload_engine.bench import LatencySeries, SweepPoint, series_label
 
@@ -25,6 +28,34 @@ def _footer(fig: Figure, machine: str, day: str, note: str) -> None:
 def _figure(height: float = 4.4) -> Figure:
     # constrained layout, leaving a strip at the bottom for the footer
     return Figure(figsize=(10, height), layout=ConstrainedLayoutEngine(rect=(0, 0.04, 1, 0.96)))
+
+
+def plain_ms_ticks(lo: float, hi: float) -> list[float]:
+    """Tick values for a log axis from ``lo`` to ``hi`` ms: 1-2-5 steps (1, 2, 5, 10, 20, ...)
+    over up to three decades, powers of ten beyond that, so the labels never crowd."""
+    if not (0 < lo <= hi):
+        return []
+    first, last = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    steps = (1, 2, 5) if last - first <= 3 else (1,)
+    ticks = [m * 10.0**e for e in range(first, last + 1) for m in steps]
+    # the data, framed by the nearest tick at or beyond each end: labelled values at both ends
+    below = [t for t in ticks if t <= lo][-1:]
+    inside = [t for t in ticks if lo < t < hi]
+    above = [t for t in ticks if t >= hi][:1]
+    return below + inside + above
+
+
+def _plain_ms_axis(ax: Axes, values: Sequence[float]) -> None:
+    """A log x axis in milliseconds labelled as plain numbers ("2", "5", "10", "0.05")."""
+    ax.set_xscale("log")
+    ticks = plain_ms_ticks(min(values, default=0.0), max(values, default=0.0))
+    if not ticks:
+        return
+    ax.xaxis.set_major_locator(FixedLocator(ticks))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_locator(LogLocator(base=10, subs=tuple(range(1, 10))))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlim(ticks[0], ticks[-1])
 
 
 def _save(fig: Figure, path: Path) -> Path:
@@ -106,7 +137,7 @@ def draw_latency(series: Sequence[LatencySeries], machine: str, day: str, note: 
                 f"{s.depth} in flight: p50 {s.p50_ms:.2f} / p99 {s.p99_ms:.2f} ms"
             )
             ax.step(xs, ys, where="post", label=label)
-        ax.set_xscale("log")
+        _plain_ms_axis(ax, [v for s in shown for v in s.latencies_ms if v > 0])
         ax.set_title(DIRECTION_TITLES[direction])
         ax.set_xlabel("submit -> result latency (ms)")
         ax.axhline(0.5, color="0.6", lw=0.6, ls=":")

@@ -17,6 +17,8 @@ from typing import Any, Literal
 import torch
 
 from offload_engine.bench.caches import poisoned_tier, random_host_cache
+from offload_engine.bench.machine import available_memory_bytes
+from offload_engine.errors import InsufficientMemoryError
 from offload_engine.handlers.base import TransferHandler
 from offload_engine.handlers.device import (
     CopyStrategy,
@@ -58,6 +60,37 @@ class RigShape:
     kv_heads: int = 4
     head_dim: int = 64
     seed: int = 0
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one KV-cache block (and of one tier block), all layers."""
+        return self.num_layers * 2 * self.block_tokens * self.kv_heads * self.head_dim * 2
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def tier_bytes(self) -> int:
+        return self.tier_blocks * self.block_bytes
+
+    def check_memory(self, *, cache_on_host: bool, available: int | None = None) -> None:
+        """Raise :class:`InsufficientMemoryError` if host memory cannot hold this rig.
+
+        The host holds the tier, the KV cache too when ``cache_on_host``, and one
+        layer's random float32 values while the cache is filled. ``available``
+        defaults to what the machine reports (skipped when it reports nothing).
+        """
+        layer = self.cache_bytes // self.num_layers
+        need = self.tier_bytes + 2 * layer + (self.cache_bytes if cache_on_host else 0)
+        have = available_memory_bytes() if available is None else available
+        if have is not None and need > have:
+            what = "the KV cache and the tier" if cache_on_host else "the tier"
+            raise InsufficientMemoryError(
+                f"{what} need {need / 2**30:.1f} GiB of host memory "
+                f"({self.num_layers} layers x {self.block_bytes // self.num_layers // 1024} KiB "
+                f"per block and layer), but only {have / 2**30:.1f} GiB is available"
+            )
 
 
 @dataclass
@@ -111,7 +144,11 @@ class Rig:
 
 
 def open_host_rig(shape: RigShape, *, workers: int = 2) -> Rig:
-    """Random KV tensors in host memory, a poisoned host tier, the host handler."""
+    """Random KV tensors in host memory, a poisoned host tier, the host handler.
+
+    Raises :class:`InsufficientMemoryError` first if they cannot fit.
+    """
+    shape.check_memory(cache_on_host=True)
     _, layout = random_host_cache(
         num_layers=shape.num_layers,
         num_blocks=shape.num_blocks,
@@ -147,8 +184,11 @@ def open_device_rig(
     and the device handler pair (store and load) of ``runtime``.
 
     ``release`` runs at :meth:`Rig.close`, after the tier is released (pass
-    ``runtime.close`` to hand the runtime to the rig).
+    ``runtime.close`` to hand the runtime to the rig). Raises
+    :class:`InsufficientMemoryError` first if the tier cannot fit in host memory;
+    device memory is the device's to refuse.
     """
+    shape.check_memory(cache_on_host=False)
     gen = torch.Generator().manual_seed(shape.seed)
     tensors = []
     for _ in range(shape.num_layers):

@@ -4,8 +4,9 @@ Subcommands: ``info`` (runtimes on this machine), ``demo`` (a serving loop in
 miniature) and ``bench`` (transfer benchmarks, a JSON report and figures).
 
 Exit status: 0 success; 1 the run failed (a failed job, corrupt bytes, a file
-that could not be written); 2 usage error (argparse prints the usage); 3 the
-requested device is unavailable (for example ``--device cuda`` without CUDA).
+that could not be written, sizes that do not fit in memory); 2 usage error
+(argparse prints the usage); 3 the requested device is unavailable (for example
+``--device cuda`` without CUDA); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -15,16 +16,22 @@ import sys
 from collections.abc import Sequence
 
 from offload_engine.bench.rigs import DEVICES
-from offload_engine.errors import JobFailedError, RuntimeUnavailableError
+from offload_engine.errors import (
+    InsufficientMemoryError,
+    JobFailedError,
+    RuntimeUnavailableError,
+)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
 _EPILOG = (
-    "exit status: 0 success, 1 the run failed (failed job, corrupt bytes, unwritable file), "
-    "2 usage error, 3 the requested device is unavailable"
+    "exit status: 0 success, 1 the run failed (failed job, corrupt bytes, unwritable file, "
+    "sizes that do not fit in memory), 2 usage error, 3 the requested device is unavailable, "
+    "130 interrupted (Ctrl-C)"
 )
 
 
@@ -52,7 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # not required=True: main() reports unknown options before a missing command
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     info = sub.add_parser(
         "info",
@@ -66,10 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="run a serving loop in miniature through the engine and check every loaded byte",
+        help="run a serving loop in miniature through the engine and check every load",
         description="Simulate a serving loop: each scheduling step stores new KV blocks and "
-        "loads a prefix hit through the engine, then check every loaded block byte for byte. "
-        "Ends with GB/s per direction, CPU time per step and job latency.",
+        "loads a prefix hit through the engine. Every load, when it completes, is compared "
+        "byte for byte with the KV-cache blocks it was stored from. Ends with GB/s per "
+        "direction, CPU time per step and job latency.",
         epilog=_EPILOG,
     )
     _add_device(
@@ -166,6 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
+    if args.command is None:
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        parser.error("the following arguments are required: COMMAND")
     command: argparse.ArgumentParser = args.parser  # the subcommand's, for its usage line
     if extra:
         command.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -184,6 +197,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         flag = f"--device {args.device}: " if getattr(args, "device", "auto") != "auto" else ""
         print(f"{where}: error: {flag}{exc}", file=sys.stderr)
         return EXIT_UNAVAILABLE
+    except InsufficientMemoryError as exc:
+        flag = f"--layers {args.layers}: " if args.command == "demo" else ""
+        print(f"{where}: error: {flag}{exc}", file=sys.stderr)
+        return EXIT_FAILED
     except JobFailedError as exc:
         print(f"{where}: error: a transfer failed: {exc}", file=sys.stderr)
         return EXIT_FAILED
@@ -192,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         print(f"{where}: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

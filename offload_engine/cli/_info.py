@@ -9,6 +9,12 @@ from dataclasses import asdict
 
 from offload_engine import runtimes
 
+#: Why ``--device npu`` is not a choice of demo and bench (docs/cli.md says the same).
+NPU_NOT_OFFERED = (
+    "no --device npu yet: their NPU path has not run on Ascend hardware (the NPU handler is "
+    "tested through fakes only, docs/npu.md); the vLLM adapter does use the NPU"
+)
+
 
 def cmd_info(args: argparse.Namespace) -> int:
     from offload_engine import __version__
@@ -48,4 +54,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         auto = f"host memory (CUDA: {cuda.reason})"
     out.print(f"demo and bench with --device auto run on: {auto}", markup=False)
+    npu = next(r for r in found if r.name == "npu")
+    if npu.available:
+        out.print(f"demo and bench: {NPU_NOT_OFFERED}", markup=False)
     return 0

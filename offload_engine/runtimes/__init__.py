@@ -65,10 +65,11 @@ def probe_cuda() -> RuntimeInfo:
 def probe_npu() -> RuntimeInfo:
     """The NPU runtime's own guarded import (:func:`~offload_engine.runtimes.npu.load_torch_npu`)
     and library loader, so ``info`` says what constructing the runtime would say."""
-    if importlib.util.find_spec("torch_npu") is None:
-        return RuntimeInfo("npu", False, "torch_npu is not installed (pip install '.[npu]')")
     from offload_engine.errors import RuntimeUnavailableError
     from offload_engine.runtimes import npu as npu_runtime
+
+    if importlib.util.find_spec("torch_npu") is None:
+        return RuntimeInfo("npu", False, npu_runtime.TORCH_NPU_MISSING)
 
     try:
         npu = npu_runtime.load_torch_npu()

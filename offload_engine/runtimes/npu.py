@@ -118,6 +118,12 @@ RECENT_ERR_MSG = ctypes.CFUNCTYPE(ctypes.c_char_p)
 
 # --------------------------------------------------------------------------- loading
 
+#: What ``info`` and the runtime say when torch_npu is missing: one install hint for both.
+TORCH_NPU_MISSING = (
+    "torch_npu is not installed (from the offload-engine checkout: pip install -e '.[npu]'; "
+    "CANN 8.5 or later is installed separately)"
+)
+
 
 def load_torch_npu() -> Any:
     """Import torch_npu and return its ``torch.npu`` module, or raise
@@ -134,9 +140,7 @@ def load_torch_npu() -> Any:
     except ModuleNotFoundError as exc:
         _restore_env(saved)
         if exc.name == "torch_npu":
-            raise RuntimeUnavailableError(
-                "torch_npu is not installed (pip install 'offload-engine[npu]', with CANN)"
-            ) from exc
+            raise RuntimeUnavailableError(TORCH_NPU_MISSING) from exc
         raise RuntimeUnavailableError(_import_failure(exc)) from exc
     except (ImportError, OSError, RuntimeError) as exc:
         _restore_env(saved)

@@ -7,7 +7,7 @@ Run as a script in its own process (vLLM spawns processes and warns freely):
 The scenario: greedy generation of ``--num-prompts`` prompts, ``--rounds``
 times, with a KV cache of ``--gpu-blocks`` blocks of 32 tokens, too small to
 keep earlier prompts' prefix blocks between rounds. With ``--offload`` the
-OffloadingConnector loads ``EngineOffloadingSpec`` from ``connectors.vllm``;
+OffloadingConnector loads ``EngineOffloadingSpec`` from ``offload_engine.connectors.vllm``;
 its worker (in vLLM's worker process) writes the engine's counters to
 ``--stats-path`` at shutdown. The JSON written to ``--out`` holds the token ids
 of every round and vLLM's metrics.
@@ -109,7 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--offload", action="store_true")
     p.add_argument("--spec-name", default="EngineOffloadingSpec")
-    p.add_argument("--spec-module", default="connectors.vllm")
+    p.add_argument("--spec-module", default="offload_engine.connectors.vllm")
     p.add_argument("--cpu-bytes", type=int, default=64 * 2**20)
     p.add_argument("--blocks-per-chunk", type=int, default=1)
     p.add_argument("--stats-path", default=None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from connectors.vllm.spec import EngineOffloadingSpec
+from offload_engine.connectors.vllm.spec import EngineOffloadingSpec
 from offload_engine.handlers.host import HostCopyHandler
 from offload_engine.vocabulary import Direction
 

@@ -16,9 +16,9 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.tiering.base")
 
-import connectors.vllm
+import offload_engine.connectors.vllm
 
-if "EngineTieringSpec" not in connectors.vllm.__all__:
+if "EngineTieringSpec" not in offload_engine.connectors.vllm.__all__:
     pytest.skip("needs EngineTieringSpec (issue [tiering])", allow_module_level=True)
 
 from test_vllm_e2e import run_vllm  # tests/vllm is on sys.path (no __init__.py)
@@ -31,7 +31,7 @@ PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
 def tiering_args(kv_dir: Path, rounds: int) -> list[str]:
     tier = {
         "type": "EngineDiskTier",
-        "module_path": "connectors.vllm",
+        "module_path": "offload_engine.connectors.vllm",
         "path": str(kv_dir),
         "capacity_bytes": 200_000_000,
     }
@@ -40,7 +40,7 @@ def tiering_args(kv_dir: Path, rounds: int) -> list[str]:
         "--spec-name",
         "EngineTieringSpec",
         "--spec-module",
-        "connectors.vllm",
+        "offload_engine.connectors.vllm",
         "--extra",
         json.dumps({"secondary_tiers": [tier]}),
         *PROMPTS,

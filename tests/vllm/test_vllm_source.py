@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.vllm import compat
+from offload_engine.connectors.vllm import compat
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = Path(os.environ.get("OFFLOAD_ENGINE_VLLM_SRC", ROOT / ".vllm-src"))
@@ -136,7 +136,7 @@ def test_the_tiering_spec_builds_its_worker_region_with_the_same_arguments(src: 
 
 def test_our_worker_takes_every_argument_vllms_worker_api_passes(src: Path) -> None:
     pytest.importorskip("vllm.v1.kv_offload.base")  # our worker subclasses the installed one
-    from connectors.vllm.worker import EngineOffloadingWorker
+    from offload_engine.connectors.vllm.worker import EngineOffloadingWorker
 
     api = cls(module(src, "vllm.v1.kv_offload.base"), "OffloadingWorker")
     abstract = {
@@ -176,7 +176,7 @@ def test_the_connector_worker_calls_the_spec_and_worker_as_the_adapter_expects(s
 
 def test_secondary_tiers_are_built_as_the_config_check_assumes(src: Path) -> None:
     pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
-    from connectors.vllm.tiering import _FACTORY_ARGS, _FACTORY_KEYS
+    from offload_engine.connectors.vllm.tiering import _FACTORY_ARGS, _FACTORY_KEYS
 
     factory = cls(module(src, "vllm.v1.kv_offload.tiering.factory"), "SecondaryTierFactory")
     create = method(factory, "create_secondary_tier")

@@ -12,8 +12,8 @@ pytest.importorskip("vllm.v1.kv_offload.base")
 
 import vllm_configs
 
-from connectors.vllm.testing import fake_canonical_kv_caches, page_bytes
 from offload_engine import ConfigError, LayoutError
+from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches, page_bytes
 
 pytestmark = [
     pytest.mark.vllm,
@@ -21,7 +21,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 
-SPEC_KEYS = {"spec_name": "EngineOffloadingSpec", "spec_module_path": "connectors.vllm"}
+SPEC_KEYS = {
+    "spec_name": "EngineOffloadingSpec",
+    "spec_module_path": "offload_engine.connectors.vllm",
+}
 
 
 def offloading_config(extra: dict[str, Any], **kwargs: Any) -> Any:
@@ -37,7 +40,7 @@ def spec_cls() -> Any:
 
 
 def test_vllm_finds_the_spec_by_name(spec_cls: Any) -> None:
-    from connectors.vllm import EngineOffloadingSpec
+    from offload_engine.connectors.vllm import EngineOffloadingSpec
 
     assert spec_cls is EngineOffloadingSpec
 
@@ -132,7 +135,7 @@ def test_worker_round_trip_through_vllm_specs(spec_cls: Any, tmp_path: Path) -> 
 def test_layout_refused_at_registration(spec_cls: Any) -> None:
     import torch
 
-    from connectors.vllm.testing import FakeCanonicalKVCacheTensor
+    from offload_engine.connectors.vllm.testing import FakeCanonicalKVCacheTensor
 
     spec = spec_cls(offloading_config({"cpu_bytes_to_use": 1 << 22}))
     kv = fake_canonical_kv_caches(num_blocks=8, padded_pages=(64, 64), groups=(((0, 64), (1, 64)),))

@@ -20,9 +20,13 @@ pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
 
 import vllm_configs
 
-from connectors.vllm import platform
-from connectors.vllm.testing import FakeCanonicalKVCaches, fake_canonical_kv_caches, page_bytes
 from offload_engine import ConfigError, LayoutError
+from offload_engine.connectors.vllm import platform
+from offload_engine.connectors.vllm.testing import (
+    FakeCanonicalKVCaches,
+    fake_canonical_kv_caches,
+    page_bytes,
+)
 from offload_engine.testing import FakeAscend, FakeRuntime, engine_threads
 
 pytestmark = [
@@ -30,7 +34,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
 ]
 
-SPEC_KEYS = {"spec_name": "EngineTieringSpec", "spec_module_path": "connectors.vllm"}
+SPEC_KEYS = {"spec_name": "EngineTieringSpec", "spec_module_path": "offload_engine.connectors.vllm"}
 GROUPS = (((0, 240), (1, 240)), ((2, 160),))
 PADDED = 256 + 256 + 192  # the fake caches' padded pages: vLLM's bytes per block
 
@@ -120,7 +124,7 @@ def shut_down_like_vllm(worker: Any, manager: Any) -> None:
 
 
 def test_vllm_finds_the_spec_by_name(spec_cls: Any) -> None:
-    from connectors.vllm import EngineTieringSpec
+    from offload_engine.connectors.vllm import EngineTieringSpec
 
     assert spec_cls is EngineTieringSpec
 
@@ -164,7 +168,7 @@ def test_cpu_platform_worker_and_fs_tier_share_the_region(
 def test_npu_platform_registers_the_region_and_unregisters_it_at_shutdown(
     spec_cls: Any, tmp_path: Path, ascend: FakeAscend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from connectors.vllm import spec as spec_module
+    from offload_engine.connectors.vllm import spec as spec_module
 
     monkeypatch.setattr(spec_module, "current_platform", types.SimpleNamespace(device_type="npu"))
     spec = spec_cls(offloading_config(fs_extra(tmp_path, strategy="dma"), blocks_per_chunk=2))
@@ -186,7 +190,7 @@ def test_npu_platform_registers_the_region_and_unregisters_it_at_shutdown(
 def test_cuda_platform_on_the_fake_runtime(
     spec_cls: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, strategy: str
 ) -> None:
-    from connectors.vllm import spec as spec_module
+    from offload_engine.connectors.vllm import spec as spec_module
 
     fake = FakeRuntime()
     try:
@@ -240,7 +244,7 @@ def test_keyed_tiers_get_a_namespace_of_their_own(spec_cls: Any, tmp_path: Path)
     from vllm.v1.kv_offload.file_mapper import FileMapper
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    from connectors.vllm.tiering import PAGE_FORMAT
+    from offload_engine.connectors.vllm.tiering import PAGE_FORMAT
 
     config = offloading_config(fs_extra(tmp_path))
     ours = spec_cls(config)
@@ -262,7 +266,9 @@ def test_keyed_tiers_get_a_namespace_of_their_own(spec_cls: Any, tmp_path: Path)
         (
             {
                 "cpu_bytes_to_use": 1 << 20,
-                "secondary_tiers": [{"type": "NoSuchTier", "module_path": "connectors.vllm"}],
+                "secondary_tiers": [
+                    {"type": "NoSuchTier", "module_path": "offload_engine.connectors.vllm"}
+                ],
             },
             r"\['secondary_tiers'\]\[0\]\['type'\]='NoSuchTier'",
         ),
@@ -305,7 +311,7 @@ def test_metrics_are_asked_for_first_and_fail_typed_too(spec_cls: Any) -> None:
 
 
 def test_engine_offloading_spec_stays_private(tmp_path: Path) -> None:
-    from connectors.vllm import EngineOffloadingSpec
+    from offload_engine.connectors.vllm import EngineOffloadingSpec
 
     config = offloading_config({"cpu_bytes_to_use": 1 << 20})
     spec = EngineOffloadingSpec(config)

@@ -1,0 +1,29 @@
+"""Which folders install under which package names (the rest is in pyproject.toml).
+
+``connectors/`` installs as ``offload_engine.connectors``: the top-level name
+``connectors`` belongs to another PyPI project, and installing ours there would
+overwrite its files. ``deprecated/connectors/vllm/`` keeps the old import path
+``connectors.vllm`` working for one release (it warns); it ships no
+``connectors/__init__.py``, so it is a namespace portion that overwrites nothing.
+"""
+
+from setuptools import find_packages, setup
+
+
+def _under(prefix: str, where: str) -> dict[str, str]:
+    """``{package name: folder}``: the folder ``where`` and its packages, as ``prefix.*``."""
+    names = {prefix: where}
+    for name in find_packages(where):
+        names[f"{prefix}.{name}"] = f"{where}/{name.replace('.', '/')}"
+    return names
+
+
+_MAPPED = {
+    **_under("offload_engine.connectors", "connectors"),
+    "connectors.vllm": "deprecated/connectors/vllm",
+}
+
+setup(
+    packages=[*find_packages(include=["offload_engine", "offload_engine.*"]), *_MAPPED],
+    package_dir=_MAPPED,
+)
