@@ -121,6 +121,8 @@ class Route:
         "handler",
         "inflight",
         "label",
+        "launch_in_submitter",
+        "launching",
         "loads_succeeded",
         "max_inflight",
         "ordered",
@@ -139,6 +141,10 @@ class Route:
         self.capacity = capacity
         self.max_inflight = int(handler.max_inflight)
         self.ordered = bool(handler.ordered)
+        self.launch_in_submitter = bool(handler.launch_in_submitter)
+        # a thread is inside handler.launch for this route (the route task or a
+        # submitter); launches of one route never overlap, so they keep queue order
+        self.launching = False
         self.queue: deque[Job] = deque()
         self.inflight: dict[int, Job] = {}  # insertion order = launch order
         self.wake: anyio.Event | None = None  # set while the route task sleeps

@@ -162,6 +162,9 @@ class OffloadingQueueManager:
         self._sync_space_waiters = 0
         self._deadlines = Deadlines()
         self._idle: anyio.Event | None = None
+        # submitting threads inside a handler's launch, and what close awaits them with
+        self._launching_here = 0
+        self._here_done: anyio.Event | None = None
         self._closed_event: anyio.Event | None = None
         #: results nobody collected when ``async with`` closed the engine, or when
         #: :meth:`aclose` raised a handler's close error
@@ -349,7 +352,12 @@ class OffloadingQueueManager:
                 # engine task outlives the close.
                 with self._lock:
                     self._abandon_all_locked(timeout)
+                    here_done = None
+                    if self._launching_here:  # no handler closes under a launch
+                        here_done = self._here_done = anyio.Event()
                 self._flush()
+                if here_done is not None:
+                    await here_done.wait()
                 await self._stop_tasks()
                 errors = await self._close_handlers()
                 with self._lock:
@@ -504,19 +512,25 @@ class OffloadingQueueManager:
         handler = route.handler
         lock = self._lock
         since_yield = 0
+        mine = False  # this task set route.launching for the batch it just launched
         while True:
             with lock:
+                if mine:
+                    route.launching = mine = False
                 room = route.max_inflight - len(route.inflight)
                 batch: list[Job] = []
                 queue = route.queue
                 inflight = route.inflight
-                while room > 0 and queue:
+                # a submitter inside handler.launch wakes this task when it is done
+                while room > 0 and queue and not route.launching:
                     job = queue.popleft()
                     job.state = INFLIGHT
                     inflight[job.job_id] = job
                     batch.append(job)
                     room -= 1
-                if not batch:
+                if batch:
+                    route.launching = mine = True
+                else:
                     if route.wake is None:
                         route.wake = anyio.Event()
                     event = route.wake
@@ -621,7 +635,9 @@ class OffloadingQueueManager:
         prepared: object,
         job_id: int | None,
         timeout: float | None,
-    ) -> int:
+    ) -> tuple[int, Job | None]:
+        """Queue the job; return its id, and the job itself when the submitting
+        thread is to launch it (see :meth:`_launch_here`)."""
         self._check_running_locked()
         if len(route.queue) + len(route.inflight) >= route.capacity:
             raise QueueFullError(
@@ -631,17 +647,49 @@ class OffloadingQueueManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         job = Job(self._report, route, jid, spec, prepared, _now(), deadline)
         self._jobs[jid] = job
-        route.queue.append(job)
         route.submitted += 1
-        event = route.wake
-        if event is not None:
-            route.wake = None
-            self._todo.append(event)
+        here = None
+        if (
+            route.launch_in_submitter
+            and not route.queue
+            and not route.launching
+            and len(route.inflight) < route.max_inflight
+        ):
+            # the route is idle: this thread launches the job, and the loop sleeps on
+            job.state = INFLIGHT
+            route.inflight[jid] = job
+            route.launching = True
+            self._launching_here += 1
+            here = job
+        else:
+            route.queue.append(job)
+            event = route.wake
+            if event is not None:
+                route.wake = None
+                self._todo.append(event)
         if deadline is not None:
             event = self._deadlines.push_locked(deadline, job, len(self._jobs))
             if event is not None:
                 self._todo.append(event)
-        return jid
+        return jid, here
+
+    def _launch_here(self, job: Job) -> None:
+        """Launch ``job`` on the submitting thread (its route's ``launching`` is
+        held), then wake the route task if jobs queued up meanwhile."""
+        route = job.route
+        job.t_launch = _now()
+        try:
+            route.handler.launch(job)
+        except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+            job.fail(exc)
+        with self._lock:
+            route.launching = False
+            if route.queue:
+                self._wake_route_locked(route)
+            self._launching_here -= 1
+            if not self._launching_here and self._here_done is not None:
+                self._todo.append(self._here_done)
+                self._here_done = None
 
     def submit_nowait(
         self, spec: TransferSpec, *, job_id: int | None = None, timeout: float | None = None
@@ -653,7 +701,9 @@ class OffloadingQueueManager:
         """
         route, prepared, timeout, job_id = self._prepare(spec, job_id, timeout)
         with self._lock:
-            jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+            jid, here = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+        if here is not None:
+            self._launch_here(here)
         if self._todo:
             self._flush()
         return jid
@@ -672,12 +722,14 @@ class OffloadingQueueManager:
             event: anyio.Event | None = None
             with self._lock:
                 try:
-                    jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+                    jid, here = self._enqueue_locked(route, spec, prepared, job_id, timeout)
                 except QueueFullError:
                     if route.space is None:
                         route.space = anyio.Event()
                     event = route.space
             if event is None:
+                if here is not None:
+                    self._launch_here(here)
                 self._flush()
                 return jid
             await event.wait()
@@ -702,7 +754,7 @@ class OffloadingQueueManager:
         with self._lock:
             while True:
                 try:
-                    jid = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+                    jid, here = self._enqueue_locked(route, spec, prepared, job_id, timeout)
                     break
                 except QueueFullError:
                     remaining = None if deadline is None else deadline - time.monotonic()
@@ -713,6 +765,8 @@ class OffloadingQueueManager:
                         self._space_cond.wait(remaining)
                     finally:
                         self._sync_space_waiters -= 1
+        if here is not None:
+            self._launch_here(here)
         self._flush()
         return jid
 

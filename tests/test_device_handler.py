@@ -24,10 +24,12 @@ from offload_engine import (
     gpu_blocks,
     npu_blocks,
 )
+from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
+    DevicePlan,
     make_device_handlers,
     pinned_host_tier,
 )
@@ -74,6 +76,7 @@ def round_trip(
     factor: int,
     *,
     staging_blocks: int = 2,
+    launch: str = "loop",
 ) -> None:
     """Store random blocks (mid tier block, every group), load them elsewhere, compare
     bit for bit; destination blocks and tier start poisoned, and skipped slots stay so.
@@ -94,7 +97,9 @@ def round_trip(
     want = {b: cache_block_bytes(layout, b, i // n) for i, b in enumerate(src)}
     poison(layout, dst)
     cfg = DeviceHandlerConfig(
-        strategy=strategy, staging_bytes=2 * staging_blocks * layout.slot_bytes
+        strategy=strategy,
+        staging_bytes=2 * staging_blocks * layout.slot_bytes,
+        **LAUNCH_MODES[launch],
     )
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     try:
@@ -130,10 +135,11 @@ def round_trip(
 @pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("launch", ["loop", "submitter", "launcher"])
 def test_round_trip_every_layout_and_strategy(
-    fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int
+    fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int, launch: str
 ) -> None:
-    round_trip(fake, fake.empty, kind, strategy, factor)
+    round_trip(fake, fake.empty, kind, strategy, factor, launch=launch)
 
 
 def test_a_store_waits_for_compute_writing_its_blocks(fake: FakeRuntime) -> None:
@@ -176,6 +182,54 @@ def test_jobs_take_effect_in_submission_order(fake: FakeRuntime) -> None:
     # and the jobs went round the stream pool
     assert len({c.stream for c in fake.batch_calls}) == 3
     tier.release()
+
+
+@pytest.mark.parametrize("submitter", [False, True])
+def test_small_jobs_launch_inline_only_when_the_launcher_is_idle(
+    fake: FakeRuntime, submitter: bool
+) -> None:
+    layout = build_layout("flashinfer", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, _ = make_device_handlers(
+        fake,
+        layout,
+        tier,
+        config(CopyStrategy.STAGED, layout, inline_launch_blocks=2, submitter_launch=submitter),
+    )
+    gate = threading.Event()
+    launched_by: list[tuple[int, str]] = []
+    real = store._enqueue
+
+    def held(plan: DevicePlan) -> None:
+        launched_by.append((plan.units, threading.current_thread().name))
+        if plan.units > 2:
+            gate.wait()  # the big job is still being launched when the small one comes
+        real(plan)
+
+    store._enqueue = held  # type: ignore[method-assign]
+    with SyncOffloadingEngine([store], thread_name="loop") as engine:
+        big = engine.submit(TransferSpec(gpu_blocks([0, 1, 2]), cpu_blocks([0, 1, 2])))
+        small = engine.submit(TransferSpec(gpu_blocks([5]), cpu_blocks([0])))
+        with pytest.raises(TimeoutError):  # queued behind the big job, not launched ahead
+            engine.wait([small], timeout=0.2)
+        gate.set()
+        assert all(r.success for r in engine.wait([big, small]))
+        # the small job took effect after the big one: tier block 0 holds cache block 5
+        assert tier.memory[0].numpy().tobytes() == cache_block_bytes(layout, 5)
+        [late] = engine.wait([engine.submit(TransferSpec(gpu_blocks([6]), cpu_blocks([3])))])
+        assert late.success
+    assert tier.memory[3].numpy().tobytes() == cache_block_bytes(layout, 6)
+    here = threading.current_thread().name if submitter else "loop"
+    assert [(n, name.endswith("-launch")) for n, name in launched_by[:2]] == [(3, True), (1, True)]
+    assert launched_by[2] == (1, here)  # the launcher was idle: launched without it
+    tier.release()
+
+
+def test_inline_launch_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="inline_launch_blocks"):
+        DeviceHandlerConfig(inline_launch_blocks=-1)
+    with pytest.raises(ConfigError, match="submitter_launch"):
+        DeviceHandlerConfig(submitter_launch=1)  # type: ignore[arg-type]
 
 
 def test_a_failed_copy_fails_its_job_and_later_jobs_run(fake: FakeRuntime) -> None:

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceCopyHandler,
@@ -122,7 +123,11 @@ class Bench:
         self.block_bytes = self.layout.slot_bytes
 
     def engine(
-        self, strategy: CopyStrategy, buffers: int = 2, staging: int = 256 << 20
+        self,
+        strategy: CopyStrategy,
+        buffers: int = 2,
+        staging: int = 256 << 20,
+        launch: str = "loop",
     ) -> tuple[SyncOffloadingEngine, DeviceCopyHandler, DeviceCopyHandler]:
         cfg = DeviceHandlerConfig(
             strategy=strategy,
@@ -130,6 +135,7 @@ class Bench:
             staging_buffers=buffers,
             max_inflight=8,
             streams=self.streams,
+            **LAUNCH_MODES[launch],
         )
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
@@ -294,8 +300,10 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     runtime = CudaRuntime()
     bench = Bench(runtime, 16, 1536)
-    for strategy in STRATEGIES:
-        engine, store, _ = bench.engine(strategy)
+    # each strategy with each launch mode side by side (LAUNCH_MODES: small jobs
+    # enqueued on the engine's loop, the submitting thread or the launcher thread)
+    for strategy, launch in [(s, m) for s in STRATEGIES for m in args.launch_modes]:
+        engine, store, _ = bench.engine(strategy, launch=launch)
         launch_cpu: list[float] = []
         real_enqueue = store._enqueue
 
@@ -332,27 +340,41 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     submit_cpu.append((time.thread_time_ns() - t0) / 1e3)
                 engine.wait(ids)
                 alone_cpu = []
+                latency = []
                 prepare_cpu.clear()
+                launch_back_to_back = statistics.median(launch_cpu)
+                launch_cpu.clear()
+                p0 = time.process_time_ns()
                 for s in specs[:20]:  # one at a time: nothing else of the engine's is running
+                    w0 = time.perf_counter_ns()
                     t0 = time.thread_time_ns()
                     job = engine.submit(s)
                     alone_cpu.append((time.thread_time_ns() - t0) / 1e3)
                     engine.wait([job])
+                    latency.append((time.perf_counter_ns() - w0) / 1e3)
                 row = {
                     "pass": "cpu",
                     "strategy": strategy.value,
+                    "launch": launch,
                     "blocks_per_job": per_job,
+                    # every thread's CPU per job, one job at a time, and submit to result
+                    "process_alone_us": (time.process_time_ns() - p0) / 1e3 / 20,
+                    "latency_alone_us": statistics.median(latency),
                     "submit_us": statistics.median(submit_cpu),
                     "submit_alone_us": statistics.median(alone_cpu),
-                    "launch_us": statistics.median(launch_cpu),
+                    "launch_us": launch_back_to_back,
+                    "launch_alone_us": statistics.median(launch_cpu),
                     "prepare_alone_us": statistics.median(prepare_cpu),
                 }
                 rows.append(row)
                 print(
-                    f"  {strategy.value:7} {per_job:4} blocks: submit {row['submit_us']:.0f} us "
-                    f"back to back, {row['submit_alone_us']:.0f} us alone (prepare "
-                    f"{row['prepare_alone_us']:.0f} us); launch "
-                    f"{row['launch_us']:.0f} us (median CPU time per job)",
+                    f"  {strategy.value:7} {launch:9} {per_job:4} blocks: submit "
+                    f"{row['submit_us']:.0f} us back to back, {row['submit_alone_us']:.0f} us "
+                    f"alone (prepare {row['prepare_alone_us']:.0f} us); launch "
+                    f"{row['launch_us']:.0f} us back to back, {row['launch_alone_us']:.0f} us "
+                    f"alone (median CPU time per job); alone: "
+                    f"{row['process_alone_us']:.0f} us CPU of all threads per job, "
+                    f"{row['latency_alone_us']:.0f} us submit to result",
                     flush=True,
                 )
         finally:
@@ -370,6 +392,7 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         modes=tuple(tuple(m.split(":")) for m in args.step_modes.split(",")),  # type: ignore[misc]
         steps=args.step_steps,
         reps=args.reps,
+        launch_modes=tuple(m for m in args.launch_modes if m != "loop"),
     )
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -400,6 +423,12 @@ def main() -> int:
     parser.add_argument(
         "--switch-interval", type=float, default=None, help="sys.setswitchinterval for the step"
     )
+    parser.add_argument(
+        "--launch-modes",
+        default="loop,submitter,launcher",
+        help="cpu pass: where small jobs launch (LAUNCH_MODES); the step pass adds the "
+        "modes other than loop as variants <strategy>/<mode>",
+    )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     args = parser.parse_args()
@@ -407,6 +436,7 @@ def main() -> int:
     args.per_job = [int(t) for t in args.per_job.split(",")]
     args.strategies = [CopyStrategy(t) for t in args.strategies.split(",")]
     args.step_blocks = [int(t) for t in args.step_blocks.split(",")]
+    args.launch_modes = args.launch_modes.split(",")
     if args.streams is not None:
         Bench.streams = args.streams
     rows: list[dict[str, Any]] = []
@@ -442,9 +472,14 @@ def main() -> int:
             cpu = (
                 f"submit {r['submit_us']:.0f} us (alone {r['submit_alone_us']:.0f} us, prepare "
                 f"{r['prepare_alone_us']:.0f} us) "
-                f"launch {r['launch_us']:.0f} us"
+                f"launch {r['launch_us']:.0f} us (alone {r['launch_alone_us']:.0f} us)"
             )
-            print(f"  cpu  {r['strategy']:7} {r['blocks_per_job']:3} blocks {cpu}")
+            cpu += (
+                f", all threads {r['process_alone_us']:.0f} us, "
+                f"submit to result {r['latency_alone_us']:.0f} us"
+            )
+            what = f"{r['strategy']:7} {r['launch']:9}"
+            print(f"  cpu  {what} {r['blocks_per_job']:3} blocks {cpu}")
     for r in rows:
         if r["pass"] == "step" and r["variant"] != "none":
             what = f"{r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks {r['variant']:10}"

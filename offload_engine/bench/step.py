@@ -65,6 +65,13 @@ from offload_engine.testing import FakeHandler
 #: variants measured per (mode, stream, blocks) besides the strategies: nothing moved,
 #: the contiguous floor, and the engine with an instant fake handler (the queue alone)
 BASELINE, FLOOR, INSTANT = "none", "contiguous", "instant"
+#: where a small job's device work is enqueued, as DeviceHandlerConfig fields: the
+#: engine's loop (the default), the submitting thread, or the launcher thread
+LAUNCH_MODES: dict[str, dict[str, Any]] = {
+    "loop": {},
+    "submitter": {"submitter_launch": True},
+    "launcher": {"inline_launch_blocks": 0},
+}
 
 
 @dataclass(frozen=True)
@@ -268,6 +275,9 @@ class StepPlan:
     steps: int = 30  # timed steps per variant and round
     reps: int = 3  # rounds
     cache_blocks: int = 512
+    #: also run each strategy with its small jobs launched elsewhere than the
+    #: default (``loop``), as variants ``<strategy>/<mode>`` (see LAUNCH_MODES)
+    launch_modes: tuple[str, ...] = ()
 
     @classmethod
     def quick(cls) -> StepPlan:
@@ -283,7 +293,9 @@ class StepPlan:
 
     @property
     def variants(self) -> tuple[str, ...]:
-        return (BASELINE, FLOOR, INSTANT, *(s.value for s in self.strategies))
+        names = [s.value for s in self.strategies]
+        names += [f"{n}/{mode}" for mode in self.launch_modes for n in names]
+        return (BASELINE, FLOOR, INSTANT, *names)
 
     @property
     def ticks(self) -> int:
@@ -319,7 +331,12 @@ def run_step_pass(
     try:
         for v in variants:
             special = (BASELINE, FLOOR, INSTANT)
-            config = None if v in special else DeviceHandlerConfig(strategy=CopyStrategy(v))
+            config = None
+            if v not in special:
+                strategy, _, mode = v.partition("/")
+                config = DeviceHandlerConfig(
+                    strategy=CopyStrategy(strategy), **LAUNCH_MODES[mode or "loop"]
+                )
             movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(blocks), config)
         for mode, stream_kind in modes:  # warm every mode up before the first timed step
             warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]

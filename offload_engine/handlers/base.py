@@ -107,6 +107,10 @@ class TransferHandler(abc.ABC, Generic[P]):
     dst: Medium
     ordered: bool = True
     max_inflight: int = 64
+    #: ``launch`` may run on the thread that submits (any thread), never two at
+    #: once: when the handler's queue is empty and it has room, the engine launches
+    #: a new job there instead of waking its loop
+    launch_in_submitter: bool = False
 
     @property
     def pair(self) -> tuple[Medium, Medium]:

@@ -75,6 +75,16 @@ class DeviceHandlerConfig:
     ``max_inflight``: jobs launched and not yet finished.
     ``close_timeout``: how long close waits for device work already abandoned
     by the engine before reporting the device broken.
+    ``inline_launch_blocks``: a job of at most this many blocks (``dma``: block
+    regions, one copy descriptor each) is put on the streams by the engine's
+    loop thread when the launcher thread has nothing pending, which spares the
+    launcher's wake-up; larger jobs, and jobs behind them, go through the
+    launcher thread. 0 sends every job through the launcher thread, as does a
+    runtime whose launches may wait (``nonblocking_launch`` false: NPU).
+    ``submitter_launch``: such small jobs are launched by the thread that
+    submits them when nothing is queued before them, sparing the loop's wake-up
+    too: the least CPU per job in all, but the submitter pays the launch (a CUDA
+    graph step then starts later; see docs/performance.md).
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -84,11 +94,15 @@ class DeviceHandlerConfig:
     streams: int | None = None
     max_inflight: int = 16
     close_timeout: float = 30.0
+    inline_launch_blocks: int = 64
+    submitter_launch: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.submitter_launch, bool):
+            raise ConfigError(f"submitter_launch must be a bool, got {self.submitter_launch!r}")
         if not isinstance(self.strategy, CopyStrategy):
             raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
-        for key in ("staging_bytes", "dma_min_chunk_bytes"):
+        for key in ("staging_bytes", "dma_min_chunk_bytes", "inline_launch_blocks"):
             value = getattr(self, key)
             check_int(value, key, minimum=0)
         if self.streams is not None:
@@ -113,6 +127,9 @@ class DevicePlan:
     # since a device error surfaces at the next event recorded on its own stream
     checks: list[Any] = field(default_factory=list)
     ids: IdBuffer | None = None  # the job's block ids on their way up; reused when done
+    # what the launch costs: blocks moved (every group together), or for dma the
+    # copy descriptors before merging (blocks x regions)
+    units: int = 0
 
 
 class _Staging:
@@ -188,6 +205,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.src, self.dst = (runtime.medium, Medium.CPU) if store else (Medium.CPU, runtime.medium)
         self.ordered = True
         self.max_inflight = config.max_inflight
+        # small jobs launch on the thread that hands them over (see launch): the
+        # engine's loop, or with submitter_launch the submitting thread
+        self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
+        self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.span] for v in (t.data_ptr(),))
@@ -221,6 +242,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 f"its blocks of {tier.factor} slots has none: use dma or staged)"
             )
         self._stage_rows = rows
+        self._regions = [len(g) for g in layout.groups]
         min_region = min(r.size for g in layout.groups for r in g)
         self._auto = (
             CopyStrategy.DMA
@@ -280,6 +302,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # the store and load handlers' launchers run in parallel, off the event loop);
         # watcher: sleeps on each job's events in order and reports the outcome.
         self._launch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._pending = 0  # jobs handed to the launcher thread and not yet enqueued
+        self._pending_lock = threading.Lock()
         self._watch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._threads_done = ThreadSignal(context.call_soon)
         name = f"offload-engine-{self.runtime.name}-{self.direction.value}"
@@ -373,12 +397,36 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         )
         ready = self._event()
         self.runtime.record_current(ready)
-        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready])
+        if strategy is CopyStrategy.DMA:  # one descriptor per block region, each ~1 us
+            units = sum(int(m.cache_ids.shape[0]) * self._regions[m.group] for m in job.groups)
+        else:
+            units = sum(int(m.cache_ids.shape[0]) for m in job.groups)
+        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready], units=units)
 
     # ------------------------------------------------------------ launch
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
+        # A small job goes on the streams right here (the engine's loop thread, or
+        # with submitter_launch the submitting thread when nothing was queued) when
+        # the launcher thread has nothing pending, so jobs still launch in order; this
+        # spares the launcher's wake-up and GIL hand-offs, which cost more than the
+        # launch itself. Launch calls never overlap and only they add to ``_pending``,
+        # so a zero read here stays zero.
+        if self._pending == 0 and 0 < job.prepared.units <= self._inline_units:
+            self._launch_one(job)
+            return
+        with self._pending_lock:
+            self._pending += 1
         self._launch_q.put(job)
+
+    def _launch_one(self, job: LaunchedJob[DevicePlan]) -> None:
+        try:
+            self._enqueue(job.prepared)
+        except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+            job.fail(exc)
+            self._recycle(job.prepared)
+        else:
+            self._watch_q.put(job)
 
     def _launch_loop(self) -> None:
         # the SM stream is this thread's current stream throughout, so a kernel
@@ -389,14 +437,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 if item is _STOP:
                     self._watch_q.put(_STOP)
                     return
-                job: LaunchedJob[DevicePlan] = item  # type: ignore[assignment]
-                try:
-                    self._enqueue(job.prepared)
-                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                    job.fail(exc)
-                    self._recycle(job.prepared)
-                else:
-                    self._watch_q.put(job)
+                self._launch_one(item)  # type: ignore[arg-type]
+                with self._pending_lock:
+                    self._pending -= 1
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams. Jobs take effect in submission order:

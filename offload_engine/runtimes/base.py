@@ -212,6 +212,10 @@ class DeviceRuntime(abc.ABC):
 
     #: byte alignment :meth:`copy_blocks` needs of every address and size
     block_copy_alignment: int = 1
+    #: every enqueueing call returns without waiting for earlier device work, so a
+    #: handler may launch small jobs on the submitting thread or the engine's loop
+    #: (a runtime whose stream switch synchronises, as the NPU's may, says False)
+    nonblocking_launch: bool = False
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release runtime-level resources (threads of a fake runtime)."""

@@ -185,6 +185,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     name = "cuda"
     medium = Medium.GPU
+    nonblocking_launch = True  # driver calls only enqueue
 
     def __init__(
         self,
@@ -356,17 +357,23 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     def new_id_buffer(self, capacity: int) -> IdBuffer:
         host = torch.empty(capacity, dtype=torch.int64, pin_memory=True)
         device = torch.empty(capacity, dtype=torch.int64, device=self.device)
-        # the addresses are read once here, not per upload
-        return IdBuffer(host.numpy(), device, keep=(host, host.data_ptr(), device.data_ptr()))
+        # the addresses are read once here, not per upload; the views handed out per
+        # upload are kept by length (a torch narrow costs more than the upload's call)
+        views: dict[int, torch.Tensor] = {}
+        return IdBuffer(
+            host.numpy(), device, keep=(host, host.data_ptr(), device.data_ptr(), views)
+        )
 
     def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
         # one driver call from the buffer's pinned memory: no allocation, no torch op
         self._bind_thread()
-        _, host_at, device_at = buffer.keep
+        _, host_at, device_at, views = buffer.keep
         rc = self._driver.memcpy_htod(device_at, host_at, 8 * count, stream.cuda_stream)
         self._check(rc, "cuMemcpyHtoDAsync")
-        device: torch.Tensor = buffer.device
-        return device.narrow(0, 0, count)
+        view: torch.Tensor | None = views.get(count)
+        if view is None:
+            view = views[count] = buffer.device.narrow(0, 0, count)
+        return view
 
     # ------------------------------------------------------------ copies
 

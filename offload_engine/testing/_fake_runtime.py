@@ -154,6 +154,8 @@ class FakeDeviceMemory:
 class FakeRuntime(DeviceRuntime):
     """A runtime whose device is host memory and whose streams are threads."""
 
+    nonblocking_launch = True  # every call only puts work on a stream thread
+
     name = "fake"
 
     def __init__(
