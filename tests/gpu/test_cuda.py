@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
 
-from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine import ConfigError, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceHandlerConfig,
@@ -18,6 +19,8 @@ from offload_engine.handlers.device import (
 from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
 from tests.test_device_handler import round_trip
+from tests.test_tier_over import OTHER, POISON, outside_pages, region_for
+from tests.test_tier_over import round_trip as region_round_trip
 
 pytestmark = [
     pytest.mark.gpu,
@@ -188,3 +191,44 @@ def test_the_model_step_pass_runs_every_mode_and_variant(cuda: object) -> None:
     assert all(r.step_ms > 0 for r in rows)
     assert all(r.slowdown == 0 for r in rows if r.variant == "none")
     assert len(format_step_rows(rows)) == len(plan.modes)
+
+
+@pytest.mark.parametrize("strategy", list(CopyStrategy))
+@pytest.mark.parametrize("factor", [1, 3])
+def test_a_tier_inside_an_mmap_region_is_registered_in_place(
+    cuda: object, strategy: CopyStrategy, factor: int
+) -> None:
+    """What EngineTieringSpec does with vLLM's shared offload region: rank 1's pages of
+    an mmap'd buffer become the tier, registered with CUDA as they are (never copied),
+    round trips are bit-exact, other ranks' bytes stay untouched, and release
+    unregisters the region."""
+    layout = build_layout("flash-attention", gpu_empty, num_blocks=24, seed=factor)
+    _, page, row_bytes = region_for(layout, 10, factor)
+    region = mmap.mmap(-1, 10 * row_bytes)
+    buffer = torch.frombuffer(region, dtype=torch.int8).view(10, row_bytes)
+    buffer.fill_(OTHER)
+    tier = pinned_host_tier(
+        cuda,  # type: ignore[arg-type]
+        layout,
+        10,
+        factor=factor,
+        buffer=buffer,
+        offset=page,
+        page_bytes=page,
+        block_stride=row_bytes,
+    )
+    try:
+        assert tier.memory.data_ptr() == buffer.data_ptr() + page
+        assert buffer.is_pinned()
+        tier.memory.fill_(POISON)
+        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=4 * layout.slot_bytes)
+        if strategy is CopyStrategy.KERNEL and factor > 1:
+            with pytest.raises(ConfigError, match="evenly spaced tier slots"):
+                make_device_handlers(cuda, layout, tier, cfg)  # type: ignore[arg-type]
+            return
+        handlers = list(make_device_handlers(cuda, layout, tier, cfg))  # type: ignore[arg-type]
+        region_round_trip(layout, handlers, tier, gpu_blocks, factor)  # type: ignore[arg-type]
+        assert bool((buffer[outside_pages(buffer, page, page)] == OTHER).all())
+    finally:
+        tier.release()
+    assert not buffer.is_pinned()
