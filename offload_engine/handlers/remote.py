@@ -153,12 +153,9 @@ class RemoteTier:
                 raise
             self._bump("unavailable")
             self._next_try = time.monotonic() + self._reconnect_interval
-        self.store_handler = RemoteHandler(
-            self, store=True, workers=workers, close_timeout=close_timeout
-        )
-        self.load_handler = RemoteHandler(
-            self, store=False, workers=workers, close_timeout=close_timeout
-        )
+        self._workers = workers
+        self._close_timeout = close_timeout
+        self.handlers()  # checks workers and close_timeout now, at construction
 
     def _open(self) -> RemoteStore:
         store = self._connect()
@@ -210,8 +207,17 @@ class RemoteTier:
         return self._store is not None
 
     def handlers(self) -> tuple[RemoteHandler, RemoteHandler]:
-        """The ``CPU -> REMOTE`` and ``REMOTE -> CPU`` handlers, to register with an engine."""
-        return self.store_handler, self.load_handler
+        """A new ``CPU -> REMOTE`` and ``REMOTE -> CPU`` handler pair, to register with
+        one engine (a handler belongs to one engine and is used once; the tier, its
+        store and its counters are shared by every pair)."""
+        return (
+            RemoteHandler(
+                self, store=True, workers=self._workers, close_timeout=self._close_timeout
+            ),
+            RemoteHandler(
+                self, store=False, workers=self._workers, close_timeout=self._close_timeout
+            ),
+        )
 
     def names(self, keys: Sequence[bytes]) -> list[str]:
         """The wire names of ``keys`` (see :func:`wire_name`)."""

@@ -37,7 +37,7 @@ async def test_round_trip_bit_exact_through_the_async_engine(backend: Backend) -
         RemoteTier(backend.connect(), src, digest()) as a,
         RemoteTier(backend.connect(), dst, digest()) as b,
     ):
-        async with OffloadingQueueManager([a.store_handler]) as engine:
+        async with OffloadingQueueManager([a.handlers()[0]]) as engine:
             # 150 keys: more than one store call per job (64 keys per batch)
             ids = list(range(10, 160))
             r = await engine.wait([engine.submit_nowait(store_spec(ids, ks))])
@@ -45,7 +45,7 @@ async def test_round_trip_bit_exact_through_the_async_engine(backend: Backend) -
             assert r[0].bytes_moved == 150 * BLOCK_BYTES
         assert b.contains(ks) == 150
         assert b.contains([*ks[:5], b"absent", *ks[5:]]) == 5
-        async with OffloadingQueueManager([b.load_handler]) as engine:
+        async with OffloadingQueueManager([b.handlers()[1]]) as engine:
             order = list(range(150))[::-1]  # other blocks, other order
             jobs = [
                 engine.submit_nowait(
