@@ -64,7 +64,10 @@ from offload_engine.layout import KVLayout, Region
 from offload_engine.manager import OffloadingQueueManager
 from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.stats import EngineStats, HandlerStats
+from offload_engine.stores.base import RemoteStore
 from offload_engine.stores.disk import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
+from offload_engine.stores.mooncake_store import MooncakeStore, MooncakeStoreConfig
+from offload_engine.stores.redis_store import RedisStore, RedisStoreConfig
 from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import (
@@ -157,6 +160,11 @@ __all__ = [
     "QueueFullError",
     "Region",
     "RemoteHandler",
+    "MooncakeStore",
+    "MooncakeStoreConfig",
+    "RedisStore",
+    "RedisStoreConfig",
+    "RemoteStore",
     "RemoteTier",
     "RemoteTierStats",
     "RuntimeUnavailableError",

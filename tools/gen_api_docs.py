@@ -65,9 +65,18 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     (
         "Remote tier",
         "A host tier's blocks in a distributed store (Redis/Valkey, Mooncake Store): the "
-        "`CPU -> REMOTE` and `REMOTE -> CPU` handlers. The stores themselves are below "
-        "(`offload_engine.stores`).",
-        ["RemoteTier", "RemoteHandler", "RemoteTierStats"],
+        "`CPU -> REMOTE` and `REMOTE -> CPU` handlers, and the store backends they talk to. "
+        "`offload_engine.stores` (below) also has the servers tests and benchmarks start.",
+        [
+            "RemoteTier",
+            "RemoteHandler",
+            "RemoteTierStats",
+            "RemoteStore",
+            "RedisStore",
+            "RedisStoreConfig",
+            "MooncakeStore",
+            "MooncakeStoreConfig",
+        ],
     ),
     (
         "The disk tier",

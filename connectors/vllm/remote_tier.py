@@ -61,7 +61,12 @@ from offload_engine import (
     HostTier,
     KeyMissError,
     LayoutDigest,
+    MooncakeStore,
+    MooncakeStoreConfig,
     OffloadError,
+    RedisStore,
+    RedisStoreConfig,
+    RemoteStore,
     RemoteTier,
     StoreUnavailableError,
     SyncOffloadingEngine,
@@ -69,13 +74,6 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
     remote_blocks,
-)
-from offload_engine.stores import (
-    MooncakeStore,
-    MooncakeStoreConfig,
-    RedisStore,
-    RedisStoreConfig,
-    RemoteStore,
 )
 
 if TYPE_CHECKING:
