@@ -682,14 +682,23 @@ class OffloadingQueueManager:
             route.handler.launch(job)
         except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
             job.fail(exc)
-        with self._lock:
-            route.launching = False
-            if route.queue:
-                self._wake_route_locked(route)
-            self._launching_here -= 1
-            if not self._launching_here and self._here_done is not None:
-                self._todo.append(self._here_done)
-                self._here_done = None
+        except BaseException as exc:
+            # an interrupt in the caller's thread: the job gets its result, the
+            # bookkeeping below still runs (else close would wait on it forever),
+            # and the interrupt goes on to the caller
+            job.fail(exc)
+            raise
+        finally:
+            with self._lock:
+                route.launching = False
+                if route.queue:
+                    self._wake_route_locked(route)
+                self._launching_here -= 1
+                if not self._launching_here and self._here_done is not None:
+                    self._todo.append(self._here_done)
+                    self._here_done = None
+            if self._todo:
+                self._flush()
 
     def submit_nowait(
         self, spec: TransferSpec, *, job_id: int | None = None, timeout: float | None = None

@@ -80,3 +80,25 @@ def test_close_waits_for_a_launch_in_a_submitting_thread() -> None:
     assert handler.closed
     [result] = closed
     assert not result.success  # abandoned at close: its launch outlived the timeout
+
+
+class InterruptedLaunch(SubmitterLaunched):
+    """The submitting thread is interrupted inside ``launch``."""
+
+    def launch(self, job: LaunchedJob[int]) -> None:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_an_interrupt_inside_a_submitter_launch_fails_the_job_and_close_returns(
+    backend: str,
+) -> None:
+    handler = InterruptedLaunch()
+    engine = SyncOffloadingEngine([handler], backend=backend, thread_name="loop")
+    with pytest.raises(KeyboardInterrupt):
+        engine.submit_nowait(STORE, job_id=7)
+    # the interrupt reached the caller; the job still got its one result, and the
+    # route's launch bookkeeping was released, so close does not wait on it
+    [result] = engine.close(timeout=10)
+    assert result.job_id == 7 and not result.success
+    assert handler.closed
