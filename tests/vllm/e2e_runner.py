@@ -92,8 +92,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_gen = time.perf_counter() - t1
     metrics, series = _metrics(llm)
     # Shut the engine down now (not at interpreter exit), so the offload worker
-    # closes its engine and writes its stats before we return.
-    llm.llm_engine.engine_core.shutdown()
+    # closes its engine and writes its stats before we return. vLLM's default
+    # grace before it force-kills EngineCore is 5 s, which a loaded 2-core CI
+    # machine once overran (no stats file); a hung worker still fails the test.
+    llm.llm_engine.engine_core.shutdown(timeout=30)
     return {
         "rounds": rounds,
         "metrics": metrics,
