@@ -42,6 +42,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from offload_engine._checks import check_int, check_seconds
 from offload_engine.errors import (
     ConfigError,
     InvalidTransferError,
@@ -131,6 +132,9 @@ class RemoteTier:
             raise ConfigError(
                 f"reconnect_interval must be a non-negative number, got {reconnect_interval!r}"
             )
+        # checked before connecting, so a bad argument leaves no store open
+        self._workers = check_int(workers, "workers")
+        self._close_timeout = check_seconds(close_timeout, "close_timeout")
         self.tier = tier
         self.digest = digest
         self.block_bytes = block_bytes
@@ -153,9 +157,6 @@ class RemoteTier:
                 raise
             self._bump("unavailable")
             self._next_try = time.monotonic() + self._reconnect_interval
-        self._workers = workers
-        self._close_timeout = close_timeout
-        self.handlers()  # checks workers and close_timeout now, at construction
 
     def _open(self) -> RemoteStore:
         store = self._connect()
@@ -364,6 +365,9 @@ class RemoteHandler(ThreadPoolHandler[RemoteJob]):
         self.is_store = store
         self.src, self.dst = (Medium.CPU, Medium.REMOTE) if store else (Medium.REMOTE, Medium.CPU)
         self.ordered = False  # independent keys: deliver each job as soon as it ends
+        # launch only puts the job on the workers' queue (thread-safe, never blocks):
+        # an idle route lets the submitting thread do that, and the loop sleeps on
+        self.launch_in_submitter = True
 
     def prepare(self, spec: TransferSpec) -> RemoteJob:
         t = map_keyed(spec, self.remote.tier, medium=Medium.REMOTE, who=self.name)
