@@ -28,6 +28,7 @@ import hashlib
 import json
 import struct
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import xxhash
 
@@ -207,9 +208,11 @@ class LayoutDigest:
         )
 
 
-@dataclass(frozen=True)
-class KeyedTransfer:
-    """A keyed job mapped at submit: ``keys[i]`` pairs with host-tier block ``blocks[i]``."""
+class KeyedTransfer(NamedTuple):
+    """A keyed job mapped at submit: ``keys[i]`` pairs with host-tier block ``blocks[i]``.
+
+    A named tuple (immutable, like a frozen dataclass): one is built in the
+    submitting thread for every keyed job, and a tuple is the cheapest record."""
 
     store: bool  # host tier -> keyed tier
     medium: Medium
@@ -255,11 +258,12 @@ def map_keyed(spec: TransferSpec, tier: HostTier, *, medium: Medium, who: str) -
             f"whole tier blocks, one per key"
         )
     if ids.size:
-        top = int(ids.max())
+        listed = ids.tolist()  # cheaper than numpy's reductions for a job's few ids
+        top = max(listed)
         if top >= tier.num_blocks:
             raise InvalidBlockIdsError(
                 f"{who}: host-tier block {top} is outside the tier's {tier.num_blocks} blocks"
             )
-        if not store and len(set(ids.tolist())) != ids.size:
+        if not store and len(set(listed)) != ids.size:
             raise InvalidBlockIdsError(f"{who}: a load writes one host-tier block twice")
     return KeyedTransfer(store, medium, keyed.keys, ids, tier.factor * tier.slot_bytes)
