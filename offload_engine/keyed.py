@@ -251,19 +251,22 @@ def map_keyed(spec: TransferSpec, tier: HostTier, *, medium: Medium, who: str) -
         )
     if tier.released:
         raise LayoutError(f"{who}: the host tier has been released")
+    # this runs in the submitting thread for every job: plain lists and attributes
+    # (numpy's reductions and Python-level __len__ cost most of a cold submit)
     ids = host.block_ids
-    if len(ids) != len(keyed):
+    listed = ids.tolist()
+    keys = keyed.keys
+    if len(listed) != len(keys):
         raise BlockCountMismatchError(
-            f"{who}: {len(ids)} host-tier blocks for {len(keyed)} keys; a keyed tier moves "
+            f"{who}: {len(listed)} host-tier blocks for {len(keys)} keys; a keyed tier moves "
             f"whole tier blocks, one per key"
         )
-    if ids.size:
-        listed = ids.tolist()  # cheaper than numpy's reductions for a job's few ids
+    if listed:
         top = max(listed)
         if top >= tier.num_blocks:
             raise InvalidBlockIdsError(
                 f"{who}: host-tier block {top} is outside the tier's {tier.num_blocks} blocks"
             )
-        if not store and len(set(listed)) != ids.size:
+        if not store and len(set(listed)) != len(listed):
             raise InvalidBlockIdsError(f"{who}: a load writes one host-tier block twice")
-    return KeyedTransfer(store, medium, keyed.keys, ids, tier.factor * tier.slot_bytes)
+    return KeyedTransfer(store, medium, keys, ids, tier.factor * tier.slot_bytes)
