@@ -252,21 +252,23 @@ def map_keyed(spec: TransferSpec, tier: HostTier, *, medium: Medium, who: str) -
     if tier.released:
         raise LayoutError(f"{who}: the host tier has been released")
     # this runs in the submitting thread for every job: plain lists and attributes
-    # (numpy's reductions and Python-level __len__ cost most of a cold submit)
+    # (numpy's reductions and Python-level __len__ cost most of a cold submit of a
+    # few ids; numpy's max wins above about 64, as in layout.map_blocks)
     ids = host.block_ids
     listed = ids.tolist()
     keys = keyed.keys
-    if len(listed) != len(keys):
+    n = len(listed)
+    if n != len(keys):
         raise BlockCountMismatchError(
-            f"{who}: {len(listed)} host-tier blocks for {len(keys)} keys; a keyed tier moves "
+            f"{who}: {n} host-tier blocks for {len(keys)} keys; a keyed tier moves "
             f"whole tier blocks, one per key"
         )
-    if listed:
-        top = max(listed)
+    if n:
+        top = max(listed) if n <= 64 else int(ids.max())
         if top >= tier.num_blocks:
             raise InvalidBlockIdsError(
                 f"{who}: host-tier block {top} is outside the tier's {tier.num_blocks} blocks"
             )
-        if not store and len(set(listed)) != len(listed):
+        if not store and len(set(listed)) != n:
             raise InvalidBlockIdsError(f"{who}: a load writes one host-tier block twice")
     return KeyedTransfer(store, medium, keys, ids, tier.factor * tier.slot_bytes)
