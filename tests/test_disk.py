@@ -478,19 +478,20 @@ def test_a_load_racing_an_eviction_gets_whole_bytes_or_a_miss(
         assert block_bytes(tier, 9) == bytes(BLOCK)
 
 
-def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_bytes", [0, 3 * OBJECT], ids=["files", "packs-of-3"])
+def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path, pack_bytes: int) -> None:
     tier = page_aligned_tier(64, BLOCK)
     fill_random(tier, 7)
     originals = {b: block_bytes(tier, b) for b in range(32)}
     errors: list[BaseException] = []
-    with disk_engine(tmp_path, tier, queue_depth=3) as (store, engine):
+    with disk_engine(tmp_path, tier, queue_depth=3, pack_bytes=pack_bytes) as (store, engine):
 
         def worker(t: int) -> None:
             try:
                 ids = list(range(t * 8, t * 8 + 8))  # host blocks 0..31 hold the originals
                 keys = [key(1000 + b) for b in ids]
                 for rnd in range(5):
-                    for ks, bs in ((keys[:4], ids[:4]), (keys[4:], ids[4:])):
+                    for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
                         r = run(engine, store_spec(bs, ks))
                         assert r.success, r  # type: ignore[attr-defined]
                     dest = [32 + t * 8 + i for i in range(8)]
@@ -508,7 +509,11 @@ def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path) -> Non
         for th in threads:
             th.join()
         assert not errors, errors
-        assert store.stats().stored == 32 and store.stats().hits == 4 * 5 * 8
+        stats = store.stats()
+        assert stats.stored == 32 and stats.hits == 4 * 5 * 8 and stats.corrupt == 0
+        files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk")]
+        assert stats.used_bytes == sum(f.stat().st_size for f in files)
+        assert store.pack_slots == (3 if pack_bytes else 0)
 
 
 # ------------------------------------------------------------------ crash mid-write

@@ -1,5 +1,6 @@
 """Objects smaller than ``pack_bytes`` are written several to a pack file: one request each
-way, each object still verified alone, packs evicted whole, recovered from their headers."""
+way, each object still verified alone, packs evicted whole, recovered from their headers.
+(Concurrent stores and loads of packs: tests/test_disk.py, parametrized over both layouts.)"""
 
 from __future__ import annotations
 
@@ -337,43 +338,6 @@ def test_disk_full_while_writing_a_pack_fails_its_objects_only(
         assert stats.used_bytes == pack_size(4) == sum(p.stat().st_size for p in packs(tmp_path))
         assert not list(tmp_path.rglob("*.tmp"))
         assert store(engine, list(range(4, 8)), keys[4:]).success  # type: ignore[attr-defined]
-
-
-# ------------------------------------------------------------------ concurrency
-
-
-def test_concurrent_stores_and_loads_of_packs_from_several_threads(tmp_path: Path) -> None:
-    tier = make_tier(64)
-    originals = {b: data(tier, b) for b in range(32)}
-    errors: list[BaseException] = []
-    with engine_on(tmp_path, tier, queue_depth=3) as (disk, engine):
-
-        def worker(t: int) -> None:
-            try:
-                ids = list(range(t * 8, t * 8 + 8))
-                keys = [key(1000 + b) for b in ids]
-                for rnd in range(4):
-                    for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
-                        r = store(engine, bs, ks)
-                        assert r.success, r  # type: ignore[attr-defined]
-                    dest = [32 + t * 8 + i for i in range(8)]
-                    order = keys[rnd % 8 :] + keys[: rnd % 8]
-                    r = load(engine, order, dest)
-                    assert r.success, r  # type: ignore[attr-defined]
-                    for k, d in zip(order, dest, strict=True):
-                        assert data(tier, d) == originals[ids[keys.index(k)]]
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
-        stats = disk.stats()
-        assert stats.stored == 32 and stats.hits == 4 * 4 * 8 and stats.corrupt == 0
-        assert stats.used_bytes == sum(p.stat().st_size for p in packs(tmp_path))
 
 
 # ------------------------------------------------------------------ crash mid-write
