@@ -205,6 +205,23 @@ def test_restart_rebuilds_packs_from_their_headers(tmp_path: Path) -> None:
         assert new is not None and new[0] not in written
 
 
+def test_packs_are_read_after_packing_is_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    keys = [key(i) for i in range(8)]
+    with engine_on(tmp_path, tier) as (_disk, engine):
+        assert store(engine, list(range(8)), keys).success  # type: ignore[attr-defined]
+    with engine_on(tmp_path, tier, pack_bytes=0) as (disk, engine):
+        assert disk.pack_slots == 0 and disk.stats().recovered == 8
+        with counting(monkeypatch, "_preadv") as reads:
+            assert load(engine, keys, list(range(16, 24))).success  # type: ignore[attr-defined]
+        assert len(reads) == 8  # one slot per request: the read scratch holds one trailer
+        assert all(data(tier, 16 + i) == data(tier, i) for i in range(8))
+        assert store(engine, [8], [key(8)]).success  # type: ignore[attr-defined]
+        assert disk.location(key(8)) == (disk.file_of(key(8)), 0, SLOT)
+
+
 # ------------------------------------------------------------------ verification
 
 

@@ -386,7 +386,10 @@ class DiskStore:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        trailers = max(PAGE, self.pack_slots * self._tail_bytes)
+        # a read request covers at most this many slots (packs of an earlier run with
+        # another pack_bytes may hold more)
+        self._run_slots = max(1, self.pack_slots)
+        trailers = max(PAGE, self._run_slots * self._tail_bytes)
         headers = _pack.max_header_bytes(self.pack_slots, PAGE) if self.pack_slots else 0
         self._readers = _Pool(queue_depth, "offload-engine-disk-read", trailers)
         self._writers = _Pool(queue_depth, "offload-engine-disk-write", headers + trailers)
@@ -696,13 +699,14 @@ class DiskStore:
             self._check_open()
             victims: list[bytes | _Pack] = []
             full: list[bytes] = []
-            new: list[tuple[bytes, memoryview]] = []
+            fresh: dict[bytes, memoryview] = {}
             for key, payload in zip(keys, payloads, strict=True):
-                if key in self._index:
+                if key in self._index or key in fresh:
                     self._counts["already_stored"] += 1
                     self.policy.touched(key)
                 else:
-                    new.append((key, payload))
+                    fresh[key] = payload
+            new = list(fresh.items())
             per = self.pack_slots or 1
             for i in range(0, len(new), per):
                 group = new[i : i + per]
@@ -914,6 +918,7 @@ class DiskStore:
                     and last is not None
                     and last.pack is pack
                     and last.slot + 1 == entry.slot
+                    and len(runs[-1][2]) < self._run_slots
                 ):
                     runs[-1][2].append((key, dest))
                 else:
