@@ -527,15 +527,15 @@ def map_blocks(
             f"the cache spec has {len(cache.group_sizes)} KV groups, the layout {num_groups}"
         )
     cache_ids, tier_ids = cache.block_ids, tier.block_ids
-    if (
-        factor == 1
-        and num_groups == 1
-        and len(cache.group_sizes) == 1
-        and 0 < cache_ids.size == tier_ids.size <= 64
-        and max(cache_ids.tolist()) < num_cache_blocks
-        and max(tier_ids.tolist()) < num_tier_blocks
-    ):  # the common small job, without the general path's numpy calls (a step's submit)
-        return [GroupMapping(0, cache_ids, tier_ids)]
+    n = cache_ids.size
+    if factor == 1 and num_groups == 1 and 0 < n == tier_ids.size:
+        # the common job (one group, one slot per tier block): two range checks and no
+        # slicing; below 64 ids a Python max is cheaper than numpy's
+        small = n <= 64
+        top_cache = max(cache_ids.tolist()) if small else int(cache_ids.max())
+        top_tier = max(tier_ids.tolist()) if small else int(tier_ids.max())
+        if top_cache < num_cache_blocks and top_tier < num_tier_blocks:
+            return [GroupMapping(0, cache_ids, tier_ids)]
     if cache_ids.size and int(cache_ids.max()) >= num_cache_blocks:
         raise InvalidBlockIdsError(
             f"cache block id {int(cache_ids.max())} is out of range (the cache has "

@@ -34,13 +34,19 @@ from offload_engine.runtimes.cuda import CudaRuntime
 from offload_engine.vocabulary import Direction
 
 
-def cpu_us(fn: Callable[[], object], reps: int) -> float:
+def cpu_us(fn: Callable[[], object], reps: int, *, sync_each: bool = False) -> float:
+    """Median thread CPU time of ``fn`` in microseconds; ``sync_each`` waits for the
+    device after every call (for calls that queue a lot of device work)."""
     fn()
+    if sync_each:
+        torch.cuda.synchronize()
     samples = []
     for _ in range(reps):
         t0 = time.thread_time_ns()
         fn()
         samples.append((time.thread_time_ns() - t0) / 1e3)
+        if sync_each:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return statistics.median(samples)
 

@@ -1,0 +1,294 @@
+"""Probes behind issue 14's third round (run on a CUDA machine).
+
+    python benchmarks/device/probe_step_perf.py
+
+1. CPU per batched-copy call by descriptor count and size (the staged DMA's cost).
+2. The block-copy kernel's latency while a long GEMM occupies the SMs, by the copy
+   stream's priority (torch's -1 and the device's highest) and grid size.
+3. Where ``prepare`` and ``_enqueue`` spend their time at 8 and 512 blocks, driver
+   calls timed one by one (thread CPU), with no engine thread running.
+4. ``prepare`` hot (back to back), after a 20 ms sleep and after 20 ms of spinning.
+5. A staged 512-block job's device timeline (each piece's DMA and gather/scatter,
+   from timing events around each call) alone and under a long GEMM: how long the
+   link idles.
+
+``PROBE_SECTIONS=35`` runs sections 3 and 5 only.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+from profile_launch import cpu_us  # this folder's profile_launch.py (sys.path[0])
+
+from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.handlers.device import (
+    CopyStrategy,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.vocabulary import Direction
+
+
+def timeline(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int) -> None:
+    """Section 5: device timeline of two back-to-back 512-block staged jobs."""
+    print("5. staged 512-block jobs, device timeline (ms from the first submit)")
+    ops: list[tuple[str, Any, Any]] = []
+    real_copy, real_batch = rt.copy_blocks, rt.memcpy_batch
+
+    def timed(label: str, stream: Any, fn: Any, *args: Any) -> Any:
+        e0 = torch.cuda.Event(enable_timing=True)
+        e1 = torch.cuda.Event(enable_timing=True)
+        e0.record(stream)
+        out = fn(stream, *args)
+        e1.record(stream)
+        ops.append((label, e0, e1))
+        return out
+
+    rt.copy_blocks = lambda stream, copy: timed("sm", stream, real_copy, copy)  # type: ignore[method-assign]
+    rt.memcpy_batch = lambda stream, *a: timed(f"dma{id(stream) % 997}", stream, real_batch, *a)  # type: ignore[method-assign]
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    gemm = torch.cuda.Stream()
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
+    store, load = make_device_handlers(rt, layout, tier, cfg)
+    with SyncOffloadingEngine([store, load]) as engine:
+        for direction in ("load", "store"):
+            specs = []
+            for _ in range(2):
+                c = rng.choice(nb // 2, size=512, replace=False)
+                t = rng.choice(nb // 2, size=512, replace=False)
+                specs.append(
+                    TransferSpec(gpu_blocks(c), cpu_blocks(t))
+                    if direction == "store"
+                    else TransferSpec(cpu_blocks(t + nb // 2), gpu_blocks(c + nb // 2))
+                )
+            engine.wait([engine.submit(x) for x in specs])
+            for busy in (False, True):
+                if busy:
+                    with torch.cuda.stream(gemm):
+                        for _ in range(40):
+                            torch.mm(a, b)
+                    time.sleep(0.005)
+                ops.clear()
+                zero = torch.cuda.Event(enable_timing=True)
+                zero.record(rt.new_stream())
+                t0 = time.perf_counter()
+                engine.wait([engine.submit(x) for x in specs])
+                wall = (time.perf_counter() - t0) * 1e3
+                torch.cuda.synchronize()
+                spans = sorted(
+                    (zero.elapsed_time(e0), zero.elapsed_time(e1), label) for label, e0, e1 in ops
+                )
+                dma = [(x, y) for x, y, label in spans if label != "sm"]
+                busy_ms, last_end = 0.0, 0.0
+                for x, y in dma:
+                    busy_ms += max(0.0, y - max(x, last_end))
+                    last_end = max(last_end, y)
+                first = min(x for x, _ in dma)
+                print(
+                    f"  {direction} {'under GEMM' if busy else 'alone':10}: wall {wall:6.2f} ms, "
+                    f"DMA from {first:6.2f} to {last_end:6.2f} ms, link busy {busy_ms:6.2f} ms "
+                    f"({busy_ms / (last_end - first):.2f} of that span)",
+                    flush=True,
+                )
+                for x, y, label in spans:
+                    print(f"      {label:6} {x:7.2f} {y:7.2f}")
+    rt.copy_blocks, rt.memcpy_batch = real_copy, real_batch  # type: ignore[method-assign]
+
+
+def main() -> int:
+    rt = CudaRuntime()
+    nb = 1536
+    layers = [
+        torch.randn(2, nb, 16, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(32)
+    ]
+    layout = KVLayout.flash_attention(layers)
+    tier = pinned_host_tier(rt, layout, nb)
+    rng = np.random.default_rng(0)
+    s = rt.new_stream()
+    dev = torch.empty(512 * layout.slot_bytes, dtype=torch.uint8, device="cuda")
+    sections = os.environ.get("PROBE_SECTIONS", "1234")
+    print("1. batched copy CPU per call (d2h, random tier slots)")
+    for size in (2 << 20, 32 << 10) if "1" in sections else ():
+        for n in (8, 64, 256, 512):
+            ids = rng.choice(nb, size=n, replace=False).astype(np.uint64)
+            src = np.uint64(dev.data_ptr()) + np.arange(n, dtype=np.uint64) * np.uint64(size)
+            dst = np.uint64(tier.memory.data_ptr()) + ids * np.uint64(tier.slot_bytes)
+            sizes = np.full(n, size, dtype=np.uint64)
+            copy = lambda: rt.memcpy_batch(s, dst, src, sizes, Direction.STORE)  # noqa: B023, E731
+            us = cpu_us(copy, 30, sync_each=True)
+            print(f"  {n:4} x {size >> 10:5} KiB: {us:8.1f} us, {us / n:.2f} us per descriptor")
+    lo, hi = torch.cuda.Stream.priority_range()
+    print(f"2. stream priority range (least, greatest): {(lo, hi)}")
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.KERNEL, max_inflight=8)
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    gemm = torch.cuda.Stream()
+    stage = torch.empty(64 * layout.slot_bytes, dtype=torch.uint8, device="cuda")
+    for prio in (0, -1, hi) if "2" in sections else ():
+        cs = torch.cuda.Stream(priority=prio)
+        store, load = make_device_handlers(rt, layout, tier, cfg)
+        with SyncOffloadingEngine([store, load]) as engine:
+            spec = TransferSpec(
+                gpu_blocks(rng.choice(nb, 64, replace=False)), cpu_blocks(np.arange(64))
+            )
+            engine.wait([engine.submit(spec)])
+            # a 64-block gather into staging (the staged store's first half) on ``cs``
+            plan = store.prepare(spec)
+            ids = store._upload_ids(plan, cs, [plan.groups[0].cache_ids])[0]
+            staging_view = stage.view(-1, layout.slot_bytes)
+
+            def gather() -> None:
+                group = plan.groups[0]  # noqa: B023 - called within this iteration
+                address = stage.data_ptr()
+                store._block_copy(cs, group, ids, None, 64, address, staging_view)  # noqa: B023
+
+            t = []
+            for busy in (False, True):
+                lat = []
+                for _ in range(10):
+                    if busy:
+                        with torch.cuda.stream(gemm):
+                            for _ in range(6):
+                                torch.mm(a, b)
+                        time.sleep(0.003)
+                    e0, e1 = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    e0.record(cs)
+                    gather()
+                    e1.record(cs)
+                    e1.synchronize()
+                    lat.append(e0.elapsed_time(e1) * 1e3)
+                    torch.cuda.synchronize()
+                t.append(statistics.median(lat))
+            print(
+                f"  priority {prio:3}: 64-block gather alone {t[0]:7.0f} us, "
+                f"under GEMM {t[1]:7.0f} us"
+            )
+            store._recycle(plan)
+    if "5" in sections:
+        timeline(rt, layout, tier, rng, nb)
+    if not {"3", "4"} & set(sections):
+        tier.release()
+        return 0
+    print("3. where the CPU goes, no engine thread running (median thread CPU per job)")
+    timers: dict[str, list[int]] = defaultdict(list)
+
+    def wrap(obj: Any, name: str, label: str) -> None:
+        real = getattr(obj, name)
+
+        def timed(*args: Any, **kw: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return real(*args, **kw)
+            finally:
+                timers[label].append(time.thread_time_ns() - t0)
+
+        setattr(obj, name, timed)
+
+    for name in (
+        "record",
+        "wait_event",
+        "memcpy_batch",
+        "copy_blocks",
+        "upload_ids",
+        "record_current",
+    ):
+        wrap(rt, name, name)
+    import offload_engine.handlers.device as dmod
+
+    wrap(dmod, "merge_runs", "merge_runs")
+    wrap(dmod, "map_transfer", "map_transfer")
+    for strategy in (CopyStrategy.STAGED, CopyStrategy.KERNEL):
+        cfg = DeviceHandlerConfig(strategy=strategy, max_inflight=8)
+        store, load = make_device_handlers(rt, layout, tier, cfg)
+        with SyncOffloadingEngine([store, load]) as engine:
+            for per_job in (8, 512):
+                for handler, direction in ((store, "store"), (load, "load")):
+                    specs = []
+                    for _ in range(30):
+                        c = rng.choice(nb, size=per_job, replace=False)
+                        t = rng.choice(nb, size=per_job, replace=False)
+                        specs.append(
+                            TransferSpec(gpu_blocks(c), cpu_blocks(t))
+                            if direction == "store"
+                            else TransferSpec(cpu_blocks(t), gpu_blocks(c))
+                        )
+                    engine.wait([engine.submit(x) for x in specs[:2]])
+                    prep, enq = [], []
+                    totals: dict[str, list[int]] = defaultdict(list)
+                    for x in specs:
+                        timers.clear()
+                        t0 = time.thread_time_ns()
+                        p = handler.prepare(x)
+                        t1 = time.thread_time_ns()
+                        handler._enqueue(p)
+                        t2 = time.thread_time_ns()
+                        prep.append((t1 - t0) / 1e3)
+                        enq.append((t2 - t1) / 1e3)
+                        for k, v in timers.items():
+                            totals[k].append(sum(v))
+                            totals[k + "#"].append(len(v))
+                        torch.cuda.synchronize()
+                        handler._recycle(p)
+                    parts = ", ".join(
+                        f"{k} {statistics.median(v) / 1e3:.0f}us "
+                        f"x{statistics.median(totals[k + '#']):.0f}"
+                        for k, v in totals.items()
+                        if not k.endswith("#")
+                    )
+                    print(
+                        f"  {strategy.value:6} {direction:5} {per_job:3}: prepare "
+                        f"{statistics.median(prep):6.0f} us, "
+                        f"enqueue {statistics.median(enq):6.0f} us "
+                        f"[{parts}]",
+                        flush=True,
+                    )
+    print("4. prepare at 512 blocks: hot (back to back), after a 20 ms sleep, after 20 ms spinning")
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
+    store, load = make_device_handlers(rt, layout, tier, cfg)
+    with SyncOffloadingEngine([store, load]) as engine:
+        for per_job in (8, 512):
+            specs = [
+                TransferSpec(
+                    gpu_blocks(rng.choice(nb, per_job, replace=False)),
+                    cpu_blocks(rng.choice(nb, per_job, replace=False)),
+                )
+                for _ in range(30)
+            ]
+            engine.wait([engine.submit(specs[0])])
+            out = {}
+            for how in ("hot", "sleep", "spin"):
+                samples = []
+                for x in specs:
+                    if how == "sleep":
+                        time.sleep(0.02)
+                    elif how == "spin":
+                        t_end = time.perf_counter() + 0.02
+                        while time.perf_counter() < t_end:
+                            pass
+                    t0 = time.thread_time_ns()
+                    p = store.prepare(x)
+                    samples.append((time.thread_time_ns() - t0) / 1e3)
+                    store._recycle(p)
+                out[how] = statistics.median(samples)
+            print(f"  {per_job:3} blocks: " + ", ".join(f"{k} {v:.0f} us" for k, v in out.items()))
+    tier.release()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
