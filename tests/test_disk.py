@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import subprocess
 import sys
@@ -36,6 +37,9 @@ from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
 
+# These tests cover one file per object (pack_bytes=0); tests/test_disk_pack.py covers packs.
+FileStore = functools.partial(DiskStore, pack_bytes=0)
+
 BLOCK = 2 * PAGE  # small objects: the machine is shared
 OBJECT = BLOCK + PAGE  # payload + padded trailer on disk
 
@@ -67,7 +71,7 @@ def disk_engine(
 ) -> Iterator[tuple[DiskStore, SyncOffloadingEngine]]:
     store_args.setdefault("capacity_bytes", 64 * OBJECT)
     with (
-        DiskStore(path, digest(), **store_args) as store,  # type: ignore[arg-type]
+        FileStore(path, digest(), **store_args) as store,  # type: ignore[arg-type]
         SyncOffloadingEngine(disk_handlers(store, tier)) as engine,
     ):
         yield store, engine
@@ -143,7 +147,7 @@ def test_round_trip_is_bit_exact_and_contains_is_the_longest_prefix(
 
 @pytest.mark.anyio
 async def test_round_trip_on_the_callers_loop(tmp_path: Path, tier: HostTier) -> None:
-    with DiskStore(tmp_path, digest(), capacity_bytes=8 * OBJECT) as store:
+    with FileStore(tmp_path, digest(), capacity_bytes=8 * OBJECT) as store:
         async with OffloadingQueueManager(disk_handlers(store, tier)) as mgr:
             want = block_bytes(tier, 3)
             [r] = await mgr.wait([mgr.submit_nowait(store_spec([3], [b"k3"]))])
@@ -176,7 +180,7 @@ def test_bad_jobs_are_refused_at_submit(tmp_path: Path, tier: HostTier) -> None:
             engine.submit_nowait(load_spec([b"a"], [16]))
     with (
         pytest.raises(LayoutError, match="page_bytes"),
-        DiskStore(tmp_path, digest(), capacity_bytes=OBJECT) as store,
+        FileStore(tmp_path, digest(), capacity_bytes=OBJECT) as store,
     ):
         disk_handlers(store, page_aligned_tier(2, PAGE))
 
@@ -211,7 +215,7 @@ def _load_miss(tmp_path: Path, tier: HostTier, keys: list[bytes]) -> tuple[KeyMi
 
 def test_corrupted_truncated_and_swapped_files_are_misses(tmp_path: Path, tier: HostTier) -> None:
     keys = _stored(tmp_path, tier, 4)
-    with DiskStore(tmp_path, digest(), capacity_bytes=64 * OBJECT) as probe:
+    with FileStore(tmp_path, digest(), capacity_bytes=64 * OBJECT) as probe:
         files = [probe.file_of(k) for k in keys]
     raw = bytearray(files[0].read_bytes())  # one flipped payload bit
     raw[100] ^= 0x10
@@ -269,22 +273,22 @@ def test_restart_rebuilds_the_index_and_accounting_exactly(tmp_path: Path, tier:
 
 
 def test_a_directory_of_another_layout_is_never_read(tmp_path: Path) -> None:
-    DiskStore(tmp_path, digest(), capacity_bytes=OBJECT).close()
+    FileStore(tmp_path, digest(), capacity_bytes=OBJECT).close()
     with pytest.raises(LayoutMismatchError, match="model: 'test-model' != 'other'"):
-        DiskStore(tmp_path, digest(model="other"), capacity_bytes=OBJECT)
+        FileStore(tmp_path, digest(model="other"), capacity_bytes=OBJECT)
     (tmp_path / "config.json").write_text("{garbage")
     with pytest.raises(LayoutMismatchError, match="not a disk tier config"):
-        DiskStore(tmp_path, digest(), capacity_bytes=OBJECT)
+        FileStore(tmp_path, digest(), capacity_bytes=OBJECT)
 
 
 def test_missing_busy_and_read_only_directories_are_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(TierUnavailableError, match="does not exist"):
-        DiskStore(tmp_path / "nope", digest(), capacity_bytes=OBJECT)
+        FileStore(tmp_path / "nope", digest(), capacity_bytes=OBJECT)
     with (
-        DiskStore(tmp_path, digest(), capacity_bytes=OBJECT),
+        FileStore(tmp_path, digest(), capacity_bytes=OBJECT),
         pytest.raises(TierUnavailableError, match="in use"),
     ):
-        DiskStore(tmp_path, digest(), capacity_bytes=OBJECT)
+        FileStore(tmp_path, digest(), capacity_bytes=OBJECT)
     ro = tmp_path / "ro"
     ro.mkdir()
     with _mounted(ro, "ro,size=64k") as mounted:
@@ -293,11 +297,11 @@ def test_missing_busy_and_read_only_directories_are_clear_errors(tmp_path: Path)
             if os.access(ro, os.W_OK):  # root without mount rights: nothing to test with
                 pytest.skip("cannot make a read-only directory here (root, no mount)")
         with pytest.raises(TierUnavailableError, match="not writable"):
-            DiskStore(ro, digest(), capacity_bytes=OBJECT)
+            FileStore(ro, digest(), capacity_bytes=OBJECT)
 
 
 def test_closed_store_refuses_jobs(tmp_path: Path, tier: HostTier) -> None:
-    store = DiskStore(tmp_path, digest(), capacity_bytes=OBJECT)
+    store = FileStore(tmp_path, digest(), capacity_bytes=OBJECT)
     handlers = disk_handlers(store, tier)
     store.close()
     store.close()
@@ -324,7 +328,7 @@ def test_the_cap_is_enforced_with_lru_eviction(tmp_path: Path, tier: HostTier) -
         assert stats.used_bytes == 3 * OBJECT and stats.evictions == 2 and stats.objects == 3
         on_disk = sum(p.stat().st_size for p in (tmp_path / "objects").rglob("*.kv"))
         assert on_disk == 3 * OBJECT
-    with DiskStore(tmp_path, digest(), capacity_bytes=2 * OBJECT) as store:  # a smaller cap
+    with FileStore(tmp_path, digest(), capacity_bytes=2 * OBJECT) as store:  # a smaller cap
         assert store.stats().used_bytes == 2 * OBJECT
         assert [store.contains([k]) for k in keys] == [0, 0, 0, 1, 1]  # oldest mtime went
 
@@ -474,19 +478,20 @@ def test_a_load_racing_an_eviction_gets_whole_bytes_or_a_miss(
         assert block_bytes(tier, 9) == bytes(BLOCK)
 
 
-def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_bytes", [0, 3 * OBJECT], ids=["files", "packs-of-3"])
+def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path, pack_bytes: int) -> None:
     tier = page_aligned_tier(64, BLOCK)
     fill_random(tier, 7)
     originals = {b: block_bytes(tier, b) for b in range(32)}
     errors: list[BaseException] = []
-    with disk_engine(tmp_path, tier, queue_depth=3) as (store, engine):
+    with disk_engine(tmp_path, tier, queue_depth=3, pack_bytes=pack_bytes) as (store, engine):
 
         def worker(t: int) -> None:
             try:
                 ids = list(range(t * 8, t * 8 + 8))  # host blocks 0..31 hold the originals
                 keys = [key(1000 + b) for b in ids]
                 for rnd in range(5):
-                    for ks, bs in ((keys[:4], ids[:4]), (keys[4:], ids[4:])):
+                    for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
                         r = run(engine, store_spec(bs, ks))
                         assert r.success, r  # type: ignore[attr-defined]
                     dest = [32 + t * 8 + i for i in range(8)]
@@ -504,7 +509,11 @@ def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path) -> Non
         for th in threads:
             th.join()
         assert not errors, errors
-        assert store.stats().stored == 32 and store.stats().hits == 4 * 5 * 8
+        stats = store.stats()
+        assert stats.stored == 32 and stats.hits == 4 * 5 * 8 and stats.corrupt == 0
+        files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk")]
+        assert stats.used_bytes == sum(f.stat().st_size for f in files)
+        assert store.pack_slots == (3 if pack_bytes else 0)
 
 
 # ------------------------------------------------------------------ crash mid-write
@@ -532,7 +541,9 @@ def pwritev(fd, bufs, offset):
 disk_mod._pwritev = pwritev
 tier = page_aligned_tier(8, BLOCK)
 fill_random(tier, 11)
-store = DiskStore(sys.argv[1], digest(), capacity_bytes=64 * OBJECT, queue_depth=1)
+store = DiskStore(
+    sys.argv[1], digest(), capacity_bytes=64 * OBJECT, queue_depth=1, pack_bytes=0
+)
 engine = SyncOffloadingEngine(disk_handlers(store, tier))
 for i in range(8):
     engine.wait([engine.submit(TransferSpec(cpu_blocks([i]), disk_blocks([key(i)])))])
@@ -629,7 +640,7 @@ def test_bad_store_options_are_config_errors(
     tmp_path: Path, args: dict[str, object], match: str
 ) -> None:
     with pytest.raises(ConfigError, match=match):
-        DiskStore(tmp_path, digest(), **args)  # type: ignore[arg-type]
+        FileStore(tmp_path, digest(), **args)  # type: ignore[arg-type]
 
 
 def test_a_tier_with_gaps_between_blocks_round_trips(tmp_path: Path) -> None:

@@ -389,6 +389,7 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     plan = StepPlan(
         shape=StepShape(layers=args.step_layers),
         blocks=tuple(args.step_blocks),
+        strategies=tuple(CopyStrategy(t) for t in args.step_strategies.split(",")),
         modes=tuple(tuple(m.split(":")) for m in args.step_modes.split(",")),  # type: ignore[misc]
         steps=args.step_steps,
         reps=args.reps,
@@ -415,6 +416,9 @@ def main() -> int:
     parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
     parser.add_argument("--step-steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--step-blocks", default="4,16,64", help="blocks each way per step")
+    parser.add_argument(
+        "--step-strategies", default="auto,dma", help="strategies measured in the step pass"
+    )
     parser.add_argument(
         "--step-modes",
         default="eager:default,eager:side,graph:default,graph:side",

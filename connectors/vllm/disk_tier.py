@@ -7,7 +7,9 @@ Load it under vLLM's tiering spec (or ``EngineTieringSpec``) with no patching::
 
 Optional keys: ``queue_depth`` (I/O threads per direction, default 4),
 ``direct`` (``null`` probes O_DIRECT, ``false`` forces buffered I/O),
-``fsync`` (``never`` | ``data`` | ``always``), ``locality``.
+``fsync`` (``never`` | ``data`` | ``always``), ``pack_bytes`` (chunks smaller than this
+are written several to a pack file, one request; default 1 MiB, 0: one file per chunk),
+``locality``.
 
 vLLM calls every method from its scheduler, which must never wait on I/O:
 
@@ -113,6 +115,7 @@ class EngineDiskTier(SecondaryTierManager):
         direct: bool | None = None,
         fsync: str = "never",
         locality: str | None = None,
+        pack_bytes: int | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -125,6 +128,7 @@ class EngineDiskTier(SecondaryTierManager):
             direct=direct,
             fsync=fsync,  # type: ignore[arg-type]
             queue_depth=queue_depth,
+            pack_bytes=pack_bytes,
         )
         try:
             self.engine = SyncOffloadingEngine(

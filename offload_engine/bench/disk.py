@@ -6,10 +6,14 @@ takes it:
 
 * **engine**: a :class:`~offload_engine.stores.disk.DiskStore` with
   ``queue_depth`` threads per direction, driven through the sync facade with
-  ``chunks_per_job`` chunks per job, ``jobs_in_flight`` jobs at once;
+  ``chunks_per_job`` chunks per job, ``jobs_in_flight`` jobs at once; chunks
+  under 1 MiB go into pack files (one request per pack);
+* **engine-files** (chunks under 1 MiB only): the same with ``pack_bytes=0``,
+  one file and one request per chunk, to show what packing changes;
 * **fio**: ``--ioengine=psync --direct=1 --bs=<chunk> --numjobs=<queue depth>``
   (each job one synchronous request at a time, as each engine thread), write
-  then read of the same bytes;
+  then read of the same bytes; for chunks under 1 MiB also **fio-1m**, the same
+  bytes in 1 MiB requests (what the drive gives to requests of the size packs make);
 * **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
   ``SecondaryTierManager`` API on a memoryview, ``queue_depth`` read and write
   threads, the same jobs.
@@ -39,7 +43,7 @@ import torch
 
 from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
 from offload_engine.keyed import LayoutDigest
-from offload_engine.stores.disk import DiskStore
+from offload_engine.stores.disk import PACK_BYTES, DiskStore
 from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, disk_blocks
 
@@ -89,14 +93,17 @@ def _drive(
     return time.perf_counter() - t0, cpu
 
 
-def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
+def bench_engine(
+    path: Path, plan: DiskBenchPlan, data: np.ndarray, *, packs: bool = True
+) -> list[DiskFigure]:
     n, per = plan.chunks, plan.chunks_per_job
     tier = page_aligned_tier(n, plan.chunk_bytes)
     tier.memory.copy_(torch.from_numpy(data))
     digest = LayoutDigest(
         model="bench", dtype="uint8", block_size=16, chunk_blocks=1, page_bytes=plan.chunk_bytes
     )
-    keys = _keys(n, "engine")
+    name = "engine" if packs else "engine-files"
+    keys = _keys(n, name)
     jobs = n // per
     out: list[DiskFigure] = []
     with (
@@ -105,6 +112,7 @@ def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Disk
             digest,
             capacity_bytes=2 * n * (plan.chunk_bytes + 4096),
             queue_depth=plan.queue_depth,
+            pack_bytes=None if packs else 0,
         ) as disk,
         SyncOffloadingEngine(disk_handlers(disk, tier)) as engine,
     ):
@@ -128,29 +136,32 @@ def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Disk
 
             secs, cpu = _drive(submit, finish, jobs, plan.jobs_in_flight)
             gbps = n * plan.chunk_bytes / secs / 1e9
-            out.append(DiskFigure("engine", direction, gbps, secs, disk.direct, cpu / n * 1e6))
+            out.append(DiskFigure(name, direction, gbps, secs, disk.direct, cpu / n * 1e6))
         if not np.array_equal(tier.memory.numpy(), data):
             raise RuntimeError("engine bench: the loaded bytes differ from the stored ones")
     return out
 
 
-def bench_fio(path: Path, plan: DiskBenchPlan) -> list[DiskFigure]:
+def bench_fio(path: Path, plan: DiskBenchPlan, *, bs: int | None = None) -> list[DiskFigure]:
+    """fio on the plan's bytes in requests of ``bs`` (default: the chunk size)."""
     fio = shutil.which("fio")
     if fio is None:
         return []
+    bs = plan.chunk_bytes if bs is None else bs
+    name = "fio" if bs == plan.chunk_bytes else f"fio-{bs // 2**20}m"
     qd = plan.queue_depth
     size = plan.chunks * plan.chunk_bytes // qd
     out: list[DiskFigure] = []
     for rw in ("write", "read"):
         cmd = [
             fio, "--name=disk-bench", f"--directory={path}", f"--rw={rw}",
-            f"--bs={plan.chunk_bytes}", f"--size={size}", f"--numjobs={qd}", "--ioengine=psync",
+            f"--bs={bs}", f"--size={size}", f"--numjobs={qd}", "--ioengine=psync",
             "--direct=1", "--group_reporting", "--output-format=json", "--fallocate=none",
         ]  # fmt: skip
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0][rw]
         bw = job["io_bytes"] / (job["runtime"] / 1000)
-        out.append(DiskFigure("fio", rw, bw / 1e9, job["runtime"] / 1000, True))
+        out.append(DiskFigure(name, rw, bw / 1e9, job["runtime"] / 1000, True))
     return out
 
 
@@ -247,11 +258,15 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     data = np.random.default_rng(0).integers(
         0, 256, (plan.chunks, plan.chunk_bytes), dtype=np.uint8
     )
-    runs: tuple[tuple[str, Callable[[Path], list[DiskFigure]]], ...] = (
+    runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
         ("engine", lambda p: bench_engine(p, plan, data)),
         ("fio", lambda p: bench_fio(p, plan)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
-    )
+    ]
+    small = plan.chunk_bytes < PACK_BYTES
+    if small:  # what packing changes, and what the drive gives to pack-sized requests
+        runs.insert(1, ("engine-files", lambda p: bench_engine(p, plan, data, packs=False)))
+        runs.insert(3, ("fio-1m", lambda p: bench_fio(p, plan, bs=2**20)))
     samples: dict[tuple[str, str], list[DiskFigure]] = {}
     made: list[Path] = []
     try:
@@ -272,7 +287,7 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     ratios: dict[str, float] = {}
     for d in ("write", "read"):
         ours = by.get(("engine", d))
-        for other in ("fio", "vllm-fs"):
+        for other in ("fio", "fio-1m", "vllm-fs", "engine-files"):
             theirs = by.get((other, d))
             if ours and theirs:
                 ratios[f"{d} engine/{other}"] = ours.gbps / theirs.gbps

@@ -45,6 +45,20 @@ def positive_int(text: str) -> int:
     return value
 
 
+def _mib_list(text: str) -> list[int]:
+    """``0.25,2,8`` -> chunk sizes in bytes (whole KiB, at least one)."""
+    sizes: list[int] = []
+    for part in text.split(","):
+        try:
+            kib = float(part) * 1024
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{part!r} is not a size in MiB") from None
+        if kib < 1 or kib != int(kib):
+            raise argparse.ArgumentTypeError(f"{part} MiB is not a positive whole number of KiB")
+        sizes.append(int(kib) * 1024)
+    return sizes
+
+
 def _add_device(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--device", choices=DEVICES, default="auto", help=help)
 
@@ -171,7 +185,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-kib",
         type=positive_int,
         default=2048,
-        help="--tier disk: bytes per chunk (one object, one request), in KiB (default 2048)",
+        help="--tier disk: bytes per chunk (one object), in KiB (default 2048)",
+    )
+    bench.add_argument(
+        "--chunk-mib",
+        type=_mib_list,
+        default=None,
+        metavar="SIZES",
+        help="--tier disk: chunk sizes in MiB, comma-separated (e.g. 0.25,2,8), one run each, "
+        "ratios per size (overrides --chunk-kib)",
     )
     bench.set_defaults(func=_bench.cmd_bench, parser=bench)
     return parser

@@ -86,7 +86,8 @@ def _disk_table(report: dict[str, Any]) -> Any:
     from rich.table import Table
 
     table = Table(
-        title=f"disk tier, cold (O_DIRECT), side by side, median of {report['repeats']}",
+        title=f"disk tier, {report['plan']['chunk_bytes'] / 2**20:g} MiB chunks, cold (O_DIRECT), "
+        f"side by side, median of {report['repeats']}",
         title_justify="left",
     )
     for col in ("system", "direction", "GB/s", "seconds", "O_DIRECT", "submit us/chunk"):
@@ -107,41 +108,51 @@ def _disk_table(report: dict[str, Any]) -> Any:
 
 
 def cmd_bench_disk(args: argparse.Namespace) -> int:
-    """``bench --tier disk``: the engine's disk tier, fio and vLLM's fs tier, one run."""
+    """``bench --tier disk``: the engine's disk tier, fio and vLLM's fs tier, one run
+    per chunk size (``--chunk-mib``), ratios per size."""
     from rich.console import Console
 
     from offload_engine.bench.disk import DiskBenchPlan, run_disk_bench
     from offload_engine.bench.machine import Machine
 
-    chunk = args.chunk_kib * 1024
-    plan = (
-        DiskBenchPlan.quick()
-        if args.quick
-        else DiskBenchPlan(chunk_bytes=chunk, chunks=max(16, (512 * 2**20) // chunk))
-    )
-    plan = DiskBenchPlan(
-        chunk_bytes=plan.chunk_bytes,
-        chunks=plan.chunks,
-        chunks_per_job=plan.chunks_per_job,
-        jobs_in_flight=plan.jobs_in_flight,
-        queue_depth=args.queue_depth,
-    )
     directory = Path(args.dir)
     if not directory.is_dir():
         raise OSError(f"--dir {directory} is not a directory")
-    report = run_disk_bench(directory, plan, repeats=1 if args.quick else 3)
-    report.update(
-        schema=SCHEMA,
-        command=shlex.join(["offload-engine", *args.argv]),
-        date=date.today().isoformat(),
-        machine=args.machine_label or Machine.detect(gpus=()).label(),
-    )
+    sizes = args.chunk_mib or [args.chunk_kib * 1024]
+    runs = []
+    for chunk in sizes:
+        plan = (
+            DiskBenchPlan.quick()
+            if args.quick
+            else DiskBenchPlan(chunk_bytes=chunk, chunks=max(16, (512 * 2**20) // chunk))
+        )
+        plan = DiskBenchPlan(
+            chunk_bytes=plan.chunk_bytes if args.quick and not args.chunk_mib else chunk,
+            chunks=plan.chunks,
+            chunks_per_job=plan.chunks_per_job,
+            jobs_in_flight=plan.jobs_in_flight,
+            queue_depth=args.queue_depth,
+        )
+        runs.append(run_disk_bench(directory, plan, repeats=1 if args.quick else 3))
+    report: dict[str, Any] = {
+        "schema": SCHEMA,
+        "command": shlex.join(["offload-engine", *args.argv]),
+        "date": date.today().isoformat(),
+        "machine": args.machine_label or Machine.detect(gpus=()).label(),
+        "runs": runs,
+        "ratios": {
+            f"{r['plan']['chunk_bytes'] / 2**20:g} MiB {k}": v
+            for r in runs
+            for k, v in r["ratios"].items()
+        },
+    }
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "disk-report.json").write_text(json.dumps(report, indent=1) + "\n")
     out = Console()
     out.print(f"disk bench on {report['machine']}, {report['date']}", markup=False)
-    out.print(_disk_table(report))
+    for r in runs:
+        out.print(_disk_table(r))
     out.print(f"wrote {out_dir / 'disk-report.json'}", markup=False)
     return 0
 

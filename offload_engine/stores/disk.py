@@ -1,4 +1,5 @@
-"""The local-disk store behind the ``CPU <-> DISK`` handlers: one file per object.
+"""The local-disk store behind the ``CPU <-> DISK`` handlers: a file per object, or
+a pack file per few small objects.
 
 Directory layout (``path`` must exist and be writable)::
 
@@ -6,9 +7,22 @@ Directory layout (``path`` must exist and be writable)::
     path/lock                  flock-ed by the one DiskStore that owns the directory
     path/objects/ab/cd/<key hex>.kv       payload || trailer (padded to 4096 bytes)
     path/objects/ab/cd/<key hex>.kv.tmp   an object being written
+    path/packs/ef/<pack number>.pk        header || slot || slot ... (objects < pack_bytes)
+    path/packs/ef/<pack number>.pk.tmp    a pack being written
 
 ``ab/cd`` are the first four hex digits of the key's xxh64, so directories stay
-small whatever the keys look like.
+small whatever the keys look like; ``ef`` is the pack number mod 256.
+
+**Packs.** Objects smaller than ``pack_bytes`` (1 MiB by default) are written
+``pack_slots`` at a time (enough for ``pack_bytes``) into one pack file with one
+``pwritev``: a header naming the keys, then one page-aligned slot per object,
+``payload || trailer`` as in a file of its own (:mod:`offload_engine.stores._pack`).
+The index maps each key to (pack, slot). A load whose keys sit in consecutive
+slots of one pack reads them with one ``preadv``; each object is verified alone,
+so a bad one is a miss alone. The packs of one store job are the job's new keys
+in job order, ``pack_slots`` each (the last may be smaller). Pack numbers
+are never reused; a restart indexes a pack from its header (one read) and, if a
+key is in two packs, keeps the newer one.
 
 **Publishing.** A writer fills ``<name>.tmp`` and renames it over ``<name>``
 (``os.replace``, atomic), so a reader sees a whole object or none. The fsync
@@ -31,12 +45,15 @@ flight. With O_DIRECT (probed per directory, needs page-aligned host memory and
 page-multiple objects; otherwise buffered I/O, logged) the page cache is bypassed.
 
 **Capacity.** ``capacity_bytes`` caps the bytes of published and in-progress
-files (payload and trailer). A store evicts the policy's victims (LRU by
-default) until the object fits; objects being read or written are never
-evicted; if it still cannot fit, that object fails with
-:class:`~offload_engine.TierFullError`. At start the index is rebuilt from the
-file names and sizes (no payload is read), leftover ``.tmp`` files are
-deleted, and the LRU order is the files' modification times.
+files (payload and trailer, pack headers). A store evicts the policy's victims
+(LRU by default) until the object (or pack) fits; objects being read or written
+are never evicted; if it still cannot fit, that object (or pack) fails with
+:class:`~offload_engine.TierFullError`. A victim in a pack evicts its whole pack
+(a pack's bytes are freed only with its file); an object dropped as corrupt
+leaves its pack, whose file goes when its last indexed object does. At start
+the index is rebuilt from the file names and sizes and the packs' headers (no
+payload is read), leftover ``.tmp`` files are deleted, and the LRU order is the
+files' modification times.
 """
 
 from __future__ import annotations
@@ -56,7 +73,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import xxhash
 
@@ -72,12 +89,17 @@ from offload_engine.errors import (
     TransferError,
 )
 from offload_engine.keyed import LayoutDigest, Trailer
+from offload_engine.stores import _pack
 from offload_engine.vocabulary import MAX_KEY_BYTES, as_keys
 
 log = logging.getLogger("offload_engine.disk")
 
 PAGE = 4096
 """Object files are laid out in units of this many bytes (the O_DIRECT alignment)."""
+
+PACK_BYTES = 2**20
+"""Objects smaller than this are written several to a pack file, one request of at
+least this many bytes (``DiskStore(pack_bytes=)``; 0 writes one file per object)."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 FsyncPolicy = Literal["never", "data", "always"]
@@ -147,13 +169,36 @@ class DiskStoreStats:
 _READY, _WRITING = 0, 1
 
 
-class _Entry:
-    __slots__ = ("readers", "size", "state")
+class _Pack:
+    """One pack file: its objects' keys in slot order and how many are still indexed.
 
-    def __init__(self, state: int, size: int) -> None:
-        self.state = state
+    ``size`` (the file's bytes) is counted in the store's ``used`` from the pack's
+    creation until its file is deleted: when it is evicted (whole), or when its
+    last indexed object goes (dropped as corrupt).
+    """
+
+    __slots__ = ("first", "keys", "live", "path", "pins", "size", "slot", "writing")
+
+    def __init__(self, path: Path, keys: list[bytes], first: int, slot: int, size: int) -> None:
+        self.path = path
+        self.keys = keys
+        self.first = first  # the offset of slot 0 (the header's bytes)
+        self.slot = slot
         self.size = size
+        self.live = len(keys)
+        self.pins = 0  # loads in flight of its objects
+        self.writing = True
+
+
+class _Entry:
+    __slots__ = ("pack", "readers", "size", "slot", "state")
+
+    def __init__(self, state: int, size: int, pack: _Pack | None = None, slot: int = 0) -> None:
+        self.state = state
+        self.size = size  # the object file's bytes; 0 in a pack (the pack counts)
         self.readers = 0
+        self.pack = pack
+        self.slot = slot
 
 
 class _Job:
@@ -179,12 +224,20 @@ class _Job:
 
 
 _STOP = object()
+_T = TypeVar("_T")
+_Unit = tuple[_Pack | None, list[bytes], list[memoryview]]
+"""What one write request stores: a pack and its objects, or one object (pack ``None``)."""
+_Run = tuple[_Pack | None, int, list[tuple[bytes, memoryview]]]
+"""What one read request loads: objects in consecutive slots of a pack from ``slot``,
+or one object file (pack ``None``)."""
 
 
 class _Pool:
-    """``n`` threads running batches from one queue; each has its own trailer page."""
+    """``n`` threads running batches from one queue; each has its own page-aligned
+    scratch of ``scratch_bytes`` (trailers, pack headers)."""
 
-    def __init__(self, n: int, name: str) -> None:
+    def __init__(self, n: int, name: str, scratch_bytes: int) -> None:
+        self.scratch_bytes = scratch_bytes
         self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.threads = [
             threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
@@ -194,7 +247,7 @@ class _Pool:
 
     def _run(self) -> None:
         # page-aligned; freed with the thread (an error's traceback may still view it)
-        scratch = mmap.mmap(-1, Trailer.size(MAX_KEY_BYTES, PAGE))
+        scratch = mmap.mmap(-1, self.scratch_bytes)
         while True:
             item = self.queue.get()
             if item is _STOP:
@@ -251,7 +304,9 @@ def _probe_direct(path: Path) -> bool:
 
 
 class DiskStore:
-    """Objects of ``digest.page_bytes`` payload bytes, one file each, under ``path``.
+    """Objects of ``digest.page_bytes`` payload bytes under ``path``: one file each,
+    or, when smaller than ``pack_bytes`` (``None``: :data:`PACK_BYTES`, 1 MiB; 0:
+    never), several to a pack file written with one request of >= ``pack_bytes``.
 
     ``direct``: ``None`` probes O_DIRECT, ``False`` forces buffered I/O, ``True``
     requires O_DIRECT (:class:`TierUnavailableError` if the probe fails).
@@ -270,11 +325,15 @@ class DiskStore:
         fsync: FsyncPolicy = "never",
         queue_depth: int = 4,
         policy: EvictionPolicy | None = None,
+        pack_bytes: int | None = None,
     ) -> None:
         if not isinstance(digest, LayoutDigest):
             raise ConfigError(f"DiskStore takes a LayoutDigest, got {type(digest).__name__}")
         check_int(capacity_bytes, "DiskStore capacity_bytes")
         check_int(queue_depth, "DiskStore queue_depth")
+        if pack_bytes is None:
+            pack_bytes = PACK_BYTES
+        check_int(pack_bytes, "DiskStore pack_bytes", minimum=0)
         if fsync not in ("never", "data", "always"):
             raise ConfigError(f"DiskStore fsync must be never|data|always, got {fsync!r}")
         if direct not in (None, True, False):
@@ -286,6 +345,15 @@ class DiskStore:
         self.queue_depth = queue_depth
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
         self.payload_bytes = digest.page_bytes
+        self.pack_bytes = pack_bytes
+        self._slot_bytes = _pack.slot_bytes(self.payload_bytes, PAGE)
+        self._tail_bytes = self._slot_bytes - self.payload_bytes
+        slots = -(-pack_bytes // self._slot_bytes)
+        # objects smaller than pack_bytes go into packs of >= pack_bytes (one request each)
+        self.pack_slots = (
+            min(slots, _pack.MAX_PACK_SLOTS) if self.payload_bytes < pack_bytes and slots > 1 else 0
+        )
+        self._next_pack = 0
         self._closed = False
         self._lock = threading.Lock()
         self._loads_idle = threading.Condition(self._lock)
@@ -318,8 +386,13 @@ class DiskStore:
         except BaseException:
             os.close(self._lock_fd)
             raise
-        self._readers = _Pool(queue_depth, "offload-engine-disk-read")
-        self._writers = _Pool(queue_depth, "offload-engine-disk-write")
+        # a read request covers at most this many slots (packs of an earlier run with
+        # another pack_bytes may hold more)
+        self._run_slots = max(1, self.pack_slots)
+        trailers = max(PAGE, self._run_slots * self._tail_bytes)
+        headers = _pack.max_header_bytes(self.pack_slots, PAGE) if self.pack_slots else 0
+        self._readers = _Pool(queue_depth, "offload-engine-disk-read", trailers)
+        self._writers = _Pool(queue_depth, "offload-engine-disk-write", headers + trailers)
 
     # ------------------------------------------------------------ opening
 
@@ -369,10 +442,11 @@ class DiskStore:
             ) from exc
 
     def _rebuild_index(self) -> None:
-        """Index every whole object from names and sizes; delete leftovers."""
-        root = self.path / "objects"
-        found: list[tuple[float, bytes, int]] = []
+        """Index every whole object file from its name and size, and every whole pack
+        from its header (no payload is read); delete leftovers."""
+        found: list[tuple[float, int, list[bytes], _Pack | None, int]] = []
         removed = 0
+        root = self.path / "objects"
         if root.is_dir():
             for dirpath, _dirs, files in os.walk(root):
                 for name in files:
@@ -390,16 +464,85 @@ class DiskStore:
                         os.unlink(file)  # a half write, or not ours
                         removed += 1
                         continue
-                    found.append((st.st_mtime, key, st.st_size))
-        found.sort()
-        for _mtime, key, size in found:
-            self._index[key] = _Entry(_READY, size)
+                    found.append((st.st_mtime, -1, [key], None, st.st_size))
+        for dirpath, _dirs, files in os.walk(self.path / "packs"):
+            for name in files:
+                packed = Path(dirpath) / name
+                seq = self._pack_seq(name)
+                pack = None
+                if seq is not None and packed.parent == self._pack_file(seq).parent:
+                    pack = self._read_pack(packed)
+                if pack is None or seq is None:
+                    packed.unlink(missing_ok=True)  # a half write, a bad header, or not ours
+                    removed += 1
+                    continue
+                self._next_pack = max(self._next_pack, seq + 1)
+                found.append((packed.stat().st_mtime, seq, pack.keys, pack, pack.size))
+        found.sort(key=lambda f: (f[0], f[1], f[2][0]))  # oldest first; a later copy wins
+        for _mtime, _seq, keys, pack, size in found:
             self._used += size
-            self.policy.inserted(key)
-        self._counts["recovered"] = len(found)
+            for slot, key in enumerate(keys):
+                old = self._index.get(key)
+                if old is not None:
+                    stale = self._forget_locked(key, old)
+                    if stale is not None:
+                        stale.unlink(missing_ok=True)
+                        removed += 1
+                self._index[key] = _Entry(_READY, 0 if pack else size, pack, slot)
+                self.policy.inserted(key)
+            if pack is not None:
+                pack.writing = False
+        self._counts["recovered"] = len(self._index)
         self._counts["removed_at_start"] = removed
         if self._used > self.capacity_bytes:  # the cap shrank since the last run
             self._unlink(self._evict_locked(self._used - self.capacity_bytes))
+
+    def _read_pack(self, file: Path) -> _Pack | None:
+        """The pack in ``file`` from its header (one read, two if the header is long),
+        or ``None`` if it is not a whole pack of this store's slot size."""
+        try:
+            fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                size = os.fstat(fd).st_size
+                head = os.pread(fd, PAGE, 0)
+                need = _pack.PackHeader.needed(head)
+                if need > len(head):
+                    head = os.pread(fd, need, 0)
+            finally:
+                os.close(fd)
+            header = _pack.PackHeader.decode(head)
+        except (OSError, TrailerError):
+            return None
+        if header.slot_bytes != self._slot_bytes or size != header.file_bytes(PAGE):
+            return None
+        return _Pack(file, list(header.keys), header.size(PAGE), header.slot_bytes, size)
+
+    @staticmethod
+    def _pack_seq(name: str) -> int | None:
+        if not name.endswith(".pk"):
+            return None
+        try:
+            return int(name[:-3], 16)
+        except ValueError:
+            return None
+
+    def _pack_file(self, seq: int) -> Path:
+        return self.path / "packs" / f"{seq % 256:02x}" / f"{seq:012x}.pk"
+
+    def _forget_locked(self, key: bytes, entry: _Entry) -> Path | None:
+        """Drop ``key`` from the index and accounting; the file to delete, if any
+        (its object file, or its pack once the pack's last object is gone)."""
+        del self._index[key]
+        self.policy.removed(key)
+        pack = entry.pack
+        if pack is None:
+            self._used -= entry.size
+            return self.file_of(key)
+        pack.live -= 1
+        if pack.live:
+            return None
+        self._used -= pack.size
+        return pack.path
 
     @staticmethod
     def _key_of(name: str) -> bytes | None:
@@ -419,8 +562,20 @@ class DiskStore:
         return self.path / "objects" / h[:2] / h[2:4]
 
     def file_of(self, key: bytes) -> Path:
-        """Where ``key``'s object lives (whether or not it is stored)."""
+        """Where ``key``'s object lives as a file of its own (whether or not it is stored)."""
         return self._shard(key) / f"{key.hex()}.kv"
+
+    def location(self, key: bytes) -> tuple[Path, int, int] | None:
+        """``(file, offset, length)`` of stored ``key``'s object (payload and trailer),
+        or ``None`` if it is not stored (or still being written)."""
+        with self._lock:
+            entry = self._index.get(key)
+            if entry is None or entry.state != _READY:
+                return None
+            if entry.pack is None:
+                return self.file_of(key), 0, entry.size
+            pack = entry.pack
+            return pack.path, pack.first + entry.slot * pack.slot, pack.slot
 
     # ------------------------------------------------------------ queries
 
@@ -463,34 +618,59 @@ class DiskStore:
 
     # ------------------------------------------------------------ eviction
 
-    def _evict_locked(self, need: int) -> list[bytes]:
-        """Drop idle objects until ``need`` bytes are freed (or none is left)."""
-        gone: list[bytes] = []
+    def _evict_locked(self, need: int) -> list[bytes | _Pack]:
+        """Drop idle objects until ``need`` bytes are freed (or none is left).
+
+        A victim in a pack takes its whole pack with it (a pack's bytes are freed
+        only with its file); a pack with an object being read or written is skipped.
+        """
+        gone: list[bytes | _Pack] = []
+        index = self._index
         for key in self.policy.victims():
             if need <= 0:
                 break
-            entry = self._index.get(key)
+            entry = index.get(key)
             if entry is None or entry.state != _READY or entry.readers:
                 continue
-            del self._index[key]
-            self.policy.removed(key)
-            self._used -= entry.size
-            need -= entry.size
-            gone.append(key)
-        self._counts["evictions"] += len(gone)
+            pack = entry.pack
+            if pack is None:
+                del index[key]
+                self.policy.removed(key)
+                self._used -= entry.size
+                need -= entry.size
+                gone.append(key)
+                self._counts["evictions"] += 1
+                continue
+            if pack.pins or pack.writing:
+                continue
+            for k in pack.keys:
+                e = index.get(k)
+                if e is not None and e.pack is pack:
+                    del index[k]
+                    self.policy.removed(k)
+                    self._counts["evictions"] += 1
+            pack.live = 0
+            self._used -= pack.size
+            need -= pack.size
+            gone.append(pack)
         return gone
 
-    def _unlink(self, keys: Iterable[bytes]) -> None:
-        """Delete dropped objects' files, unless the key was stored again since.
+    def _unlink(self, items: Iterable[bytes | _Pack]) -> None:
+        """Delete dropped objects' files and dropped packs.
 
-        The check and the unlink share the lock: a new store of the key adds its
-        index entry before it writes, so the file removed here is never its.
-        (A new store that is still writing replaces the old file when it publishes.)
+        An object file is kept if its key was stored again since: the check and
+        the unlink share the lock, and a new store of the key adds its index
+        entry before it writes, so the file removed here is never its. (A new
+        store that is still writing replaces the old file when it publishes.)
+        Pack files are never reused, so a dropped one simply goes.
         """
-        for key in keys:
-            path = self.file_of(key)
+        for item in items:
+            if isinstance(item, _Pack):
+                item.path.unlink(missing_ok=True)
+                continue
+            path = self.file_of(item)
             with self._lock:
-                if key in self._index:
+                if item in self._index:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
@@ -511,32 +691,51 @@ class DiskStore:
         nothing needs writing). Keys already stored or being written are skipped
         (the same key names the same bytes). ``error`` is a
         :class:`TierFullError` or :class:`TransferError` naming what failed.
+        With packing on, the job's objects go in job order into packs of
+        ``pack_slots`` (the last one smaller), one file and one request each.
         """
-        todo: list[tuple[bytes, memoryview]] = []
+        units: list[_Unit] = []
         with self._lock:
             self._check_open()
-            victims: list[bytes] = []
+            victims: list[bytes | _Pack] = []
             full: list[bytes] = []
+            fresh: dict[bytes, memoryview] = {}
             for key, payload in zip(keys, payloads, strict=True):
-                if key in self._index:
+                if key in self._index or key in fresh:
                     self._counts["already_stored"] += 1
                     self.policy.touched(key)
-                    continue
-                size = self._file_bytes(key)
+                else:
+                    fresh[key] = payload
+            new = list(fresh.items())
+            per = self.pack_slots or 1
+            for i in range(0, len(new), per):
+                group = new[i : i + per]
+                gkeys = [k for k, _ in group]
+                pack: _Pack | None = None
+                if self.pack_slots:
+                    seq = self._next_pack
+                    first = _pack.header_bytes(gkeys, PAGE)
+                    size = first + len(gkeys) * self._slot_bytes
+                else:
+                    size = self._file_bytes(gkeys[0])
                 over = self._used + size - self.capacity_bytes
                 if over > 0:
                     victims += self._evict_locked(over)
                     if self._used + size > self.capacity_bytes:
-                        full.append(key)
+                        full += gkeys
                         continue
-                self._index[key] = _Entry(_WRITING, size)
+                if self.pack_slots:
+                    self._next_pack += 1
+                    pack = _Pack(self._pack_file(seq), gkeys, first, self._slot_bytes, size)
+                for slot, key in enumerate(gkeys):
+                    self._index[key] = _Entry(_WRITING, 0 if pack else size, pack, slot)
+                    self.policy.inserted(key)  # in job order; victims skip it while writing
                 self._used += size
-                self.policy.inserted(key)  # in job order; victims skip it while writing
-                todo.append((key, payload))
+                units.append((pack, gkeys, [p for _, p in group]))
             self._counts["store_failures"] += len(full)
-        batches = _split(todo, self.queue_depth)
+        batches = _split(units, self.queue_depth)
         job = _Job(max(1, len(batches)), self._store_done(done, full))
-        if not todo:
+        if not units:
             self._unlink(victims)
             job.finish_batch(0)
             return
@@ -573,36 +772,46 @@ class DiskStore:
     def _write_batch(
         self,
         job: _Job,
-        batch: list[tuple[bytes, memoryview]],
-        victims: list[bytes],
+        batch: list[_Unit],
+        victims: list[bytes | _Pack],
         direct: bool,
         scratch: mmap.mmap,
     ) -> None:
         nbytes = 0
         try:
             self._unlink(victims)
-            for key, payload in batch:
+            for pack, keys, payloads in batch:
                 with self._lock:  # loads go first
                     while self._loads_active:
                         self._loads_idle.wait()
                 try:
-                    self._write_one(key, payload, direct, scratch)
+                    if pack is None:
+                        self._write_one(keys[0], payloads[0], direct, scratch)
+                    else:
+                        self._write_pack(pack, payloads, direct, scratch)
                 except Exception as exc:  # noqa: BLE001 - reported in the job's result
                     with self._lock:
-                        entry = self._index.pop(key, None)
-                        if entry is not None:
-                            self._used -= entry.size
-                            self.policy.removed(key)
-                        self._counts["store_failures"] += 1
+                        for key in keys:
+                            entry = self._index.pop(key, None)
+                            if entry is not None:
+                                self._used -= entry.size
+                                self.policy.removed(key)
+                        if pack is not None:
+                            self._used -= pack.size
+                            pack.live = 0
+                        self._counts["store_failures"] += len(keys)
                     with job.lock:
-                        job.errors.append((key, exc))
+                        job.errors += [(key, exc) for key in keys]
                     continue
                 with self._lock:
-                    entry = self._index.get(key)
-                    if entry is not None:
-                        entry.state = _READY
-                    self._counts["stored"] += 1
-                nbytes += payload.nbytes
+                    for key in keys:
+                        entry = self._index.get(key)
+                        if entry is not None:
+                            entry.state = _READY
+                    if pack is not None:
+                        pack.writing = False
+                    self._counts["stored"] += len(keys)
+                nbytes += sum(p.nbytes for p in payloads)
         finally:
             job.finish_batch(nbytes)
 
@@ -610,16 +819,48 @@ class DiskStore:
         trailer = Trailer.for_payload(key, payload).encode(PAGE)
         tail = memoryview(scratch)[: len(trailer)]
         tail[:] = trailer
-        shard = self._shard(key)
+        try:
+            self._publish(self.file_of(key), [payload, tail], direct)
+        finally:
+            tail.release()
+
+    def _write_pack(
+        self, pack: _Pack, payloads: list[memoryview], direct: bool, scratch: mmap.mmap
+    ) -> None:
+        """Header, then each object's payload and (page-padded) trailer: one ``pwritev``."""
+        header = _pack.PackHeader(tuple(pack.keys), pack.slot).encode(PAGE)
+        mem = memoryview(scratch)
+        views = [mem[: len(header)]]
+        views[0][:] = header
+        bufs: list[memoryview] = [views[0]]
+        at, tb = len(header), self._tail_bytes
+        try:
+            for key, payload in zip(pack.keys, payloads, strict=True):
+                trailer = Trailer.for_payload(key, payload).encode(PAGE)
+                tail = mem[at : at + tb]
+                views.append(tail)
+                tail[: len(trailer)] = trailer
+                if tb > len(trailer):
+                    tail[len(trailer) :] = bytes(tb - len(trailer))
+                bufs += [payload, tail]
+                at += tb
+            self._publish(pack.path, bufs, direct)
+        finally:
+            for v in views:
+                v.release()
+            mem.release()
+
+    def _publish(self, final: Path, bufs: list[memoryview], direct: bool) -> None:
+        """Write ``bufs`` to ``final``'s ``.tmp``, then rename it over ``final`` (fsync policy)."""
+        shard = final.parent
         if shard not in self._shards:
             shard.mkdir(parents=True, exist_ok=True)
             self._shards.add(shard)  # a set add is atomic under the GIL
-        final = shard / f"{key.hex()}.kv"
-        tmp = shard / f"{key.hex()}.kv.tmp"
+        tmp = final.with_name(final.name + ".tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
         fd = os.open(tmp, flags | (_O_DIRECT if direct else 0), 0o644)
         try:
-            _write_all(fd, [payload, tail], payload.nbytes + len(trailer))
+            _write_all(fd, bufs, sum(b.nbytes for b in bufs))
             if self.fsync != "never":
                 os.fdatasync(fd)
         except BaseException:
@@ -627,8 +868,6 @@ class DiskStore:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
-        finally:
-            tail.release()
         os.close(fd)
         os.replace(tmp, final)
         if self.fsync == "always":
@@ -653,30 +892,49 @@ class DiskStore:
         ``done(nbytes, error)`` is called once; ``error`` is a
         :class:`KeyMissError` naming the missing keys and the loaded ones. A
         missing key's destination is zeroed, never left with unverified bytes.
+        Keys that follow each other in consecutive slots of one pack are read
+        with one request.
         """
-        todo: list[tuple[bytes, memoryview]] = []
+        runs: list[_Run] = []
         missing: list[bytes] = []
+        count = 0
         with self._lock:
             self._check_open()
+            last: _Entry | None = None
             for key, dest in zip(keys, dests, strict=True):
                 entry = self._index.get(key)
                 if entry is None or entry.state != _READY:
                     missing.append(key)
+                    last = None
                     continue
                 entry.readers += 1  # pinned: eviction skips it until the read ends
+                pack = entry.pack
+                if pack is not None:
+                    pack.pins += 1
                 self.policy.touched(key)
-                todo.append((key, dest))
+                count += 1
+                if (
+                    pack is not None
+                    and last is not None
+                    and last.pack is pack
+                    and last.slot + 1 == entry.slot
+                    and len(runs[-1][2]) < self._run_slots
+                ):
+                    runs[-1][2].append((key, dest))
+                else:
+                    runs.append((pack, entry.slot, [(key, dest)]))
+                last = entry
             self._counts["misses"] += len(missing)
-            if todo:
+            if runs:
                 self._loads_active += 1
         gone = set(missing)
         for key, dest in zip(keys, dests, strict=True):
             if key in gone:
                 _zero(dest)
-        batches = _split(todo, self.queue_depth)
-        job = _Job(max(1, len(batches)), self._load_done(keys, done, active=bool(todo)))
+        batches = _split(runs, self.queue_depth) if runs else []
+        job = _Job(max(1, len(batches)), self._load_done(keys, done, active=bool(runs)))
         job.missing += missing
-        if not todo:
+        if not runs:
             job.finish_batch(0)
             return
         for batch in batches:
@@ -714,39 +972,50 @@ class DiskStore:
 
         return report
 
-    def _read_batch(
-        self, job: _Job, batch: list[tuple[bytes, memoryview]], direct: bool, scratch: mmap.mmap
-    ) -> None:
+    def _read_batch(self, job: _Job, batch: list[_Run], direct: bool, scratch: mmap.mmap) -> None:
         nbytes = 0
         bad: list[tuple[bytes, BaseException]] = []
         try:
-            for key, dest in batch:
+            for pack, slot, items in batch:
                 try:
-                    self._read_one(key, dest, direct, scratch)
-                    nbytes += dest.nbytes
+                    if pack is None:
+                        [(key, dest)] = items
+                        self._read_one(key, dest, direct, scratch)
+                        failed = []
+                    else:
+                        failed = self._read_run(pack, slot, items, direct, scratch)
                 except (OSError, TrailerError) as exc:
-                    _zero(dest)
-                    bad.append((key, exc))
+                    failed = [(key, exc) for key, _ in items]
+                wrong = {key for key, _ in failed}
+                for key, dest in items:
+                    if key in wrong:
+                        _zero(dest)
+                    else:
+                        nbytes += dest.nbytes
+                bad += failed
         finally:
             with self._lock:
-                for key, _dest in batch:
-                    entry = self._index.get(key)
-                    if entry is not None:
-                        entry.readers -= 1
-                self._counts["hits"] += len(batch) - len(bad)
+                for _pack_, _slot, items in batch:
+                    for key, _dest in items:
+                        entry = self._index.get(key)
+                        if entry is not None:
+                            entry.readers -= 1
+                    if _pack_ is not None:
+                        _pack_.pins -= len(items)
+                self._counts["hits"] += sum(len(r[2]) for r in batch) - len(bad)
                 self._counts["misses"] += len(bad)
-                corrupt: list[bytes] = []
+                corrupt: list[bytes | _Pack] = []
                 for key, err in bad:
                     if isinstance(err, TrailerError):
                         self._counts["corrupt"] += 1
                     elif not isinstance(err, FileNotFoundError):
                         continue  # an I/O error says nothing about the file: keep it
                     entry = self._index.get(key)
-                    if entry is not None and entry.state == _READY and not entry.readers:
-                        del self._index[key]  # unverifiable: never served again
-                        self.policy.removed(key)
-                        self._used -= entry.size
-                        corrupt.append(key)
+                    if entry is None or entry.state != _READY or entry.readers:
+                        continue
+                    # unverifiable: never served again
+                    if self._forget_locked(key, entry) is not None:
+                        corrupt.append(key if entry.pack is None else entry.pack)
             self._unlink(corrupt)
             with job.lock:
                 job.errors += bad
@@ -771,6 +1040,45 @@ class DiskStore:
                 tail.release()
         finally:
             os.close(fd)
+
+    def _read_run(
+        self,
+        pack: _Pack,
+        slot: int,
+        items: list[tuple[bytes, memoryview]],
+        direct: bool,
+        scratch: mmap.mmap,
+    ) -> list[tuple[bytes, BaseException]]:
+        """Read consecutive slots of ``pack`` with one ``preadv``; verify each object
+        alone. Returns the objects that failed verification."""
+        tb = self._tail_bytes
+        mem = memoryview(scratch)
+        tails = [mem[i * tb : (i + 1) * tb] for i in range(len(items))]
+        try:
+            bufs: list[memoryview] = []
+            for (_key, dest), tail in zip(items, tails, strict=True):
+                bufs += [dest, tail]
+            flags = os.O_RDONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+            fd = os.open(pack.path, flags)
+            try:
+                n = _preadv(fd, bufs, pack.first + slot * pack.slot)
+            finally:
+                os.close(fd)
+            bad: list[tuple[bytes, BaseException]] = []
+            for i, ((key, dest), tail) in enumerate(zip(items, tails, strict=True)):
+                try:
+                    if n < (i + 1) * pack.slot:
+                        raise TrailerError(
+                            "truncated", f"{pack.path.name}: slot {slot + i} is cut short"
+                        )
+                    Trailer.decode(bytes(tail), key=key, length=dest.nbytes).verify(dest)
+                except TrailerError as exc:
+                    bad.append((key, exc))
+            return bad
+        finally:
+            for t in tails:
+                t.release()
+            mem.release()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -814,9 +1122,7 @@ class DiskStore:
         )
 
 
-def _split(
-    items: list[tuple[bytes, memoryview]], parts: int
-) -> list[list[tuple[bytes, memoryview]]]:
+def _split(items: list[_T], parts: int) -> list[list[_T]]:
     """``items`` in at most ``parts`` contiguous batches of near-equal size."""
     if not items:
         return []
