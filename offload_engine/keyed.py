@@ -28,6 +28,7 @@ import hashlib
 import json
 import struct
 from dataclasses import asdict, dataclass, fields
+from typing import NamedTuple
 
 import xxhash
 
@@ -207,9 +208,11 @@ class LayoutDigest:
         )
 
 
-@dataclass(frozen=True)
-class KeyedTransfer:
-    """A keyed job mapped at submit: ``keys[i]`` pairs with host-tier block ``blocks[i]``."""
+class KeyedTransfer(NamedTuple):
+    """A keyed job mapped at submit: ``keys[i]`` pairs with host-tier block ``blocks[i]``.
+
+    A named tuple (immutable, like a frozen dataclass): one is built in the
+    submitting thread for every keyed job, and a tuple is the cheapest record."""
 
     store: bool  # host tier -> keyed tier
     medium: Medium
@@ -248,18 +251,24 @@ def map_keyed(spec: TransferSpec, tier: HostTier, *, medium: Medium, who: str) -
         )
     if tier.released:
         raise LayoutError(f"{who}: the host tier has been released")
+    # this runs in the submitting thread for every job: plain lists and attributes
+    # (numpy's reductions and Python-level __len__ cost most of a cold submit of a
+    # few ids; numpy's max wins above about 64, as in layout.map_blocks)
     ids = host.block_ids
-    if len(ids) != len(keyed):
+    listed = ids.tolist()
+    keys = keyed.keys
+    n = len(listed)
+    if n != len(keys):
         raise BlockCountMismatchError(
-            f"{who}: {len(ids)} host-tier blocks for {len(keyed)} keys; a keyed tier moves "
+            f"{who}: {n} host-tier blocks for {len(keys)} keys; a keyed tier moves "
             f"whole tier blocks, one per key"
         )
-    if ids.size:
-        top = int(ids.max())
+    if n:
+        top = max(listed) if n <= 64 else int(ids.max())
         if top >= tier.num_blocks:
             raise InvalidBlockIdsError(
                 f"{who}: host-tier block {top} is outside the tier's {tier.num_blocks} blocks"
             )
-        if not store and len(set(ids.tolist())) != ids.size:
+        if not store and len(set(listed)) != n:
             raise InvalidBlockIdsError(f"{who}: a load writes one host-tier block twice")
-    return KeyedTransfer(store, medium, keyed.keys, ids, tier.factor * tier.slot_bytes)
+    return KeyedTransfer(store, medium, keys, ids, tier.factor * tier.slot_bytes)

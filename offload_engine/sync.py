@@ -40,6 +40,8 @@ class _LoopThread:
         self._ready = threading.Event()
         self._startup_error: BaseException | None = None
         self.crash: BaseException | None = None
+        #: set when the loop thread's run has ended (cheaper to test than is_alive())
+        self.ended = False
         self._bridge: LoopBridge | None = None
         self._stop: anyio.Event | None = None
         self._close_args: dict[str, Any] = {}
@@ -61,6 +63,7 @@ class _LoopThread:
             else:
                 self.crash = exc
         finally:
+            self.ended = True
             self._ready.set()
 
     async def _main(self) -> None:
@@ -129,9 +132,9 @@ class SyncOffloadingEngine:
     def _check(self) -> None:
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        crash = self._host.crash
-        if crash is not None or not self._host.thread.is_alive():
-            raise EngineBrokenError("the engine's loop thread has stopped") from crash
+        host = self._host
+        if host.crash is not None or host.ended:
+            raise EngineBrokenError("the engine's loop thread has stopped") from host.crash
 
     # ------------------------------------------------------------ jobs
 

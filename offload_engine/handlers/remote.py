@@ -42,6 +42,7 @@ from typing import ParamSpec, TypeVar
 
 import torch
 
+from offload_engine._checks import check_int, check_seconds
 from offload_engine.errors import (
     ConfigError,
     InvalidTransferError,
@@ -80,14 +81,6 @@ class RemoteTierStats:
     corrupt: int  # arrived whole but failed trailer verification (also counted in missed)
     unavailable: int  # calls that found the server unreachable (jobs and lookups)
     connected: bool
-
-
-@dataclass(frozen=True)
-class RemoteJob:
-    """A remote job mapped at submit: host blocks, keys and their wire names."""
-
-    transfer: KeyedTransfer
-    names: tuple[str, ...]
 
 
 class RemoteTier:
@@ -131,6 +124,9 @@ class RemoteTier:
             raise ConfigError(
                 f"reconnect_interval must be a non-negative number, got {reconnect_interval!r}"
             )
+        # checked before connecting, so a bad argument leaves no store open
+        self._workers = check_int(workers, "workers")
+        self._close_timeout = check_seconds(close_timeout, "close_timeout")
         self.tier = tier
         self.digest = digest
         self.block_bytes = block_bytes
@@ -153,9 +149,6 @@ class RemoteTier:
                 raise
             self._bump("unavailable")
             self._next_try = time.monotonic() + self._reconnect_interval
-        self._workers = workers
-        self._close_timeout = close_timeout
-        self.handlers()  # checks workers and close_timeout now, at construction
 
     def _open(self) -> RemoteStore:
         store = self._connect()
@@ -249,11 +242,12 @@ class RemoteTier:
 
     # ------------------------------------------------------------------ work (worker threads)
 
-    def put(self, job: RemoteJob) -> int:
-        t = job.transfer
+    def put(self, t: KeyedTransfer) -> int:
+        """Store a mapped job's blocks (worker thread); return the payload bytes."""
         store = self._call(self.store)
+        all_names = self.names(t.keys)
         for lo in range(0, len(t.keys), MAX_BATCH_KEYS):
-            names = job.names[lo : lo + MAX_BATCH_KEYS]
+            names = all_names[lo : lo + MAX_BATCH_KEYS]
             objects = []
             for name, block in zip(names, t.blocks[lo : lo + MAX_BATCH_KEYS].tolist(), strict=True):
                 payload = self.payload(block)
@@ -266,13 +260,15 @@ class RemoteTier:
         self._bump("stored", len(t.keys))
         return t.nbytes
 
-    def get(self, job: RemoteJob) -> int:
-        t = job.transfer
+    def get(self, t: KeyedTransfer) -> int:
+        """Load a mapped job's blocks and verify them (worker thread); return the
+        payload bytes, or raise :class:`KeyMissError` naming the missed keys."""
         store = self._call(self.store)
+        all_names = self.names(t.keys)
         missing: list[bytes] = []
         corrupt = 0
         for lo in range(0, len(t.keys), MAX_BATCH_KEYS):
-            names = job.names[lo : lo + MAX_BATCH_KEYS]
+            names = all_names[lo : lo + MAX_BATCH_KEYS]
             keys = t.keys[lo : lo + MAX_BATCH_KEYS]
             blocks = t.blocks[lo : lo + MAX_BATCH_KEYS].tolist()
             objects = [
@@ -348,7 +344,7 @@ class RemoteTier:
         )
 
 
-class RemoteHandler(ThreadPoolHandler[RemoteJob]):
+class RemoteHandler(ThreadPoolHandler[KeyedTransfer]):
     """One direction of a :class:`RemoteTier`: ``CPU -> REMOTE`` or ``REMOTE -> CPU``."""
 
     def __init__(
@@ -364,14 +360,20 @@ class RemoteHandler(ThreadPoolHandler[RemoteJob]):
         self.is_store = store
         self.src, self.dst = (Medium.CPU, Medium.REMOTE) if store else (Medium.REMOTE, Medium.CPU)
         self.ordered = False  # independent keys: deliver each job as soon as it ends
+        self._who = self.name  # for prepare's errors, built once
+        # launch only puts the job on the workers' queue (thread-safe, never blocks):
+        # an idle route lets the submitting thread do that, and the loop sleeps on
+        self.launch_in_submitter = True
 
-    def prepare(self, spec: TransferSpec) -> RemoteJob:
-        t = map_keyed(spec, self.remote.tier, medium=Medium.REMOTE, who=self.name)
+    def prepare(self, spec: TransferSpec) -> KeyedTransfer:
+        # only the checks run here, in the submitting thread; the wire names are
+        # built by the worker
+        t = map_keyed(spec, self.remote.tier, medium=Medium.REMOTE, who=self._who)
         if t.store is not self.is_store:
-            raise InvalidTransferError(f"{self.name} got a job for the other direction")
-        return RemoteJob(t, tuple(self.remote.names(t.keys)))
+            raise InvalidTransferError(f"{self._who} got a job for the other direction")
+        return t
 
-    def execute(self, job: LaunchedJob[RemoteJob]) -> int:
+    def execute(self, job: LaunchedJob[KeyedTransfer]) -> int:
         if self.is_store:
             return self.remote.put(job.prepared)
         return self.remote.get(job.prepared)

@@ -1,9 +1,12 @@
 """Redis/Valkey backend (RESP, through the ``redis`` client with ``hiredis``).
 
 Batches are pipelined: one round trip per call, whatever the number of keys. A
-put sends the slot straight from tier memory (a memoryview, no copy in Python)
-with ``SET``, then the trailer with ``APPEND`` in the same pipeline: a reader
-that comes between the two sees an object of the wrong size, which is a miss.
+put sends each object as one ``SET`` whose value goes to the socket straight
+from the parts' memory (tier slot, then trailer; nothing is copied in Python,
+and the client's packer, which would copy each value, is bypassed). On Redis
+Cluster a put sends ``SET`` of the slot, then ``APPEND`` of the trailer, in one
+pipeline: a reader that comes between the two sees an object of the wrong
+size, which is a miss.
 A get receives each value as ``bytes`` (the client offers no receive-into) and
 copies it once into the parts.
 
@@ -160,19 +163,31 @@ class RedisStore(RemoteStore):
         check_parts(keys, objects)
         if not keys:
             return
+        with self._errors("store into"):
+            if self.config.cluster:
+                replies = self._put_pipelined(keys, objects)
+            else:
+                replies = self._put_packed(keys, objects)
+        failed = [r for r in replies if isinstance(r, Exception)]
+        if failed:
+            raise StoreError(
+                f"{self!r}: {len(failed)} of {len(replies)} writes refused: {failed[0]}"
+            ) from failed[0]
+
+    def _put_pipelined(self, keys: Sequence[str], objects: Sequence[Parts]) -> list[Any]:
+        """Cluster: ``SET`` of the first part then ``APPEND`` of the others, pipelined
+        (the cluster client routes each command to its key's node)."""
         pipe = self._pipeline()
         for key, parts in zip(keys, objects, strict=True):
             views = [memoryview(p.numpy().data) for p in parts]
             pipe.set(key, views[0])
             for more in views[1:]:
                 pipe.append(key, more)
-        with self._errors("store into"):
-            replies = pipe.execute(raise_on_error=False)
-        failed = [r for r in replies if isinstance(r, Exception)]
-        if failed:
-            raise StoreError(
-                f"{self!r}: {len(failed)} of {len(replies)} writes refused: {failed[0]}"
-            ) from failed[0]
+        return list(pipe.execute(raise_on_error=False))
+
+    def _put_packed(self, keys: Sequence[str], objects: Sequence[Parts]) -> list[Any]:
+        views = [[memoryview(p.numpy().data) for p in parts] for parts in objects]
+        return send_sets(self._client, keys, views, retries=self.config.retries)
 
     def get_into(self, keys: Sequence[str], objects: Sequence[Parts]) -> list[bool]:
         self._check_open()
@@ -218,6 +233,55 @@ class RedisStore(RemoteStore):
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"<RedisStore {self.config!r} {state}>"
+
+
+def send_sets(
+    client: Any, keys: Sequence[str], values: Sequence[Sequence[memoryview]], *, retries: int
+) -> list[Any]:
+    """``SET`` each key to the concatenation of its buffers, in one pipelined round
+    trip on one connection of ``client`` (a ``redis.Redis``); return each reply, a
+    refused write as its ``ResponseError``.
+
+    The client's own command packer (hiredis) copies every value into one new
+    ``bytes`` before sending it; here the RESP framing is written by hand and the
+    buffers go to the socket as they lie. A connection error retries the whole
+    batch (``SET`` is idempotent) up to ``retries`` times on a fresh connection,
+    then raises the client's error.
+    """
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import ResponseError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    chunks: list[bytes | memoryview] = []
+    for key, views in zip(keys, values, strict=True):
+        name = key.encode()
+        size = sum(v.nbytes for v in views)
+        chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(name), name, size))
+        chunks.extend(views)
+        chunks.append(b"\r\n")
+    pool = client.connection_pool
+    attempt = 0
+    while True:
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(chunks)
+            replies: list[Any] = []
+            for _ in keys:
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:  # one refused write (e.g. OOM)
+                    replies.append(exc)
+            return replies
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            conn.disconnect()
+            attempt += 1
+            if attempt > retries:
+                raise
+        except BaseException:
+            conn.disconnect()  # replies may be left unread on it
+            raise
+        finally:
+            pool.release(conn)
 
 
 class _RedisErrors:

@@ -201,3 +201,57 @@ def test_repr_and_stats_show_state(redis_backend: Backend) -> None:
     remote.close()
     remote.close()
     assert "closed" in repr(remote) and not remote.stats().connected
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        ({"workers": 0}, "workers"),
+        ({"workers": 2.0}, "workers"),
+        ({"close_timeout": 0}, "close_timeout"),
+        ({"close_timeout": True}, "close_timeout"),
+    ],
+)
+def test_bad_workers_or_close_timeout_are_refused_before_connecting(
+    args: dict[str, object], match: str
+) -> None:
+    def connect() -> RedisStore:
+        raise AssertionError("a refused tier must not connect")
+
+    with pytest.raises(ConfigError, match=match):
+        RemoteTier(connect, random_tier(2, seed=0), digest(), **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("engine_backend", ["asyncio", "trio"])
+def test_an_idle_remote_route_launches_from_the_submitting_thread(
+    redis_backend: Backend, engine_backend: str
+) -> None:
+    """A job submitted to an idle route goes straight to the tier's workers: the
+    engine's loop gets no call (no wake-up), and the bytes still round-trip."""
+    tier = random_tier(4, seed=12)
+    expected = tier.memory.clone()
+    ks = keys(4, b"idle")
+    with (
+        RemoteTier(redis_backend.connect(), tier, digest(), workers=2) as remote,
+        SyncOffloadingEngine(remote.handlers(), backend=engine_backend) as engine,  # type: ignore[arg-type]
+    ):
+        bridge = engine.manager._bridge
+        assert bridge is not None
+        loop_calls: list[object] = []
+        real_call = bridge._call
+
+        def counted(fn: object, *args: object) -> object:
+            loop_calls.append(fn)
+            return real_call(fn, *args)
+
+        bridge._call = counted
+        for i in range(4):
+            [r] = engine.wait([engine.submit_nowait(store_spec([i], ks[i : i + 1]))])
+            assert r.success
+        tier.memory.zero_()
+        for i in range(4):
+            [r] = engine.wait([engine.submit_nowait(load_spec(ks[i : i + 1], [i]))])
+            assert r.success
+        assert loop_calls == []
+        bridge._call = real_call
+    assert torch.equal(tier.memory, expected)
