@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="--tier disk: bytes per chunk (one object), in KiB (default 2048)",
     )
     bench.add_argument(
+        "--volume-mib",
+        type=positive_int,
+        default=512,
+        help="--tier disk: bytes each system writes and reads per chunk size, in MiB "
+        "(default 512; more gives steadier figures on a noisy drive)",
+    )
+    bench.add_argument(
         "--chunk-mib",
         type=_mib_list,
         default=None,

@@ -124,7 +124,9 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
         plan = (
             DiskBenchPlan.quick()
             if args.quick
-            else DiskBenchPlan(chunk_bytes=chunk, chunks=max(16, (512 * 2**20) // chunk))
+            else DiskBenchPlan(
+                chunk_bytes=chunk, chunks=max(16, (args.volume_mib * 2**20) // chunk)
+            )
         )
         plan = DiskBenchPlan(
             chunk_bytes=plan.chunk_bytes if args.quick and not args.chunk_mib else chunk,
