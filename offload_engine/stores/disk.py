@@ -634,9 +634,7 @@ class DiskStore:
                 continue
             pack = entry.pack
             if pack is None:
-                del index[key]
-                self.policy.removed(key)
-                self._used -= entry.size
+                self._forget_locked(key, entry)  # its file goes in _unlink
                 need -= entry.size
                 gone.append(key)
                 self._counts["evictions"] += 1
@@ -995,13 +993,13 @@ class DiskStore:
                 bad += failed
         finally:
             with self._lock:
-                for _pack_, _slot, items in batch:
+                for run_pack, _slot, items in batch:
                     for key, _dest in items:
                         entry = self._index.get(key)
                         if entry is not None:
                             entry.readers -= 1
-                    if _pack_ is not None:
-                        _pack_.pins -= len(items)
+                    if run_pack is not None:
+                        run_pack.pins -= len(items)
                 self._counts["hits"] += sum(len(r[2]) for r in batch) - len(bad)
                 self._counts["misses"] += len(bad)
                 corrupt: list[bytes | _Pack] = []
