@@ -135,7 +135,7 @@ def round_trip(
 @pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
-@pytest.mark.parametrize("launch", ["loop", "submitter", "launcher"])
+@pytest.mark.parametrize("launch", list(LAUNCH_MODES))
 def test_round_trip_every_layout_and_strategy(
     fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int, launch: str
 ) -> None:

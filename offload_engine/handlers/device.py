@@ -21,6 +21,7 @@ job's launch cheap, and the measurements behind them.
 
 from __future__ import annotations
 
+import collections
 import enum
 import queue
 import threading
@@ -85,6 +86,11 @@ class DeviceHandlerConfig:
     submits them when nothing is queued before them, sparing the loop's wake-up
     too: the least CPU per job in all, but the submitter pays the launch (a CUDA
     graph step then starts later; see docs/performance.md).
+    ``polled_completion``: a finished job is found by the caller's own poll (the
+    engine's ``get_finished``), one event query per stream the job used, and
+    reported there, without waking the watcher thread; the watcher reports
+    only while someone waits (a ``wait``, close, a full queue, a deadline).
+    With ``submitter_launch`` too, a small job wakes no other thread at all.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -96,10 +102,12 @@ class DeviceHandlerConfig:
     close_timeout: float = 30.0
     inline_launch_blocks: int = 64
     submitter_launch: bool = False
+    polled_completion: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.submitter_launch, bool):
-            raise ConfigError(f"submitter_launch must be a bool, got {self.submitter_launch!r}")
+        for key in ("submitter_launch", "polled_completion"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
         if not isinstance(self.strategy, CopyStrategy):
             raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
         for key in ("staging_bytes", "dma_min_chunk_bytes", "inline_launch_blocks"):
@@ -209,6 +217,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # engine's loop, or with submitter_launch the submitting thread
         self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
         self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
+        self.polled_completion = config.polled_completion
+        # polled completion: launched jobs nobody reported yet, in launch order,
+        # and how many callers wait (while any do, jobs go to the watcher instead)
+        self._polled: collections.deque[LaunchedJob[DevicePlan]] = collections.deque()
+        self._watchers = 0
+        self._poll_lock = threading.Lock()
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.span] for v in (t.data_ptr(),))
@@ -327,6 +341,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if not self._started:
             return
         self._started = False
+        self.watch(1)  # jobs never polled (abandoned at close) are awaited by the watcher
         self._launch_q.put(_STOP)  # the launcher passes it on to the watcher
         await join_threads(
             self._threads,
@@ -425,8 +440,50 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
             job.fail(exc)
             self._recycle(job.prepared)
-        else:
-            self._watch_q.put(job)
+            return
+        if self.polled_completion:
+            with self._poll_lock:
+                if not self._watchers:
+                    self._polled.append(job)
+                    return
+        self._watch_q.put(job)
+
+    # ------------------------------------------------------------ polled completion
+
+    def poll(self) -> None:
+        """Report the leading run of finished jobs (event queries, no waiting)."""
+        if not self._polled:
+            return
+        done: list[tuple[LaunchedJob[DevicePlan], BaseException | None]] = []
+        query = self.runtime.query
+        with self._poll_lock:
+            polled = self._polled
+            while polled:
+                job = polled[0]
+                error: BaseException | None = None
+                try:
+                    if not all(query(event) for event in job.prepared.checks):
+                        break
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    error = exc
+                polled.popleft()
+                done.append((job, error))
+        # reported outside the lock (a report takes the engine's lock); the engine
+        # delivers an ordered handler's results in launch order whoever reports
+        for job, error in done:
+            if error is None:
+                job.succeed(job.prepared.nbytes)
+            else:
+                job.fail(error)
+            self._recycle(job.prepared)
+
+    def watch(self, delta: int) -> None:
+        """While someone waits, the watcher thread reports each job as it finishes."""
+        with self._poll_lock:
+            self._watchers += delta
+            if self._watchers > 0:
+                while self._polled:
+                    self._watch_q.put(self._polled.popleft())
 
     def _launch_loop(self) -> None:
         # the SM stream is this thread's current stream throughout, so a kernel

@@ -162,7 +162,14 @@ class FakeNpuEvent(FakeEvent):
 
     def query(self) -> bool:
         self._ascend.flush()
-        return bool(self.completed >= self.recorded)
+        with self._cond:
+            target = self.recorded
+            if self.completed < target:
+                return False
+            error = self.errors.get(target)
+        if error is not None:
+            raise FakeNpuError(f"NPU work before this event failed: {error}") from error
+        return True
 
     def synchronize(self) -> None:
         self._ascend.flush()
