@@ -596,14 +596,18 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if self._last_effect is not None:
             for stream in dmas if self._store else (sm,):
                 rt.wait_event(stream, self._last_effect)
-        # every group's ids in one upload, before any piece
-        ids = self._upload_ids(plan, sm, [m.cache_ids for m in plan.groups])
+        # Each group's blocks go through staging in tier-address order, so a run of
+        # consecutive tier slots (ascending or descending in the job, as an
+        # allocator that reuses freed slots last-in first-out hands them out) fills
+        # consecutive staging rows and moves as one DMA descriptor.
         tier_base = np.uint64(self._tier_base)
+        order = [self._tier_order(m, tier_base) for m in plan.groups]
+        # every group's ids in one upload, before any piece
+        ids = self._upload_ids(plan, sm, [cache_ids for cache_ids, _ in order])
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
-        for m, group_ids in zip(plan.groups, ids, strict=True):
+        for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
             n = int(m.cache_ids.shape[0])
-            tier_rows = tier_base + self.tier.slot_offsets(m.slots)
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
@@ -641,6 +645,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         elif end is None:  # an empty job still takes its place in the order
             end = self._mark(plan, dmas[0] if self._store else sm)
         self._last_effect = end
+
+    def _tier_order(self, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
+        """The group's cache ids and tier row addresses, sorted by tier address
+        (stable: blocks bound for one slot keep their order)."""
+        rows = tier_base + self.tier.slot_offsets(m.slots)
+        if rows.shape[0] < 2 or bool((rows[1:] > rows[:-1]).all()):
+            return m.cache_ids, rows
+        order = np.argsort(rows, kind="stable")
+        return m.cache_ids[order], rows[order]
 
     # ------------------------------------------------------------ completion
 
