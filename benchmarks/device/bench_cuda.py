@@ -26,7 +26,6 @@ side stream, against the same bytes as one contiguous pinned copy
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench.slots import allocator_slots
 from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
@@ -170,28 +170,6 @@ class Bench:
         if failed:
             raise RuntimeError(f"{len(failed)} jobs failed: {failed[0].error}")
         return seconds
-
-
-def allocator_slots(capacity: int, per_job: int, jobs: int) -> list[np.ndarray]:
-    """Tier slots per job as vLLM's ``CPUOffloadingManager`` allocates them
-    (``vllm/v1/kv_offload/cpu/manager.py``): fresh chunks in ascending order while
-    any are left, then chunks from the free list with ``list.pop()``, which the
-    eviction of the least recently stored chunks refills in eviction order. So jobs
-    get runs of consecutive slots, ascending and then descending by turns."""
-    fresh = 0
-    free: list[int] = []
-    stored: collections.deque[int] = collections.deque()  # oldest first (LRU)
-    out = []
-    for _ in range(jobs):
-        while capacity - fresh + len(free) < per_job:
-            free.append(stored.popleft())
-        n_fresh = min(per_job, capacity - fresh)
-        chunks = list(range(fresh, fresh + n_fresh))
-        fresh += n_fresh
-        chunks += [free.pop() for _ in range(per_job - n_fresh)]
-        stored.extend(chunks)
-        out.append(np.array(chunks, dtype=np.int64))
-    return out
 
 
 def jobs_for(per_job: int, block_bytes: int, target_bytes: int) -> int:

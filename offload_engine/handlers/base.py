@@ -13,7 +13,7 @@ A handler sees a job three times:
    a worker thread, arms a fake timer) and returns.
 3. The work reports back through the :class:`LaunchedJob` it was given, by
    calling ``job.succeed(nbytes)`` or ``job.fail(exc)`` exactly once, **from any
-   thread**. Nothing polls: a device handler's watcher thread sleeps in an event
+   thread**. No thread polls on a timer: a device handler's watcher thread sleeps in an event
    synchronize, a thread-pool worker calls back when its copy returns, a fake
    calls back from a loop timer. A handler with ``polled_completion`` may
    instead leave a finished job unreported until the engine calls

@@ -13,7 +13,9 @@ memory).
 At submit, :meth:`DeviceCopyHandler.prepare` records an event on the caller's
 current stream and the job's first operation waits on it. ``launch`` only
 queues the job: a launcher thread enqueues the device work and a watcher
-thread sleeps on the job's events and reports. Device-side copies ask for a
+thread sleeps on the job's events and reports (with ``polled_completion``, the
+caller's ``get_finished`` queries them instead, and the watcher only serves
+callers that wait). Device-side copies ask for a
 high-priority stream; runtimes without stream priorities (NPU) ignore it.
 ``docs/cuda.md`` explains the strategies, the stream sets, what keeps a small
 job's launch cheap, and the measurements behind them.
