@@ -44,6 +44,7 @@ from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
+    merge_runs,
 )
 from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
@@ -609,24 +610,18 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         end = None
         for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
             n = int(m.cache_ids.shape[0])
-            runs = self._runs(m.group, tier_rows, staging.rows)
-            for k, lo in enumerate(range(0, n, staging.rows)):
+            for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
                 self._pieces += 1
                 dma = dmas[self._pieces % 2]
                 first, second = (sm, dma) if self._store else (dma, sm)
-                if runs is None:  # one descriptor per block
-                    rows = staging.row_addresses[b][: hi - lo]
-                    tier = tier_rows[lo:hi]
-                    sizes = self._used_sizes[m.group][: hi - lo]
-                else:  # one per run of consecutive slots within the piece
-                    starts, run_bytes, cuts = runs
-                    run = starts[cuts[k] : cuts[k + 1]]
-                    rows = staging.row_addresses[b][run - lo]
-                    tier = tier_rows[run]
-                    sizes = run_bytes[cuts[k] : cuts[k + 1]]
-                dst, src = (tier, rows) if self._store else (rows, tier)
+                rows = staging.row_addresses[b][: hi - lo]
+                tier = tier_rows[lo:hi]
+                sizes = self._used_sizes[m.group][: hi - lo]
+                dst, src, sizes = (
+                    merge_runs(tier, rows, sizes) if self._store else merge_runs(rows, tier, sizes)
+                )
                 piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
                 if staging.free[b] is not None:
                     rt.wait_event(first, staging.free[b])
@@ -652,25 +647,6 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         elif end is None:  # an empty job still takes its place in the order
             end = self._mark(plan, dmas[0] if self._store else sm)
         self._last_effect = end
-
-    def _runs(self, group: int, tier_rows: Any, piece_rows: int) -> tuple[Any, Any, Any] | None:
-        """The runs of consecutive tier slots in a group's sorted tier rows, cut at
-        piece boundaries, planned once per job: (first index of each run, its
-        bytes, the index in those arrays where each piece's runs begin, and the
-        end). None when no two neighbours continue each other (scattered slots,
-        or rows that do not fill a staging row, so staging rows cannot merge)."""
-        size = self.layout.group_bytes[group]
-        n = tier_rows.shape[0]
-        if n < 2 or size != self.layout.slot_bytes:
-            return None
-        continues = (tier_rows[1:] - tier_rows[:-1]) == np.uint64(size)
-        if not continues.any():
-            return None
-        pieces = np.arange(0, n, piece_rows)
-        starts = np.union1d(np.flatnonzero(~continues) + 1, pieces)
-        run_bytes = np.diff(np.append(starts, n)).astype(np.uint64) * np.uint64(size)
-        cuts = np.append(np.searchsorted(starts, pieces), starts.shape[0])
-        return starts, run_bytes, cuts
 
     def _tier_order(self, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
         """The group's cache ids and tier row addresses, sorted by tier address
