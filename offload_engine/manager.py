@@ -576,17 +576,12 @@ class OffloadingQueueManager:
                 if since_yield >= _LAUNCHES_PER_YIELD:
                     since_yield = 0
                     await anyio.lowlevel.checkpoint()
-            elif blocked:
-                since_yield = 0
-                handler.poll()
-                handler.watch(1)
-                try:
-                    await event.wait()
-                finally:
-                    handler.watch(-1)
             else:
                 since_yield = 0
-                await event.wait()
+                if blocked:
+                    await self._wait_watched(handler, event)
+                else:
+                    await event.wait()
 
     async def _timer_main(self) -> None:
         deadlines = self._deadlines
@@ -785,10 +780,11 @@ class OffloadingQueueManager:
                     self._launch_here(here)
                 self._flush()
                 return jid
-            await self._wait_for_room(route, event)
+            await self._wait_watched(route.handler, event)
 
-    async def _wait_for_room(self, route: Route, event: anyio.Event) -> None:
-        handler = route.handler
+    async def _wait_watched(self, handler: TransferHandler[Any], event: anyio.Event) -> None:
+        """Await ``event`` (room that only finished jobs make); a polled-completion
+        handler reports what has finished first, and unprompted meanwhile."""
         if not handler.polled_completion:
             await event.wait()
             return

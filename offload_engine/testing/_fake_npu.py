@@ -162,14 +162,7 @@ class FakeNpuEvent(FakeEvent):
 
     def query(self) -> bool:
         self._ascend.flush()
-        with self._cond:
-            target = self.recorded
-            if self.completed < target:
-                return False
-            error = self.errors.get(target)
-        if error is not None:
-            raise FakeNpuError(f"NPU work before this event failed: {error}") from error
-        return True
+        return self.reached(FakeNpuError, "NPU work")
 
     def synchronize(self) -> None:
         self._ascend.flush()

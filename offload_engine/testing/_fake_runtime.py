@@ -65,6 +65,18 @@ class FakeEvent:
             self.errors = {g: e for g, e in self.errors.items() if g >= generation}
             self._cond.notify_all()
 
+    def reached(self, error_type: type[Exception], what: str) -> bool:
+        """Whether the latest record's work is done (a query); raise ``error_type``
+        if it failed."""
+        with self._cond:
+            target = self.recorded
+            if self.completed < target:
+                return False
+            error = self.errors.get(target)
+        if error is not None:
+            raise error_type(f"{what} before this event failed: {error}") from error
+        return True
+
     def wait_for(self, generation: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self.completed >= generation)
@@ -246,14 +258,7 @@ class FakeRuntime(DeviceRuntime):
             raise FakeDeviceError(f"device work before this event failed: {error}") from error
 
     def query(self, event: Any) -> bool:
-        with event._cond:
-            target = event.recorded
-            if event.completed < target:
-                return False
-            error = event.errors.get(target)
-        if error is not None:
-            raise FakeDeviceError(f"device work before this event failed: {error}") from error
-        return True
+        return bool(event.reached(FakeDeviceError, "device work"))
 
     def enqueue(self, stream: FakeStream, op: Callable[[], None]) -> None:
         """Run ``op`` on ``stream`` in order (tests use it as "compute work")."""
