@@ -478,13 +478,23 @@ def test_a_load_racing_an_eviction_gets_whole_bytes_or_a_miss(
         assert block_bytes(tier, 9) == bytes(BLOCK)
 
 
-@pytest.mark.parametrize("pack_bytes", [0, 3 * OBJECT], ids=["files", "packs-of-3"])
-def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path, pack_bytes: int) -> None:
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"pack_bytes": 0},
+        {"pack_bytes": 3 * OBJECT},
+        {"pack_bytes": 0, "segment_bytes": 20 * OBJECT},
+    ],
+    ids=["files", "packs-of-3", "segments"],
+)
+def test_concurrent_stores_and_loads_from_several_threads(
+    tmp_path: Path, layout: dict[str, int]
+) -> None:
     tier = page_aligned_tier(64, BLOCK)
     fill_random(tier, 7)
     originals = {b: block_bytes(tier, b) for b in range(32)}
     errors: list[BaseException] = []
-    with disk_engine(tmp_path, tier, queue_depth=3, pack_bytes=pack_bytes) as (store, engine):
+    with disk_engine(tmp_path, tier, queue_depth=3, **layout) as (store, engine):
 
         def worker(t: int) -> None:
             try:
@@ -511,9 +521,10 @@ def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path, pack_b
         assert not errors, errors
         stats = store.stats()
         assert stats.stored == 32 and stats.hits == 4 * 5 * 8 and stats.corrupt == 0
-        files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk")]
+        files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk"), *tmp_path.rglob("*.seg")]
         assert stats.used_bytes == sum(f.stat().st_size for f in files)
-        assert store.pack_slots == (3 if pack_bytes else 0)
+        assert store.pack_slots == (3 if layout["pack_bytes"] else 0)
+        assert bool(list(tmp_path.rglob("*.seg"))) == ("segment_bytes" in layout)
 
 
 # ------------------------------------------------------------------ crash mid-write

@@ -215,7 +215,7 @@ class _Segment:
     """
 
     __slots__ = (
-        "cursor", "fresh", "generation", "live", "number", "path", "prep", "ready",
+        "cursor", "fresh", "generation", "holes", "live", "number", "path", "prep", "ready",
         "records", "writing",
     )  # fmt: skip
 
@@ -230,6 +230,9 @@ class _Segment:
         self.live = 0  # indexed objects (stored or being written)
         self.writing = 0  # records being written
         self.prep = threading.Lock()
+        # records that failed before the head of their generation was written:
+        # (base, bytes, generation), marked as holes once it is
+        self.holes: list[tuple[int, int, int]] = []
 
 
 class _Entry:
@@ -681,11 +684,14 @@ class DiskStore:
                 except (OSError, TrailerError):
                     break
                 size = header.file_bytes(PAGE)
-                if (
-                    header.generation != head.generation
-                    or header.slot_bytes != self._slot_bytes
-                    or at + size > sb
-                ):
+                if not header.keys:  # a hole left by a failed record: step over it
+                    size += header.slot_bytes
+                if header.generation != head.generation or at + size > sb:
+                    break
+                if not header.keys:
+                    at += size
+                    continue
+                if header.slot_bytes != self._slot_bytes:
                     break
                 first = at + header.size(PAGE)
                 pack = _Pack(seg.path, list(header.keys), first, self._slot_bytes, size, seg, at)
@@ -976,6 +982,11 @@ class DiskStore:
                     self._sync_dir(seg.path.parent)
             page[:] = _pack.SegmentHead(self.segment_bytes, generation).encode(PAGE)
             _write_all(fd, [page], PAGE, 0)
+            for base, size, gen in seg.holes:
+                if gen == generation:
+                    page[:] = _pack.PackHeader((), size - PAGE, gen).encode(PAGE)
+                    _write_all(fd, [page], PAGE, base)
+            seg.holes = []
             if self.fsync != "never":
                 os.fdatasync(fd)
             seg.ready = generation
@@ -1028,6 +1039,29 @@ class DiskStore:
                 v.release()
             mem.release()
             os.close(fd)
+
+    def _write_hole(self, seg: _Segment, pack: _Pack, direct: bool, scratch: mmap.mmap) -> None:
+        """After a record failed: a header with no keys spanning it, so a restart's
+        walk steps over it to the records after it (best effort: if this fails
+        too, the walk stops there and those records are missed)."""
+        generation = seg.generation
+        page = memoryview(scratch)[:PAGE]
+        try:
+            with seg.prep:
+                if seg.ready != generation:  # the head is not written yet: with it
+                    seg.holes.append((pack.base, pack.size, generation))
+                    return
+                page[:] = _pack.PackHeader((), pack.size - PAGE, generation).encode(PAGE)
+                flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+                fd = os.open(seg.path, flags)
+                try:
+                    _write_all(fd, [page], PAGE, pack.base)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            log.warning("could not mark a failed record in %s: %s", seg.path, exc)
+        finally:
+            page.release()
 
     @staticmethod
     def _sync_dir(path: Path) -> None:
@@ -1171,6 +1205,8 @@ class DiskStore:
                     else:
                         self._write_pack(pack, payloads, direct, scratch)
                 except Exception as exc:  # noqa: BLE001 - reported in the job's result
+                    if seg is not None and pack is not None:
+                        self._write_hole(seg, pack, direct, scratch)
                     with self._lock:
                         for key in keys:
                             entry = self._index.pop(key, None)
