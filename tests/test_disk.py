@@ -37,8 +37,9 @@ from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
 
-# These tests cover one file per object (pack_bytes=0); tests/test_disk_pack.py covers packs.
-FileStore = functools.partial(DiskStore, pack_bytes=0)
+# These tests cover one file per object (pack_bytes=0, segment_bytes=0); tests/test_disk_pack.py
+# covers packs, tests/test_disk_segments.py segments.
+FileStore = functools.partial(DiskStore, pack_bytes=0, segment_bytes=0)
 
 BLOCK = 2 * PAGE  # small objects: the machine is shared
 OBJECT = BLOCK + PAGE  # payload + padded trailer on disk
@@ -553,7 +554,8 @@ disk_mod._pwritev = pwritev
 tier = page_aligned_tier(8, BLOCK)
 fill_random(tier, 11)
 store = DiskStore(
-    sys.argv[1], digest(), capacity_bytes=64 * OBJECT, queue_depth=1, pack_bytes=0
+    sys.argv[1], digest(), capacity_bytes=64 * OBJECT, queue_depth=1, pack_bytes=0,
+    segment_bytes=0
 )
 engine = SyncOffloadingEngine(disk_handlers(store, tier))
 for i in range(8):

@@ -69,6 +69,7 @@ def engine_on(
 ) -> Iterator[tuple[DiskStore, SyncOffloadingEngine]]:
     args.setdefault("capacity_bytes", 64 * 2**20)
     args.setdefault("pack_bytes", PACK)
+    args.setdefault("segment_bytes", 0)
     with (
         DiskStore(path, digest(block), **args) as store,  # type: ignore[arg-type]
         SyncOffloadingEngine(disk_handlers(store, tier)) as engine,
@@ -169,7 +170,7 @@ def test_objects_of_pack_bytes_or_more_keep_one_file_each(tmp_path: Path) -> Non
 
 def test_bad_pack_bytes_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pack_bytes"):
-        DiskStore(tmp_path, digest(), capacity_bytes=2**20, pack_bytes=-1)
+        DiskStore(tmp_path, digest(), capacity_bytes=2**20, pack_bytes=-1, segment_bytes=0)
 
 
 # ------------------------------------------------------------------ restart
@@ -381,7 +382,9 @@ def pwritev(fd, bufs, offset):
 
 disk_mod._pwritev = pwritev
 tier = make_tier(8, seed=11)
-store = DiskStore(sys.argv[1], digest(), capacity_bytes=2**24, queue_depth=1, pack_bytes=PACK)
+store = DiskStore(
+    sys.argv[1], digest(), capacity_bytes=2**24, queue_depth=1, pack_bytes=PACK, segment_bytes=0
+)
 engine = SyncOffloadingEngine(disk_handlers(store, tier))
 spec = TransferSpec(cpu_blocks(range(8)), disk_blocks([key(i) for i in range(8)]))
 engine.wait([engine.submit(spec)])

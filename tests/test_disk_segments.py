@@ -193,23 +193,35 @@ def test_bad_segment_settings_are_config_errors(tmp_path: Path) -> None:
 
 def test_a_directory_is_read_only_in_the_layout_it_was_written_in(tmp_path: Path) -> None:
     tier = make_tier(4)
-    seg_dir, file_dir = tmp_path / "seg", tmp_path / "files"
-    seg_dir.mkdir()
-    file_dir.mkdir()
+    seg_dir, file_dir, new_dir = tmp_path / "seg", tmp_path / "files", tmp_path / "new"
+    for d in (seg_dir, file_dir, new_dir):
+        d.mkdir()
     with engine_on(seg_dir, tier) as (_disk, engine):
         assert store(engine, [0], [key(0)]).success  # type: ignore[attr-defined]
     config = json.loads((seg_dir / "config.json").read_text())
     assert config["store"] == {"format": "segments", "segment_bytes": SEG}
-    with pytest.raises(LayoutMismatchError, match="segments"):
-        DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG)
+    with pytest.raises(LayoutMismatchError, match="files and packs"):
+        DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=0)
     with pytest.raises(LayoutMismatchError, match="segment_bytes"):
         DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=2 * SEG)
-    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG):
+    with DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own layout
+        assert disk.segment_bytes == SEG and disk.contains([key(0)]) == 1
+    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=0):
         pass
+    assert "store" not in json.loads((file_dir / "config.json").read_text())
     with pytest.raises(LayoutMismatchError, match="files and packs"):
         DiskStore(file_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=SEG)
-    with DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=SEG) as disk:
-        assert disk.contains([key(0)]) == 1
+    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own layout
+        assert disk.segment_bytes == 0 and disk.pack_slots > 0
+    # a new directory, no segment_bytes: segments of a 16th of the cap
+    with DiskStore(new_dir, digest(), capacity_bytes=32 * SEG) as disk:
+        assert disk.segment_bytes == 2 * SEG and disk.pack_slots == 0
+    config = json.loads((new_dir / "config.json").read_text())
+    assert config["store"] == {"format": "segments", "segment_bytes": 2 * SEG}
+    config["store"] = {"format": "log"}
+    (new_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LayoutMismatchError, match="unknown store layout"):
+        DiskStore(new_dir, digest(), capacity_bytes=32 * SEG)
 
 
 # ------------------------------------------------------------------ restart

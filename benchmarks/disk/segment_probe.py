@@ -122,6 +122,19 @@ def fio(d: Path, total: int, bs: int, qd: int) -> float:
     return job["io_bytes"] / (job["runtime"] / 1000) / 1e9
 
 
+def _one(name: str, base: Path, total: int, bs: int, qd: int, seg: int) -> float:
+    """GB/s of one system (in ``base``: its second run reuses the first's files)."""
+    if name.startswith("fio"):
+        return fio(base / "fio", total, bs, qd)
+    if name == "new-files":
+        seconds = new_files(base / "files", total, bs, qd)
+    elif name == "seg-grow":
+        seconds = segments(base / "grow", total, bs, qd, seg, prealloc=False)
+    else:  # seg-append, then seg-over into the same files
+        seconds = segments(base / "seg", total, bs, qd, seg, prealloc=True)
+    return total / seconds / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", required=True)
@@ -141,22 +154,13 @@ def main() -> None:
         for r in range(a.rounds):
             base = root / f"{kib}k-r{r}"
             shutil.rmtree(base, ignore_errors=True)
-            runs: list[tuple[str, Callable[[], float]]] = [
-                ("new-files", lambda: total / new_files(base / "files", total, bs, qd) / 1e9),
-                ("seg-append", lambda: total / segments(base / "seg", total, bs, qd, seg, prealloc=True) / 1e9),
-                ("seg-over", lambda: total / segments(base / "seg", total, bs, qd, seg, prealloc=True) / 1e9),
-                ("seg-grow", lambda: total / segments(base / "grow", total, bs, qd, seg, prealloc=False) / 1e9),
-                ("fio-new", lambda: fio(base / "fio", total, bs, qd)),
-                ("fio-over", lambda: fio(base / "fio", total, bs, qd)),
-            ]  # fmt: skip
-            for name, fn in runs:
-                figs.setdefault(name, []).append(fn())
+            for name in ("new-files", "seg-append", "seg-over", "seg-grow", "fio-new", "fio-over"):
+                figs.setdefault(name, []).append(_one(name, base, total, bs, qd, seg))
             shutil.rmtree(base, ignore_errors=True)
         report[f"{kib}KiB"] = figs
         ref = statistics.median(figs["fio-over"])
-        print(
-            f"{kib} KiB requests, {a.mib} MiB, qd {qd}, median of {a.rounds} (GB/s, ratio to fio-over):"
-        )
+        print(f"{kib} KiB requests, {a.mib} MiB, qd {qd}, median of {a.rounds}", end="")
+        print(" (GB/s, ratio to fio-over):")
         for name, v in figs.items():
             med = statistics.median(v)
             runs_s = " ".join(f"{x:.2f}" for x in v)

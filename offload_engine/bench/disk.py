@@ -4,15 +4,23 @@ All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
 the same directory with the same queue depth, O_DIRECT where the filesystem
 takes it:
 
-* **engine**: a :class:`~offload_engine.stores.disk.DiskStore` with
-  ``queue_depth`` threads per direction, driven through the sync facade with
-  ``chunks_per_job`` chunks per job, ``jobs_in_flight`` jobs at once; chunks
-  under 1 MiB go into pack files (one request per pack);
+* **engine**: a :class:`~offload_engine.stores.disk.DiskStore` in its default
+  layout (segments) with ``queue_depth`` threads per direction, driven through
+  the sync facade with ``chunks_per_job`` chunks per job, ``jobs_in_flight``
+  jobs at once; segments sized an eighth of the bytes moved (at most 128 MiB),
+  preallocated on first use;
+* **engine-reuse**: a second pass of new keys into the same store, whose cap
+  holds one pass and one segment more: its records go mostly into segments
+  emptied by eviction (a full tier's steady state);
+* **engine-packs**: the file-and-pack layout (``segment_bytes=0``): one file per
+  chunk of >= 1 MiB, pack files of smaller chunks (one request per pack);
 * **engine-files** (chunks under 1 MiB only): the same with ``pack_bytes=0``,
   one file and one request per chunk, to show what packing changes;
 * **fio**: ``--ioengine=psync --direct=1 --bs=<chunk> --numjobs=<queue depth>``
   (each job one synchronous request at a time, as each engine thread), write
-  then read of the same bytes; for chunks under 1 MiB also **fio-1m**, the same
+  then read of the same bytes into new files, then **fio-over**: the same files
+  written a second time (blocks already allocated and written, what
+  ``engine-reuse`` is compared with); for chunks under 1 MiB also **fio-1m**, the same
   bytes in 1 MiB requests (what the drive gives to requests of the size packs make);
 * **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
   ``SecondaryTierManager`` API on a memoryview, ``queue_depth`` read and write
@@ -99,16 +107,17 @@ Layout = Literal["packs", "files", "segments"]
 def bench_engine(
     path: Path, plan: DiskBenchPlan, data: np.ndarray, *, layout: Layout = "packs"
 ) -> list[DiskFigure]:
-    """Write then read the plan's chunks. ``segments`` also runs a second pass
-    (``engine-seg-reuse``): new keys into a store whose cap holds one pass plus a
-    segment, so it writes into segments emptied by eviction (the steady state)."""
+    """Write then read the plan's chunks. ``segments`` (``engine``, the default
+    layout) also runs a second pass (``engine-reuse``): new keys into a store whose
+    cap holds one pass plus a segment, so it writes mostly into segments emptied by
+    eviction (a full tier's steady state)."""
     n, per = plan.chunks, plan.chunks_per_job
     tier = page_aligned_tier(n, plan.chunk_bytes)
     tier.memory.copy_(torch.from_numpy(data))
     digest = LayoutDigest(
         model="bench", dtype="uint8", block_size=16, chunk_blocks=1, page_bytes=plan.chunk_bytes
     )
-    name = {"packs": "engine", "files": "engine-files", "segments": "engine-seg"}[layout]
+    name = {"packs": "engine-packs", "files": "engine-files", "segments": "engine"}[layout]
     jobs = n // per
     out: list[DiskFigure] = []
     volume = n * (plan.chunk_bytes + 4096)
@@ -137,7 +146,7 @@ def bench_engine(
 
         passes = [(name, _keys(n, name))]
         if layout == "segments":
-            passes.append(("engine-seg-reuse", _keys(n, "engine-seg-reuse")))
+            passes.append(("engine-reuse", _keys(n, "engine-reuse")))
         for system, keys in passes:
             for direction in ("write", "read"):
                 if direction == "read":
@@ -283,8 +292,8 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
         0, 256, (plan.chunks, plan.chunk_bytes), dtype=np.uint8
     )
     runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
-        ("engine", lambda p: bench_engine(p, plan, data)),
-        ("engine-seg", lambda p: bench_engine(p, plan, data, layout="segments")),
+        ("engine", lambda p: bench_engine(p, plan, data, layout="segments")),
+        ("engine-packs", lambda p: bench_engine(p, plan, data, layout="packs")),
         ("fio", lambda p: bench_fio(p, plan, again=True)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
     ]
@@ -311,11 +320,9 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     by = {(f.system, f.direction): f for f in figures}
     ratios: dict[str, float] = {}
     pairs = [
-        ("engine", other) for other in ("fio", "fio-1m", "vllm-fs", "engine-files", "engine-seg")
+        ("engine", other) for other in ("fio", "fio-1m", "vllm-fs", "engine-packs", "engine-files")
     ] + [
-        ("engine-seg", "fio"), ("engine-seg", "fio-1m"), ("engine-seg", "vllm-fs"),
-        ("engine-seg-reuse", "fio-over"), ("engine-seg-reuse", "engine"),
-        ("engine-seg-reuse", "vllm-fs"),
+        ("engine-reuse", "fio-over"), ("engine-reuse", "vllm-fs"), ("engine-reuse", "engine-packs"),
     ]  # fmt: skip
     for d in ("write", "read"):
         for mine, other in pairs:

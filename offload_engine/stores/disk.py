@@ -377,7 +377,7 @@ class DiskStore:
         queue_depth: int = 4,
         policy: EvictionPolicy | None = None,
         pack_bytes: int | None = None,
-        segment_bytes: int = 0,
+        segment_bytes: int | None = None,
     ) -> None:
         if not isinstance(digest, LayoutDigest):
             raise ConfigError(f"DiskStore takes a LayoutDigest, got {type(digest).__name__}")
@@ -386,7 +386,8 @@ class DiskStore:
         if pack_bytes is None:
             pack_bytes = PACK_BYTES
         check_int(pack_bytes, "DiskStore pack_bytes", minimum=0)
-        check_int(segment_bytes, "DiskStore segment_bytes", minimum=0)
+        if segment_bytes is not None:
+            check_int(segment_bytes, "DiskStore segment_bytes", minimum=0)
         if fsync not in ("never", "data", "always"):
             raise ConfigError(f"DiskStore fsync must be never|data|always, got {fsync!r}")
         if direct not in (None, True, False):
@@ -406,15 +407,14 @@ class DiskStore:
         self.pack_slots = (
             min(slots, _pack.MAX_PACK_SLOTS) if self.payload_bytes < pack_bytes and slots > 1 else 0
         )
-        self.segment_bytes = segment_bytes
         self._segments: dict[int, _Segment] = {}
         self._free: list[_Segment] = []  # emptied segments, reused before new ones
         self._active: _Segment | None = None  # where new records go
         self._record_min = max(1, slots)  # a record holds >= pack_bytes ...
         self._record_max = 0  # ... and at most this many objects (what fits a segment)
-        if segment_bytes:
-            self.pack_slots = 0
-            self._record_max = self._fit_slots(segment_bytes, capacity_bytes)
+        if segment_bytes:  # a bad size fails before the directory is touched
+            self._fit_slots(segment_bytes, capacity_bytes)
+        self.segment_bytes = 0  # files and packs, or segments of this size: set by the config
         self._next_pack = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -432,7 +432,10 @@ class DiskStore:
         self._shards: set[Path] = set()
         self._lock_fd = self._open_directory()
         try:
-            self._check_config()
+            self._check_config(segment_bytes)
+            if self.segment_bytes:
+                self.pack_slots = 0
+                self._record_max = self._fit_slots(self.segment_bytes, capacity_bytes)
             probed = _probe_direct(self.path) if direct is not False else False
             if direct and not probed:
                 raise TierUnavailableError(f"O_DIRECT was required but does not work in {path}")
@@ -502,19 +505,28 @@ class DiskStore:
             ) from exc
         return fd
 
-    def _store_format(self) -> dict[str, object] | None:
+    @staticmethod
+    def _store_format(segment_bytes: int) -> dict[str, object] | None:
         """What ``config.json`` records beside the digest: ``None`` for files and packs."""
-        if not self.segment_bytes:
+        if not segment_bytes:
             return None
-        return {"format": "segments", "segment_bytes": self.segment_bytes}
+        return {"format": "segments", "segment_bytes": segment_bytes}
 
-    def _check_config(self) -> None:
+    def _default_segment_bytes(self) -> int:
+        """A new directory's segment size: a 16th of the cap, at most
+        :data:`SEGMENT_BYTES`, at least what one object needs."""
+        smallest = PAGE + _pack.max_header_bytes(1, PAGE) + self._slot_bytes
+        return max(min(SEGMENT_BYTES, self.capacity_bytes // 16 // PAGE * PAGE), smallest)
+
+    def _check_config(self, segment_bytes: int | None) -> None:
+        """Check (or write) ``config.json`` and set ``self.segment_bytes``: the
+        directory's layout when ``segment_bytes`` is ``None``, else that one (a
+        directory written in another layout is refused)."""
         config = self.path / "config.json"
         try:
             text = config.read_text()
         except FileNotFoundError:
             text = None
-        want = self._store_format()
         if text is not None:
             try:
                 data = json.loads(text)
@@ -525,6 +537,17 @@ class DiskStore:
                 raise LayoutMismatchError(f"{config} is not a disk tier config: {exc}") from exc
             self.digest.check_same(found, where=f"disk tier directory {self.path}")
             have = data.get("store")
+            if have is not None and (
+                not isinstance(have, dict) or have.get("format") != "segments"
+            ):
+                raise LayoutMismatchError(f"{config} names an unknown store layout: {have!r}")
+            if segment_bytes is None:
+                try:
+                    self.segment_bytes = int(have["segment_bytes"]) if have is not None else 0
+                except (TypeError, KeyError, ValueError) as exc:
+                    raise LayoutMismatchError(f"{config} names no store layout: {exc}") from exc
+                return
+            want = self._store_format(segment_bytes)
             if have != want:
 
                 def name(f: object) -> str:
@@ -534,8 +557,15 @@ class DiskStore:
                     f"disk tier directory {self.path} was written in the {name(have)} "
                     f"layout; this store was opened for {name(want)}"
                 )
+            self.segment_bytes = segment_bytes
             return
+        if segment_bytes is None:  # a new directory: segments
+            segment_bytes = self._default_segment_bytes()
+        if segment_bytes:
+            self._fit_slots(segment_bytes, self.capacity_bytes)
+        self.segment_bytes = segment_bytes
         layout = {"layout": json.loads(self.digest.to_json())}
+        want = self._store_format(segment_bytes)
         if want is not None:
             layout["store"] = want
         body = json.dumps(layout, indent=2, sort_keys=True)
