@@ -1,17 +1,35 @@
-"""The local-disk store behind the ``CPU <-> DISK`` handlers: a file per object, or
-a pack file per few small objects.
+"""The local-disk store behind the ``CPU <-> DISK`` handlers: records appended to
+preallocated segment files (the layout of a new directory), or, in a directory
+written before segments, a file per object or a pack file per few small objects.
 
 Directory layout (``path`` must exist and be writable)::
 
-    path/config.json           the LayoutDigest the directory was created under
+    path/config.json           the LayoutDigest, and "store" for the segment layout
     path/lock                  flock-ed by the one DiskStore that owns the directory
+    path/segments/<n>.seg      head page || record || record ... (segment layout)
     path/objects/ab/cd/<key hex>.kv       payload || trailer (padded to 4096 bytes)
     path/objects/ab/cd/<key hex>.kv.tmp   an object being written
     path/packs/ef/<pack number>.pk        header || slot || slot ... (objects < pack_bytes)
     path/packs/ef/<pack number>.pk.tmp    a pack being written
 
-``ab/cd`` are the first four hex digits of the key's xxh64, so directories stay
-small whatever the keys look like; ``ef`` is the pack number mod 256.
+A directory is opened only in the layout it was written in (``segment_bytes``:
+``None`` follows the directory, segments for a new one; 0 or N asks for one, and
+another layout is a :class:`LayoutMismatchError`).
+
+**Segments.** A segment file of ``segment_bytes`` is preallocated at its first
+use and reused, never re-created. Page 0 is its head (its generation, random at
+each use); records follow back to back, each a pack's ``header || slots`` whose
+header also carries the generation. A record's slots are written first and its
+header after them, so a killed writer leaves nothing a restart indexes. A
+restart walks each segment's record headers from page 1 and stops at the first
+that is not whole or not of the head's generation (stale records of an earlier
+use never come back); segments holding records are closed to appends, empty ones
+are free. ``used`` is the segments' bytes; eviction empties a whole idle
+segment, which is then reused under a new generation.
+
+**Files and packs.** ``ab/cd`` are the first four hex digits of the key's xxh64,
+so directories stay small whatever the keys look like; ``ef`` is the pack number
+mod 256.
 
 **Packs.** Objects smaller than ``pack_bytes`` (1 MiB by default) are written
 ``pack_slots`` at a time (enough for ``pack_bytes``) into one pack file with one
@@ -24,18 +42,22 @@ in job order, ``pack_slots`` each (the last may be smaller). Pack numbers
 are never reused; a restart indexes a pack from its header (one read) and, if a
 key is in two packs, keeps the newer one.
 
-**Publishing.** A writer fills ``<name>.tmp`` and renames it over ``<name>``
+**Publishing (files and packs).** A writer fills ``<name>.tmp`` and renames it over ``<name>``
 (``os.replace``, atomic), so a reader sees a whole object or none. The fsync
 policy (``fsync=``): ``"never"`` (default) leaves flushing to the kernel. A
 killed *process* loses nothing the rename published; after a *power loss* a
 published file may be torn, and then its checksum fails and it is a miss.
 ``"data"`` fdatasyncs each file before the rename (durable objects),
-``"always"`` also fsyncs the directory after it (durable names).
+``"always"`` also fsyncs the directory after it (durable names). With
+segments, ``"data"`` fdatasyncs after the head, the slots and the header (a
+header is durable only after its slots), ``"always"`` also fsyncs ``segments/``
+after creating a segment file.
 
 **Verifying.** A load reads payload and trailer in one ``preadv`` straight into
 the host slot, then checks the trailer's key, length, version and xxh3-64. A
-missing, truncated, corrupted or foreign file is a *miss*: counted, reported in
-:class:`~offload_engine.KeyMissError`, its slot zeroed, and the file dropped.
+missing, truncated, corrupted or foreign object is a *miss*: counted, reported in
+:class:`~offload_engine.KeyMissError`, its slot zeroed, and it is dropped (its
+file deleted; in a pack or segment, its index entry).
 
 **I/O.** ``os.preadv``/``os.pwritev`` (they release the GIL) on two thread pools
 of ``queue_depth`` threads each, one for loads and one for stores. A job's
@@ -44,7 +66,7 @@ Loads have priority: a store thread waits between objects while any load is in
 flight. With O_DIRECT (probed per directory, needs page-aligned host memory and
 page-multiple objects; otherwise buffered I/O, logged) the page cache is bypassed.
 
-**Capacity.** ``capacity_bytes`` caps the bytes of published and in-progress
+**Capacity (files and packs).** ``capacity_bytes`` caps the bytes of published and in-progress
 files (payload and trailer, pack headers). A store evicts the policy's victims
 (LRU by default) until the object (or pack) fits; objects being read or written
 are never evicted; if it still cannot fit, that object (or pack) fails with
