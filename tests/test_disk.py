@@ -563,29 +563,34 @@ for i in range(8):
 """
 
 
-def test_a_writer_killed_mid_write_leaves_no_half_file_in_the_index(
-    tmp_path: Path, tier: HostTier
-) -> None:
+@contextlib.contextmanager
+def killed_mid_write(script: str, *argv: str) -> Iterator[None]:
+    """Run ``script`` in a fresh interpreter until it prints ``MID-WRITE`` (it then
+    waits), run the body, then SIGKILL it."""
     root = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=root,
+        [sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, env=env, cwd=root
     )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == b"MID-WRITE\n"
-        assert len(list(tmp_path.rglob("*.kv.tmp"))) == 1  # the half file is there
+        yield
     finally:
         proc.kill()
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_a_writer_killed_mid_write_leaves_no_half_file_in_the_index(
+    tmp_path: Path, tier: HostTier
+) -> None:
+    with killed_mid_write(_WRITER, str(tmp_path)):
+        assert len(list(tmp_path.rglob("*.kv.tmp"))) == 1  # the half file is there
     fill_random(tier, 11)  # the writer's data
     keys = [key(i) for i in range(3)]
     with disk_engine(tmp_path, tier) as (store, engine):

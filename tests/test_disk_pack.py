@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +28,7 @@ from offload_engine.stores import _pack
 from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
+from tests.test_disk import killed_mid_write
 
 BLOCK = 64 * 1024  # 64 KiB objects
 PACK = 256 * 1024  # packs of >= 256 KiB keep the tests small
@@ -392,23 +390,8 @@ engine.wait([engine.submit(spec)])
 
 
 def test_a_writer_killed_mid_pack_leaves_no_half_pack_in_the_index(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env, cwd=root
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"MID-WRITE\n"
+    with killed_mid_write(_WRITER, str(tmp_path)):
         assert len(list(tmp_path.rglob("*.pk.tmp"))) == 1
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
     tier = make_tier(16, seed=11)  # the writer's data in blocks 0..7
     with engine_on(tmp_path, tier) as (disk, engine):
         stats = disk.stats()

@@ -9,19 +9,15 @@ import contextlib
 import errno
 import json
 import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from offload_engine import (
     ConfigError,
     KeyMissError,
-    LayoutDigest,
     LayoutMismatchError,
     SyncOffloadingEngine,
     TierFullError,
@@ -30,25 +26,15 @@ from offload_engine import (
     cpu_blocks,
     disk_blocks,
 )
-from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
+from offload_engine.handlers.disk import disk_handlers
 from offload_engine.stores import _pack
 from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
+from tests.test_disk import killed_mid_write
+from tests.test_disk_pack import BLOCK, SLOT, data, digest, key, load, make_tier, store
 
-BLOCK = 64 * 1024  # 64 KiB objects
-SLOT = BLOCK + PAGE
 SEG = 2**20  # 1 MiB segments: page 0 is the head, 1020 KiB for records
-
-
-def digest(block: int = BLOCK) -> LayoutDigest:
-    return LayoutDigest(
-        model="test-model", dtype="bfloat16", block_size=16, chunk_blocks=1, page_bytes=block
-    )
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
 
 
 def keys(a: int, b: int) -> list[bytes]:
@@ -58,17 +44,6 @@ def keys(a: int, b: int) -> list[bytes]:
 def record(n: int) -> int:
     """Bytes of a record of ``n`` objects (a one-page header: short keys)."""
     return PAGE + n * SLOT
-
-
-def make_tier(blocks: int = 32, block: int = BLOCK, seed: int = 0) -> HostTier:
-    t = page_aligned_tier(blocks, block)
-    g = torch.Generator().manual_seed(seed)
-    t.memory.copy_(torch.randint(0, 256, t.memory.shape, dtype=torch.uint8, generator=g))
-    return t
-
-
-def data(tier: HostTier, b: int) -> bytes:
-    return tier.memory[b].numpy().tobytes()
 
 
 @contextlib.contextmanager
@@ -84,19 +59,6 @@ def engine_on(
         SyncOffloadingEngine(disk_handlers(store, tier)) as engine,
     ):
         yield store, engine
-
-
-def run(engine: SyncOffloadingEngine, spec: TransferSpec) -> object:
-    [result] = engine.wait([engine.submit(spec)], timeout=60)
-    return result
-
-
-def store(engine: SyncOffloadingEngine, ids: list[int], ks: list[bytes]) -> object:
-    return run(engine, TransferSpec(cpu_blocks(ids), disk_blocks(ks)))
-
-
-def load(engine: SyncOffloadingEngine, ks: list[bytes], ids: list[int]) -> object:
-    return run(engine, TransferSpec(disk_blocks(ks), cpu_blocks(ids)))
 
 
 def segments(path: Path) -> list[Path]:
@@ -439,7 +401,7 @@ from offload_engine.handlers.disk import disk_handlers
 from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import DiskStore
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
-from tests.test_disk_segments import BLOCK, PAGE, SEG, digest, keys, make_tier
+from tests.test_disk_segments import BLOCK, SEG, digest, keys, make_tier
 
 real = disk_mod._pwritev
 count = [0]
@@ -472,25 +434,8 @@ engine.wait([engine.submit(TransferSpec(cpu_blocks(range(4, 8)), disk_blocks(key
 def test_a_writer_killed_mid_record_leaves_nothing_of_it_in_the_index(
     tmp_path: Path, where: str
 ) -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path), where],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=root,
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"MID-WRITE\n"
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with killed_mid_write(_WRITER, str(tmp_path), where):
+        pass
     [seg0] = segments(tmp_path)
     # the second record's header page was never written (preallocated: zeros)
     with pytest.raises(TrailerError, match="magic"):

@@ -38,13 +38,26 @@ from pathlib import Path
 O_DIRECT = os.O_DIRECT
 
 
-def _threads(qd: int, work: Callable[[int, mmap.mmap], None], bs: int) -> float:
+def _threads(qd: int, n: int, write: Callable[[int, mmap.mmap], None], bs: int) -> float:
+    """Seconds for ``qd`` threads to run ``write(k, buffer)`` for k in 0..n-1, each
+    taking the next k (one request in flight per thread), each its own random buffer."""
     bufs = []
     for _ in range(qd):
         b = mmap.mmap(-1, bs)
         b.write(os.urandom(bs))
         bufs.append(b)
-    ts = [threading.Thread(target=work, args=(i, bufs[i])) for i in range(qd)]
+    counter = iter(range(n))
+    lock = threading.Lock()
+
+    def work(buf: mmap.mmap) -> None:
+        while True:
+            with lock:
+                k = next(counter, None)
+            if k is None:
+                return
+            write(k, buf)
+
+    ts = [threading.Thread(target=work, args=(bufs[i],)) for i in range(qd)]
     t0 = time.perf_counter()
     for t in ts:
         t.start()
@@ -58,26 +71,16 @@ def _threads(qd: int, work: Callable[[int, mmap.mmap], None], bs: int) -> float:
 
 def new_files(d: Path, total: int, bs: int, qd: int) -> float:
     d.mkdir(parents=True, exist_ok=True)
-    n = total // bs
-    counter = iter(range(n))
-    lock = threading.Lock()
 
-    def work(_i: int, buf: mmap.mmap) -> None:
-        while True:
-            with lock:
-                k = next(counter, None)
-            if k is None:
-                return
-            final = d / f"{k:08x}.kv"
-            tmp = d / f"{k:08x}.kv.tmp"
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | O_DIRECT, 0o644
-            )
-            os.pwritev(fd, [buf], 0)
-            os.close(fd)
-            os.replace(tmp, final)
+    def write(k: int, buf: mmap.mmap) -> None:
+        final = d / f"{k:08x}.kv"
+        tmp = d / f"{k:08x}.kv.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | O_DIRECT, 0o644)
+        os.pwritev(fd, [buf], 0)
+        os.close(fd)
+        os.replace(tmp, final)
 
-    return _threads(qd, work, bs)
+    return _threads(qd, total // bs, write, bs)
 
 
 def segments(d: Path, total: int, bs: int, qd: int, seg: int, *, prealloc: bool) -> float:
@@ -90,21 +93,13 @@ def segments(d: Path, total: int, bs: int, qd: int, seg: int, *, prealloc: bool)
         if prealloc and os.fstat(fd).st_size < seg:
             os.posix_fallocate(fd, 0, seg)
         fds.append(fd)
-    n = total // bs
     per_seg = seg // bs
-    counter = iter(range(n))
-    lock = threading.Lock()
 
-    def work(_i: int, buf: mmap.mmap) -> None:
-        while True:
-            with lock:
-                k = next(counter, None)
-            if k is None:
-                return
-            os.pwritev(fds[k // per_seg], [buf], (k % per_seg) * bs)
+    def write(k: int, buf: mmap.mmap) -> None:
+        os.pwritev(fds[k // per_seg], [buf], (k % per_seg) * bs)
 
     try:
-        return _threads(qd, work, bs)
+        return _threads(qd, total // bs, write, bs)
     finally:
         for fd in fds:
             os.close(fd)

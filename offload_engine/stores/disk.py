@@ -728,11 +728,7 @@ class DiskStore:
             at = PAGE
             while at + PAGE <= sb:
                 try:
-                    raw = os.pread(fd, PAGE, at)
-                    need = _pack.PackHeader.needed(raw)
-                    if need > len(raw):
-                        raw = os.pread(fd, need, at)
-                    header = _pack.PackHeader.decode(raw)
+                    header = _read_header(fd, at)
                 except (OSError, TrailerError):
                     break
                 size = header.file_bytes(PAGE)
@@ -757,12 +753,7 @@ class DiskStore:
 
     @staticmethod
     def _segment_number(name: str) -> int | None:
-        if not name.endswith(".seg"):
-            return None
-        try:
-            return int(name[:-4], 16)
-        except ValueError:
-            return None
+        return _hex_stem(name, ".seg")
 
     def _segment_file(self, number: int) -> Path:
         return self.path / "segments" / f"{number:08x}.seg"
@@ -774,13 +765,9 @@ class DiskStore:
             fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 size = os.fstat(fd).st_size
-                head = os.pread(fd, PAGE, 0)
-                need = _pack.PackHeader.needed(head)
-                if need > len(head):
-                    head = os.pread(fd, need, 0)
+                header = _read_header(fd, 0)
             finally:
                 os.close(fd)
-            header = _pack.PackHeader.decode(head)
         except (OSError, TrailerError):
             return None
         if header.slot_bytes != self._slot_bytes or size != header.file_bytes(PAGE):
@@ -789,12 +776,7 @@ class DiskStore:
 
     @staticmethod
     def _pack_seq(name: str) -> int | None:
-        if not name.endswith(".pk"):
-            return None
-        try:
-            return int(name[:-3], 16)
-        except ValueError:
-            return None
+        return _hex_stem(name, ".pk")
 
     def _pack_file(self, seq: int) -> Path:
         return self.path / "packs" / f"{seq % 256:02x}" / f"{seq:012x}.pk"
@@ -1594,6 +1576,25 @@ class DiskStore:
             f"<DiskStore {self.path} {state} objects={n} used={used}/{self.capacity_bytes} "
             f"direct={self.direct} queue_depth={self.queue_depth}>"
         )
+
+
+def _hex_stem(name: str, suffix: str) -> int | None:
+    """The number a ``<hex><suffix>`` file name carries, or ``None``."""
+    if not name.endswith(suffix):
+        return None
+    try:
+        return int(name[: -len(suffix)], 16)
+    except ValueError:
+        return None
+
+
+def _read_header(fd: int, at: int) -> _pack.PackHeader:
+    """The pack or record header at ``at``: one ``pread``, two if it is longer than a page."""
+    raw = os.pread(fd, PAGE, at)
+    need = _pack.PackHeader.needed(raw)
+    if need > len(raw):
+        raw = os.pread(fd, need, at)
+    return _pack.PackHeader.decode(raw)
 
 
 def _split(items: list[_T], parts: int) -> list[list[_T]]:
