@@ -224,26 +224,39 @@ def test_packs_are_read_after_packing_is_turned_off(
 # ------------------------------------------------------------------ verification
 
 
+def load_with_one_flipped_byte(
+    disk: DiskStore, engine: SyncOffloadingEngine, tier: HostTier, keys: list[bytes], bad: int
+) -> Path:
+    """Flip a byte of stored ``keys[bad]``'s payload, load ``keys`` (stored from host
+    blocks 0.. ) into blocks 8..: only that key misses, its block zeroed, the others
+    whole. Returns the file that held it."""
+    where = disk.location(keys[bad])
+    assert where is not None
+    file, offset, _length = where
+    with open(file, "r+b") as f:
+        f.seek(offset + 1000)
+        byte = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dest = [8 + i for i in range(len(keys))]
+    tier.memory[dest[0] : dest[-1] + 1].fill_(7)
+    r = load(engine, keys, dest)
+    err = r.error  # type: ignore[attr-defined]
+    assert isinstance(err, KeyMissError)
+    assert err.missing == (keys[bad],)
+    assert err.loaded == tuple(k for i, k in enumerate(keys) if i != bad)
+    assert data(tier, dest[bad]) == bytes(BLOCK)  # zeroed, never the corrupted bytes
+    good = [i for i in range(len(keys)) if i != bad]
+    assert [data(tier, dest[i]) for i in good] == [data(tier, i) for i in good]
+    return file
+
+
 def test_a_corrupted_object_inside_a_pack_is_a_miss_for_it_alone(tmp_path: Path) -> None:
     tier = make_tier()
     keys = [key(i) for i in range(4)]
     with engine_on(tmp_path, tier) as (disk, engine):
         assert store(engine, [0, 1, 2, 3], keys).success  # type: ignore[attr-defined]
-        where = disk.location(keys[1])
-        assert where is not None
-        file, offset, _length = where
-        with open(file, "r+b") as f:
-            f.seek(offset + 1000)
-            byte = f.read(1)
-            f.seek(offset + 1000)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        tier.memory[8:12].fill_(7)
-        r = load(engine, keys, [8, 9, 10, 11])
-        err = r.error  # type: ignore[attr-defined]
-        assert isinstance(err, KeyMissError)
-        assert err.missing == (keys[1],) and err.loaded == (keys[0], keys[2], keys[3])
-        assert data(tier, 9) == bytes(BLOCK)  # zeroed, never the corrupted bytes
-        assert [data(tier, b) for b in (8, 10, 11)] == [data(tier, b) for b in (0, 2, 3)]
+        file = load_with_one_flipped_byte(disk, engine, tier, keys, 1)
         stats = disk.stats()
         assert (stats.corrupt, stats.objects, stats.hits) == (1, 3, 3)
         assert disk.contains([keys[1]]) == 0 and file.exists()  # the others still live there

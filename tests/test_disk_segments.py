@@ -17,7 +17,6 @@ import pytest
 
 from offload_engine import (
     ConfigError,
-    KeyMissError,
     LayoutMismatchError,
     SyncOffloadingEngine,
     TierFullError,
@@ -32,7 +31,17 @@ from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
 from tests.test_disk import killed_mid_write
-from tests.test_disk_pack import BLOCK, SLOT, data, digest, key, load, make_tier, store
+from tests.test_disk_pack import (
+    BLOCK,
+    SLOT,
+    data,
+    digest,
+    key,
+    load,
+    load_with_one_flipped_byte,
+    make_tier,
+    store,
+)
 
 SEG = 2**20  # 1 MiB segments: page 0 is the head, 1020 KiB for records
 
@@ -218,21 +227,7 @@ def test_a_corrupted_object_inside_a_segment_is_a_miss_for_it_alone(tmp_path: Pa
     ks = keys(0, 4)
     with engine_on(tmp_path, tier) as (disk, engine):
         assert store(engine, [0, 1, 2, 3], ks).success  # type: ignore[attr-defined]
-        where = disk.location(ks[2])
-        assert where is not None
-        file, offset, _length = where
-        with open(file, "r+b") as f:
-            f.seek(offset + 777)
-            byte = f.read(1)
-            f.seek(offset + 777)
-            f.write(bytes([byte[0] ^ 0x5A]))
-        tier.memory[8:12].fill_(9)
-        r = load(engine, ks, [8, 9, 10, 11])
-        err = r.error  # type: ignore[attr-defined]
-        assert isinstance(err, KeyMissError)
-        assert err.missing == (ks[2],) and err.loaded == (ks[0], ks[1], ks[3])
-        assert data(tier, 10) == bytes(BLOCK)  # zeroed, never the corrupted bytes
-        assert [data(tier, b) for b in (8, 9, 11)] == [data(tier, b) for b in (0, 1, 3)]
+        load_with_one_flipped_byte(disk, engine, tier, ks, 2)
         stats = disk.stats()
         assert (stats.corrupt, stats.objects, stats.used_bytes) == (1, 3, SEG)
         # stored again, in a later record: it wins after a restart too

@@ -898,17 +898,22 @@ class DiskStore:
                 continue
             if pack.pins or pack.writing:
                 continue
-            for k in pack.keys:
-                e = index.get(k)
-                if e is not None and e.pack is pack:
-                    del index[k]
-                    self.policy.removed(k)
-                    self._counts["evictions"] += 1
-            pack.live = 0
+            self._evict_pack_locked(pack)
             self._used -= pack.size
             need -= pack.size
             gone.append(pack)
         return gone
+
+    def _evict_pack_locked(self, pack: _Pack) -> None:
+        """Drop every object of ``pack`` (a pack file or a segment record) still indexed."""
+        index = self._index
+        for k in pack.keys:
+            e = index.get(k)
+            if e is not None and e.pack is pack:
+                del index[k]
+                self.policy.removed(k)
+                self._counts["evictions"] += 1
+        pack.live = 0
 
     def _unlink(self, items: Iterable[bytes | _Pack]) -> None:
         """Delete dropped objects' files and dropped packs.
@@ -957,13 +962,7 @@ class DiskStore:
             ):
                 continue
             for record in seg.records:
-                for k in record.keys:
-                    e = index.get(k)
-                    if e is not None and e.pack is record:
-                        del index[k]
-                        self.policy.removed(k)
-                        self._counts["evictions"] += 1
-                record.live = 0
+                self._evict_pack_locked(record)
             seg.live = 0
             seg.generation = 0
             seg.records = []
@@ -1048,17 +1047,7 @@ class DiskStore:
             head = mem[:PAGE]
             views.append(head)
             self._prepare_segment(seg, generation, fd, head)
-            bufs: list[memoryview] = []
-            at, tb = hsize, self._tail_bytes
-            for key, payload in zip(pack.keys, payloads, strict=True):
-                trailer = Trailer.for_payload(key, payload).encode(PAGE)
-                tail = mem[at : at + tb]
-                views.append(tail)
-                tail[: len(trailer)] = trailer
-                if tb > len(trailer):
-                    tail[len(trailer) :] = bytes(tb - len(trailer))
-                bufs += [payload, tail]
-                at += tb
+            bufs = self._slots(pack.keys, payloads, mem, hsize, views)
             _write_all(fd, bufs, pack.size - hsize, pack.first)
             if self.fsync != "never":
                 os.fdatasync(fd)
@@ -1284,6 +1273,30 @@ class DiskStore:
         finally:
             tail.release()
 
+    def _slots(
+        self,
+        keys: list[bytes],
+        payloads: list[memoryview],
+        mem: memoryview,
+        at: int,
+        views: list[memoryview],
+    ) -> list[memoryview]:
+        """``payload, trailer, payload, trailer ...`` for one write of consecutive slots,
+        the (page-padded) trailers built in ``mem`` from ``at`` (their views added
+        to ``views``, to release)."""
+        bufs: list[memoryview] = []
+        tb = self._tail_bytes
+        for key, payload in zip(keys, payloads, strict=True):
+            trailer = Trailer.for_payload(key, payload).encode(PAGE)
+            tail = mem[at : at + tb]
+            views.append(tail)
+            tail[: len(trailer)] = trailer
+            if tb > len(trailer):
+                tail[len(trailer) :] = bytes(tb - len(trailer))
+            bufs += [payload, tail]
+            at += tb
+        return bufs
+
     def _write_pack(
         self, pack: _Pack, payloads: list[memoryview], direct: bool, scratch: mmap.mmap
     ) -> None:
@@ -1292,18 +1305,8 @@ class DiskStore:
         mem = memoryview(scratch)
         views = [mem[: len(header)]]
         views[0][:] = header
-        bufs: list[memoryview] = [views[0]]
-        at, tb = len(header), self._tail_bytes
         try:
-            for key, payload in zip(pack.keys, payloads, strict=True):
-                trailer = Trailer.for_payload(key, payload).encode(PAGE)
-                tail = mem[at : at + tb]
-                views.append(tail)
-                tail[: len(trailer)] = trailer
-                if tb > len(trailer):
-                    tail[len(trailer) :] = bytes(tb - len(trailer))
-                bufs += [payload, tail]
-                at += tb
+            bufs = [views[0], *self._slots(pack.keys, payloads, mem, len(header), views)]
             self._publish(pack.path, bufs, direct)
         finally:
             for v in views:
