@@ -120,6 +120,30 @@ def test_round_trips_bit_exact_at_chunk_sizes(tmp_path: Path, mib: float) -> Non
         assert [data(tier, 4 + i) for i in range(4)] == [data(tier, 3 - i) for i in range(4)]
 
 
+@pytest.mark.parametrize(("fsync", "direct"), [("data", None), ("always", None), ("never", False)])
+def test_fsync_policies_and_buffered_io_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str, direct: bool | None
+) -> None:
+    tier = make_tier()
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with engine_on(tmp_path, tier, fsync=fsync, direct=direct) as (disk, engine):
+        assert disk.direct is (direct is None)
+        assert store(engine, list(range(4)), keys(0, 4)).success  # type: ignore[attr-defined]
+        # data and always: after the head, after the record's slots, after its header
+        assert len(synced) == (0 if fsync == "never" else 3)
+    tier.memory[8:12].zero_()
+    with engine_on(tmp_path, tier, fsync=fsync, direct=direct) as (disk, engine):
+        assert load(engine, keys(0, 4), [8, 9, 10, 11]).success  # type: ignore[attr-defined]
+        assert all(data(tier, 8 + i) == data(tier, i) for i in range(4))
+
+
 def test_a_record_is_slots_then_its_header_and_a_run_is_one_read(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
