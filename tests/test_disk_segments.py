@@ -30,7 +30,7 @@ from offload_engine.stores import _pack
 from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
-from tests.test_disk import killed_mid_write
+from tests.test_disk import _mounted, killed_mid_write
 from tests.test_disk_pack import (
     BLOCK,
     SLOT,
@@ -349,6 +349,29 @@ def test_a_segment_with_an_object_being_read_is_not_recycled(
 
 
 # ------------------------------------------------------------------ disk full
+
+
+def test_disk_full_on_a_small_tmpfs(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    tier = make_tier(48)
+    with _mounted(small, f"size={SEG * 5 // 2}") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs is refused here; the injected ENOSPC tests cover it")
+        with engine_on(small, tier) as (disk, engine):
+            for j in range(2):  # a record of 12 objects fills a segment
+                r = store(engine, list(range(j * 12, j * 12 + 12)), keys(j * 12, j * 12 + 12))
+                assert r.success  # type: ignore[attr-defined]
+            # the third segment cannot be preallocated: its record fails, nothing else
+            r = store(engine, list(range(24, 36)), keys(24, 36))
+            assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
+            assert disk.contains(keys(0, 36)) == 24 and disk.stats().store_failures == 12
+            tier.memory[36:48].zero_()
+            assert load(engine, keys(6, 18), list(range(36, 48))).success  # type: ignore[attr-defined]
+            assert all(data(tier, 36 + i) == data(tier, 6 + i) for i in range(12))
+        with engine_on(small, tier) as (disk, _engine):
+            assert disk.stats().recovered == 24
+            assert disk.stats().used_bytes == 2 * SEG == on_disk(small)
 
 
 def test_enospc_preallocating_a_segment_fails_its_records_only(
