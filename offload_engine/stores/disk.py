@@ -125,8 +125,9 @@ PACK_BYTES = 2**20
 least this many bytes (``DiskStore(pack_bytes=)``; 0 writes one file per object)."""
 
 SEGMENT_BYTES = 128 * 2**20
-"""A reasonable ``DiskStore(segment_bytes=)`` for a large tier (the default, 0,
-keeps the file-and-pack layout)."""
+"""The largest segment a new directory gets by default (``segment_bytes=None``:
+a 16th of ``capacity_bytes``, at most this), and a reasonable explicit size for a
+large tier."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 FsyncPolicy = Literal["never", "data", "always"]
@@ -371,21 +372,24 @@ def _probe_direct(path: Path) -> bool:
 
 
 class DiskStore:
-    """Objects of ``digest.page_bytes`` payload bytes under ``path``: one file each,
-    or, when smaller than ``pack_bytes`` (``None``: :data:`PACK_BYTES`, 1 MiB; 0:
-    never), several to a pack file written with one request of >= ``pack_bytes``.
+    """Objects of ``digest.page_bytes`` payload bytes under ``path``.
+
+    ``segment_bytes`` picks the layout. ``None`` (default): the directory's own,
+    and for a new directory segments of a 16th of ``capacity_bytes`` (at most
+    :data:`SEGMENT_BYTES`). ``N`` > 0: segments of ``N`` bytes (a multiple of
+    4096): every object goes into a record appended to a preallocated segment
+    file, each record at least ``pack_bytes`` and, for a job of many objects, one
+    per I/O thread; segments are evicted and reused whole. ``0``: one file per
+    object or, when smaller than ``pack_bytes`` (``None``: :data:`PACK_BYTES`,
+    1 MiB; 0: never), several to a pack file written with one request of >=
+    ``pack_bytes``. A directory written in another layout raises
+    :class:`LayoutMismatchError`.
 
     ``direct``: ``None`` probes O_DIRECT, ``False`` forces buffered I/O, ``True``
     requires O_DIRECT (:class:`TierUnavailableError` if the probe fails).
     ``queue_depth`` is the number of I/O threads per direction (requests in
     flight at once). Close it (``close()`` or ``with``) after the engine that
     uses it.
-
-    ``segment_bytes`` > 0 selects the segment layout instead: every object goes
-    into records appended to preallocated segment files of that many bytes
-    (a multiple of 4096; :data:`SEGMENT_BYTES` is a reasonable size), each
-    record at least ``pack_bytes`` and, for a job of many objects, one per I/O
-    thread; segments are evicted and reused whole.
     """
 
     def __init__(
