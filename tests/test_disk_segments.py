@@ -17,6 +17,7 @@ import pytest
 
 from offload_engine import (
     ConfigError,
+    KeyMissError,
     LayoutMismatchError,
     SyncOffloadingEngine,
     TierFullError,
@@ -319,6 +320,58 @@ def test_capacity_is_whole_segments_exact_across_restart(tmp_path: Path) -> None
         # a smaller cap: whole segments went, their files with them
         assert disk.stats().used_bytes == SEG == on_disk(tmp_path)
         assert len(segments(tmp_path)) == 1
+
+
+def test_recycling_under_concurrent_stores_and_loads_never_serves_wrong_bytes(
+    tmp_path: Path,
+) -> None:
+    """Four threads store and load more than the cap holds, so segments are emptied
+    and reused while loads run: every load gets each key's own bytes or a miss
+    (its block zeroed), never another key's or an earlier use's."""
+    tier = make_tier(64, seed=5)
+    originals = {b: data(tier, b) for b in range(32)}
+    errors: list[BaseException] = []
+    with engine_on(tmp_path, tier, capacity_bytes=3 * SEG, queue_depth=2) as (disk, engine):
+
+        def worker(t: int) -> None:
+            try:
+                for rnd in range(6):
+                    ids = list(range(t * 8, t * 8 + 8))  # blocks 0..31 hold the originals
+                    ks = keys(1000 * rnd + 100 * t, 1000 * rnd + 100 * t + 8)
+                    r = store(engine, ids, ks)
+                    assert r.success or isinstance(r.error, TierFullError), r  # type: ignore[attr-defined]
+                    dest = [32 + t * 8 + i for i in range(8)]
+                    r = load(engine, ks, dest)
+                    err = r.error  # type: ignore[attr-defined]
+                    missing = set(err.missing) if isinstance(err, KeyMissError) else set()
+                    assert r.success or missing, r  # type: ignore[attr-defined]
+                    for k, b, d in zip(ks, ids, dest, strict=True):
+                        want = bytes(BLOCK) if k in missing else originals[b]
+                        assert data(tier, d) == want
+            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors, errors
+        stats = disk.stats()
+        assert stats.evictions > 0 and stats.corrupt == 0
+        assert stats.used_bytes == 3 * SEG == on_disk(tmp_path)
+        stored = [
+            keys(1000 * r + 100 * t, 1000 * r + 100 * t + 8) for t in range(4) for r in range(6)
+        ]
+        live = [k for ks in stored for k in ks if disk.contains([k])]
+    # after a restart: the same keys, each with its own bytes
+    tier.memory[32:].zero_()
+    with engine_on(tmp_path, tier, capacity_bytes=3 * SEG) as (disk, engine):
+        assert disk.stats().recovered == len(live) > 0
+        for n, k in enumerate(live[:32]):
+            i = int.from_bytes(k[:32], "big")  # key(i): thread (i % 1000) // 100, block i % 100
+            assert load(engine, [k], [32 + n]).success  # type: ignore[attr-defined]
+            assert data(tier, 32 + n) == originals[(i % 1000) // 100 * 8 + i % 100]
 
 
 def test_a_segment_with_an_object_being_read_is_not_recycled(
