@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -479,6 +479,25 @@ def test_a_load_racing_an_eviction_gets_whole_bytes_or_a_miss(
         assert block_bytes(tier, 9) == bytes(BLOCK)
 
 
+def in_threads(work: Callable[[int], None], n: int) -> None:
+    """Run ``work(0) .. work(n - 1)`` on ``n`` threads at once; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def guarded(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -494,32 +513,23 @@ def test_concurrent_stores_and_loads_from_several_threads(
     tier = page_aligned_tier(64, BLOCK)
     fill_random(tier, 7)
     originals = {b: block_bytes(tier, b) for b in range(32)}
-    errors: list[BaseException] = []
     with disk_engine(tmp_path, tier, queue_depth=3, **layout) as (store, engine):
 
         def worker(t: int) -> None:
-            try:
-                ids = list(range(t * 8, t * 8 + 8))  # host blocks 0..31 hold the originals
-                keys = [key(1000 + b) for b in ids]
-                for rnd in range(5):
-                    for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
-                        r = run(engine, store_spec(bs, ks))
-                        assert r.success, r  # type: ignore[attr-defined]
-                    dest = [32 + t * 8 + i for i in range(8)]
-                    order = keys[rnd % 8 :] + keys[: rnd % 8]
-                    r = run(engine, load_spec(order, dest))
+            ids = list(range(t * 8, t * 8 + 8))  # host blocks 0..31 hold the originals
+            keys = [key(1000 + b) for b in ids]
+            for rnd in range(5):
+                for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
+                    r = run(engine, store_spec(bs, ks))
                     assert r.success, r  # type: ignore[attr-defined]
-                    for k, d in zip(order, dest, strict=True):
-                        assert block_bytes(tier, d) == originals[ids[keys.index(k)]]
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                errors.append(exc)
+                dest = [32 + t * 8 + i for i in range(8)]
+                order = keys[rnd % 8 :] + keys[: rnd % 8]
+                r = run(engine, load_spec(order, dest))
+                assert r.success, r  # type: ignore[attr-defined]
+                for k, d in zip(order, dest, strict=True):
+                    assert block_bytes(tier, d) == originals[ids[keys.index(k)]]
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        in_threads(worker, 4)
         stats = store.stats()
         assert stats.stored == 32 and stats.hits == 4 * 5 * 8 and stats.corrupt == 0
         files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk"), *tmp_path.rglob("*.seg")]

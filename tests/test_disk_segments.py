@@ -31,7 +31,7 @@ from offload_engine.stores import _pack
 from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
-from tests.test_disk import _mounted, killed_mid_write
+from tests.test_disk import _mounted, in_threads, killed_mid_write
 from tests.test_disk_pack import (
     BLOCK,
     SLOT,
@@ -330,33 +330,24 @@ def test_recycling_under_concurrent_stores_and_loads_never_serves_wrong_bytes(
     (its block zeroed), never another key's or an earlier use's."""
     tier = make_tier(64, seed=5)
     originals = {b: data(tier, b) for b in range(32)}
-    errors: list[BaseException] = []
     with engine_on(tmp_path, tier, capacity_bytes=3 * SEG, queue_depth=2) as (disk, engine):
 
         def worker(t: int) -> None:
-            try:
-                for rnd in range(6):
-                    ids = list(range(t * 8, t * 8 + 8))  # blocks 0..31 hold the originals
-                    ks = keys(1000 * rnd + 100 * t, 1000 * rnd + 100 * t + 8)
-                    r = store(engine, ids, ks)
-                    assert r.success or isinstance(r.error, TierFullError), r  # type: ignore[attr-defined]
-                    dest = [32 + t * 8 + i for i in range(8)]
-                    r = load(engine, ks, dest)
-                    err = r.error  # type: ignore[attr-defined]
-                    missing = set(err.missing) if isinstance(err, KeyMissError) else set()
-                    assert r.success or missing, r  # type: ignore[attr-defined]
-                    for k, b, d in zip(ks, ids, dest, strict=True):
-                        want = bytes(BLOCK) if k in missing else originals[b]
-                        assert data(tier, d) == want
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                errors.append(exc)
+            for rnd in range(6):
+                ids = list(range(t * 8, t * 8 + 8))  # blocks 0..31 hold the originals
+                ks = keys(1000 * rnd + 100 * t, 1000 * rnd + 100 * t + 8)
+                r = store(engine, ids, ks)
+                assert r.success or isinstance(r.error, TierFullError), r  # type: ignore[attr-defined]
+                dest = [32 + t * 8 + i for i in range(8)]
+                r = load(engine, ks, dest)
+                err = r.error  # type: ignore[attr-defined]
+                missing = set(err.missing) if isinstance(err, KeyMissError) else set()
+                assert r.success or missing, r  # type: ignore[attr-defined]
+                for k, b, d in zip(ks, ids, dest, strict=True):
+                    want = bytes(BLOCK) if k in missing else originals[b]
+                    assert data(tier, d) == want
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        in_threads(worker, 4)
         stats = disk.stats()
         assert stats.evictions > 0 and stats.corrupt == 0
         assert stats.used_bytes == 3 * SEG == on_disk(tmp_path)
