@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,8 +37,9 @@ from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
 
-# These tests cover one file per object (pack_bytes=0); tests/test_disk_pack.py covers packs.
-FileStore = functools.partial(DiskStore, pack_bytes=0)
+# These tests cover one file per object (pack_bytes=0, segment_bytes=0); tests/test_disk_pack.py
+# covers packs, tests/test_disk_segments.py segments.
+FileStore = functools.partial(DiskStore, pack_bytes=0, segment_bytes=0)
 
 BLOCK = 2 * PAGE  # small objects: the machine is shared
 OBJECT = BLOCK + PAGE  # payload + padded trailer on disk
@@ -478,42 +479,63 @@ def test_a_load_racing_an_eviction_gets_whole_bytes_or_a_miss(
         assert block_bytes(tier, 9) == bytes(BLOCK)
 
 
-@pytest.mark.parametrize("pack_bytes", [0, 3 * OBJECT], ids=["files", "packs-of-3"])
-def test_concurrent_stores_and_loads_from_several_threads(tmp_path: Path, pack_bytes: int) -> None:
+def in_threads(work: Callable[[int], None], n: int) -> None:
+    """Run ``work(0) .. work(n - 1)`` on ``n`` threads at once; re-raise the first failure."""
+    errors: list[BaseException] = []
+
+    def guarded(t: int) -> None:
+        try:
+            work(t)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(t,)) for t in range(n)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        {"pack_bytes": 0},
+        {"pack_bytes": 3 * OBJECT},
+        {"pack_bytes": 0, "segment_bytes": 20 * OBJECT},
+    ],
+    ids=["files", "packs-of-3", "segments"],
+)
+def test_concurrent_stores_and_loads_from_several_threads(
+    tmp_path: Path, layout: dict[str, int]
+) -> None:
     tier = page_aligned_tier(64, BLOCK)
     fill_random(tier, 7)
     originals = {b: block_bytes(tier, b) for b in range(32)}
-    errors: list[BaseException] = []
-    with disk_engine(tmp_path, tier, queue_depth=3, pack_bytes=pack_bytes) as (store, engine):
+    with disk_engine(tmp_path, tier, queue_depth=3, **layout) as (store, engine):
 
         def worker(t: int) -> None:
-            try:
-                ids = list(range(t * 8, t * 8 + 8))  # host blocks 0..31 hold the originals
-                keys = [key(1000 + b) for b in ids]
-                for rnd in range(5):
-                    for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
-                        r = run(engine, store_spec(bs, ks))
-                        assert r.success, r  # type: ignore[attr-defined]
-                    dest = [32 + t * 8 + i for i in range(8)]
-                    order = keys[rnd % 8 :] + keys[: rnd % 8]
-                    r = run(engine, load_spec(order, dest))
+            ids = list(range(t * 8, t * 8 + 8))  # host blocks 0..31 hold the originals
+            keys = [key(1000 + b) for b in ids]
+            for rnd in range(5):
+                for ks, bs in ((keys[:5], ids[:5]), (keys[3:], ids[3:])):  # overlapping
+                    r = run(engine, store_spec(bs, ks))
                     assert r.success, r  # type: ignore[attr-defined]
-                    for k, d in zip(order, dest, strict=True):
-                        assert block_bytes(tier, d) == originals[ids[keys.index(k)]]
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                errors.append(exc)
+                dest = [32 + t * 8 + i for i in range(8)]
+                order = keys[rnd % 8 :] + keys[: rnd % 8]
+                r = run(engine, load_spec(order, dest))
+                assert r.success, r  # type: ignore[attr-defined]
+                for k, d in zip(order, dest, strict=True):
+                    assert block_bytes(tier, d) == originals[ids[keys.index(k)]]
 
-        threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join()
-        assert not errors, errors
+        in_threads(worker, 4)
         stats = store.stats()
         assert stats.stored == 32 and stats.hits == 4 * 5 * 8 and stats.corrupt == 0
-        files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk")]
+        files = [*tmp_path.rglob("*.kv"), *tmp_path.rglob("*.pk"), *tmp_path.rglob("*.seg")]
         assert stats.used_bytes == sum(f.stat().st_size for f in files)
-        assert store.pack_slots == (3 if pack_bytes else 0)
+        assert store.pack_slots == (3 if layout["pack_bytes"] else 0)
+        assert bool(list(tmp_path.rglob("*.seg"))) == ("segment_bytes" in layout)
 
 
 # ------------------------------------------------------------------ crash mid-write
@@ -542,7 +564,8 @@ disk_mod._pwritev = pwritev
 tier = page_aligned_tier(8, BLOCK)
 fill_random(tier, 11)
 store = DiskStore(
-    sys.argv[1], digest(), capacity_bytes=64 * OBJECT, queue_depth=1, pack_bytes=0
+    sys.argv[1], digest(), capacity_bytes=64 * OBJECT, queue_depth=1, pack_bytes=0,
+    segment_bytes=0
 )
 engine = SyncOffloadingEngine(disk_handlers(store, tier))
 for i in range(8):
@@ -550,29 +573,34 @@ for i in range(8):
 """
 
 
-def test_a_writer_killed_mid_write_leaves_no_half_file_in_the_index(
-    tmp_path: Path, tier: HostTier
-) -> None:
+@contextlib.contextmanager
+def killed_mid_write(script: str, *argv: str) -> Iterator[None]:
+    """Run ``script`` in a fresh interpreter until it prints ``MID-WRITE`` (it then
+    waits), run the body, then SIGKILL it."""
     root = Path(__file__).resolve().parents[1]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)],
-        stdout=subprocess.PIPE,
-        env=env,
-        cwd=root,
+        [sys.executable, "-c", script, *argv], stdout=subprocess.PIPE, env=env, cwd=root
     )
     try:
         assert proc.stdout is not None
         assert proc.stdout.readline() == b"MID-WRITE\n"
-        assert len(list(tmp_path.rglob("*.kv.tmp"))) == 1  # the half file is there
+        yield
     finally:
         proc.kill()
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+def test_a_writer_killed_mid_write_leaves_no_half_file_in_the_index(
+    tmp_path: Path, tier: HostTier
+) -> None:
+    with killed_mid_write(_WRITER, str(tmp_path)):
+        assert len(list(tmp_path.rglob("*.kv.tmp"))) == 1  # the half file is there
     fill_random(tier, 11)  # the writer's data
     keys = [key(i) for i in range(3)]
     with disk_engine(tmp_path, tier) as (store, engine):

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import os
-import subprocess
-import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,6 +28,7 @@ from offload_engine.stores import _pack
 from offload_engine.stores import disk as disk_mod
 from offload_engine.stores.disk import PAGE, DiskStore
 from offload_engine.tier import HostTier
+from tests.test_disk import killed_mid_write
 
 BLOCK = 64 * 1024  # 64 KiB objects
 PACK = 256 * 1024  # packs of >= 256 KiB keep the tests small
@@ -69,6 +67,7 @@ def engine_on(
 ) -> Iterator[tuple[DiskStore, SyncOffloadingEngine]]:
     args.setdefault("capacity_bytes", 64 * 2**20)
     args.setdefault("pack_bytes", PACK)
+    args.setdefault("segment_bytes", 0)
     with (
         DiskStore(path, digest(block), **args) as store,  # type: ignore[arg-type]
         SyncOffloadingEngine(disk_handlers(store, tier)) as engine,
@@ -169,7 +168,7 @@ def test_objects_of_pack_bytes_or_more_keep_one_file_each(tmp_path: Path) -> Non
 
 def test_bad_pack_bytes_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="pack_bytes"):
-        DiskStore(tmp_path, digest(), capacity_bytes=2**20, pack_bytes=-1)
+        DiskStore(tmp_path, digest(), capacity_bytes=2**20, pack_bytes=-1, segment_bytes=0)
 
 
 # ------------------------------------------------------------------ restart
@@ -225,26 +224,39 @@ def test_packs_are_read_after_packing_is_turned_off(
 # ------------------------------------------------------------------ verification
 
 
+def load_with_one_flipped_byte(
+    disk: DiskStore, engine: SyncOffloadingEngine, tier: HostTier, keys: list[bytes], bad: int
+) -> Path:
+    """Flip a byte of stored ``keys[bad]``'s payload, load ``keys`` (stored from host
+    blocks 0.. ) into blocks 8..: only that key misses, its block zeroed, the others
+    whole. Returns the file that held it."""
+    where = disk.location(keys[bad])
+    assert where is not None
+    file, offset, _length = where
+    with open(file, "r+b") as f:
+        f.seek(offset + 1000)
+        byte = f.read(1)
+        f.seek(offset + 1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    dest = [8 + i for i in range(len(keys))]
+    tier.memory[dest[0] : dest[-1] + 1].fill_(7)
+    r = load(engine, keys, dest)
+    err = r.error  # type: ignore[attr-defined]
+    assert isinstance(err, KeyMissError)
+    assert err.missing == (keys[bad],)
+    assert err.loaded == tuple(k for i, k in enumerate(keys) if i != bad)
+    assert data(tier, dest[bad]) == bytes(BLOCK)  # zeroed, never the corrupted bytes
+    good = [i for i in range(len(keys)) if i != bad]
+    assert [data(tier, dest[i]) for i in good] == [data(tier, i) for i in good]
+    return file
+
+
 def test_a_corrupted_object_inside_a_pack_is_a_miss_for_it_alone(tmp_path: Path) -> None:
     tier = make_tier()
     keys = [key(i) for i in range(4)]
     with engine_on(tmp_path, tier) as (disk, engine):
         assert store(engine, [0, 1, 2, 3], keys).success  # type: ignore[attr-defined]
-        where = disk.location(keys[1])
-        assert where is not None
-        file, offset, _length = where
-        with open(file, "r+b") as f:
-            f.seek(offset + 1000)
-            byte = f.read(1)
-            f.seek(offset + 1000)
-            f.write(bytes([byte[0] ^ 0xFF]))
-        tier.memory[8:12].fill_(7)
-        r = load(engine, keys, [8, 9, 10, 11])
-        err = r.error  # type: ignore[attr-defined]
-        assert isinstance(err, KeyMissError)
-        assert err.missing == (keys[1],) and err.loaded == (keys[0], keys[2], keys[3])
-        assert data(tier, 9) == bytes(BLOCK)  # zeroed, never the corrupted bytes
-        assert [data(tier, b) for b in (8, 10, 11)] == [data(tier, b) for b in (0, 2, 3)]
+        file = load_with_one_flipped_byte(disk, engine, tier, keys, 1)
         stats = disk.stats()
         assert (stats.corrupt, stats.objects, stats.hits) == (1, 3, 3)
         assert disk.contains([keys[1]]) == 0 and file.exists()  # the others still live there
@@ -381,7 +393,9 @@ def pwritev(fd, bufs, offset):
 
 disk_mod._pwritev = pwritev
 tier = make_tier(8, seed=11)
-store = DiskStore(sys.argv[1], digest(), capacity_bytes=2**24, queue_depth=1, pack_bytes=PACK)
+store = DiskStore(
+    sys.argv[1], digest(), capacity_bytes=2**24, queue_depth=1, pack_bytes=PACK, segment_bytes=0
+)
 engine = SyncOffloadingEngine(disk_handlers(store, tier))
 spec = TransferSpec(cpu_blocks(range(8)), disk_blocks([key(i) for i in range(8)]))
 engine.wait([engine.submit(spec)])
@@ -389,23 +403,8 @@ engine.wait([engine.submit(spec)])
 
 
 def test_a_writer_killed_mid_pack_leaves_no_half_pack_in_the_index(tmp_path: Path) -> None:
-    root = Path(__file__).resolve().parents[1]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(tmp_path)], stdout=subprocess.PIPE, env=env, cwd=root
-    )
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == b"MID-WRITE\n"
+    with killed_mid_write(_WRITER, str(tmp_path)):
         assert len(list(tmp_path.rglob("*.pk.tmp"))) == 1
-    finally:
-        proc.kill()
-        proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
     tier = make_tier(16, seed=11)  # the writer's data in blocks 0..7
     with engine_on(tmp_path, tier) as (disk, engine):
         stats = disk.stats()

@@ -8,8 +8,10 @@ Load it under vLLM's tiering spec (or ``EngineTieringSpec``) with no patching::
 Optional keys: ``queue_depth`` (I/O threads per direction, default 4),
 ``direct`` (``null`` probes O_DIRECT, ``false`` forces buffered I/O),
 ``fsync`` (``never`` | ``data`` | ``always``), ``pack_bytes`` (chunks smaller than this
-are written several to a pack file, one request; default 1 MiB, 0: one file per chunk),
-``locality``.
+are written several to a pack file, one request; default 1 MiB, 0: one file per chunk;
+with segments, the least bytes of one record), ``segment_bytes`` (``null``, the default:
+the directory's layout, segments for a new one; 0: files and packs; N: segments of N
+bytes), ``locality``.
 
 vLLM calls every method from its scheduler, which must never wait on I/O:
 
@@ -116,6 +118,7 @@ class EngineDiskTier(SecondaryTierManager):
         fsync: str = "never",
         locality: str | None = None,
         pack_bytes: int | None = None,
+        segment_bytes: int | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -129,6 +132,7 @@ class EngineDiskTier(SecondaryTierManager):
             fsync=fsync,  # type: ignore[arg-type]
             queue_depth=queue_depth,
             pack_bytes=pack_bytes,
+            segment_bytes=segment_bytes,
         )
         try:
             self.engine = SyncOffloadingEngine(

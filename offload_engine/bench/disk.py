@@ -4,15 +4,23 @@ All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
 the same directory with the same queue depth, O_DIRECT where the filesystem
 takes it:
 
-* **engine**: a :class:`~offload_engine.stores.disk.DiskStore` with
-  ``queue_depth`` threads per direction, driven through the sync facade with
-  ``chunks_per_job`` chunks per job, ``jobs_in_flight`` jobs at once; chunks
-  under 1 MiB go into pack files (one request per pack);
+* **engine**: a :class:`~offload_engine.stores.disk.DiskStore` in its default
+  layout (segments) with ``queue_depth`` threads per direction, driven through
+  the sync facade with ``chunks_per_job`` chunks per job, ``jobs_in_flight``
+  jobs at once; segments sized an eighth of the bytes moved (at most 128 MiB),
+  preallocated on first use;
+* **engine-reuse**: a second pass of new keys into the same store, whose cap
+  holds one pass and one segment more: its records go mostly into segments
+  emptied by eviction (a full tier's steady state);
+* **engine-packs**: the file-and-pack layout (``segment_bytes=0``): one file per
+  chunk of >= 1 MiB, pack files of smaller chunks (one request per pack);
 * **engine-files** (chunks under 1 MiB only): the same with ``pack_bytes=0``,
   one file and one request per chunk, to show what packing changes;
 * **fio**: ``--ioengine=psync --direct=1 --bs=<chunk> --numjobs=<queue depth>``
   (each job one synchronous request at a time, as each engine thread), write
-  then read of the same bytes; for chunks under 1 MiB also **fio-1m**, the same
+  then read of the same bytes into new files, then **fio-over**: the same files
+  written a second time (blocks already allocated and written, what
+  ``engine-reuse`` is compared with); for chunks under 1 MiB also **fio-1m**, the same
   bytes in 1 MiB requests (what the drive gives to requests of the size packs make);
 * **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
   ``SecondaryTierManager`` API on a memoryview, ``queue_depth`` read and write
@@ -36,14 +44,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
 from offload_engine.keyed import LayoutDigest
-from offload_engine.stores.disk import PACK_BYTES, DiskStore
+from offload_engine.stores.disk import PACK_BYTES, SEGMENT_BYTES, DiskStore
 from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, disk_blocks
 
@@ -93,26 +101,38 @@ def _drive(
     return time.perf_counter() - t0, cpu
 
 
+Layout = Literal["packs", "files", "segments"]
+
+
 def bench_engine(
-    path: Path, plan: DiskBenchPlan, data: np.ndarray, *, packs: bool = True
+    path: Path, plan: DiskBenchPlan, data: np.ndarray, *, layout: Layout = "packs"
 ) -> list[DiskFigure]:
+    """Write then read the plan's chunks. ``segments`` (``engine``, the default
+    layout) also runs a second pass (``engine-reuse``): new keys into a store whose
+    cap holds one pass plus a segment, so it writes mostly into segments emptied by
+    eviction (a full tier's steady state)."""
     n, per = plan.chunks, plan.chunks_per_job
     tier = page_aligned_tier(n, plan.chunk_bytes)
     tier.memory.copy_(torch.from_numpy(data))
     digest = LayoutDigest(
         model="bench", dtype="uint8", block_size=16, chunk_blocks=1, page_bytes=plan.chunk_bytes
     )
-    name = "engine" if packs else "engine-files"
-    keys = _keys(n, name)
+    name = {"packs": "engine-packs", "files": "engine-files", "segments": "engine"}[layout]
     jobs = n // per
     out: list[DiskFigure] = []
+    volume = n * (plan.chunk_bytes + 4096)
+    segment = min(SEGMENT_BYTES, -(-volume // 8 // 4096) * 4096 + 2**20)
+    capacity = 2 * volume
+    if layout == "segments":  # one pass and one segment: the second pass reuses the first's
+        capacity = (-(-volume // (segment - 2**20)) + 1) * segment
     with (
         DiskStore(
             path,
             digest,
-            capacity_bytes=2 * n * (plan.chunk_bytes + 4096),
+            capacity_bytes=capacity,
             queue_depth=plan.queue_depth,
-            pack_bytes=None if packs else 0,
+            pack_bytes=0 if layout == "files" else None,
+            segment_bytes=segment if layout == "segments" else 0,
         ) as disk,
         SyncOffloadingEngine(disk_handlers(disk, tier)) as engine,
     ):
@@ -124,26 +144,36 @@ def bench_engine(
                 raise r.error  # type: ignore[misc]
             return 1
 
-        for direction in ("write", "read"):
-            if direction == "read":
-                tier.memory.zero_()
+        passes = [(name, _keys(n, name))]
+        if layout == "segments":
+            passes.append(("engine-reuse", _keys(n, "engine-reuse")))
+        for system, keys in passes:
+            for direction in ("write", "read"):
+                if direction == "read":
+                    tier.memory.zero_()
 
-            def submit(j: int, store: bool = direction == "write") -> None:
-                host = cpu_blocks(range(j * per, (j + 1) * per))
-                keyed = disk_blocks(keys[j * per : (j + 1) * per])
-                spec = TransferSpec(host, keyed) if store else TransferSpec(keyed, host)
-                pending.append(engine.submit_nowait(spec))
+                def submit(
+                    j: int, store: bool = direction == "write", keys: list[bytes] = keys
+                ) -> None:
+                    host = cpu_blocks(range(j * per, (j + 1) * per))
+                    keyed = disk_blocks(keys[j * per : (j + 1) * per])
+                    spec = TransferSpec(host, keyed) if store else TransferSpec(keyed, host)
+                    pending.append(engine.submit_nowait(spec))
 
-            secs, cpu = _drive(submit, finish, jobs, plan.jobs_in_flight)
-            gbps = n * plan.chunk_bytes / secs / 1e9
-            out.append(DiskFigure(name, direction, gbps, secs, disk.direct, cpu / n * 1e6))
-        if not np.array_equal(tier.memory.numpy(), data):
-            raise RuntimeError("engine bench: the loaded bytes differ from the stored ones")
+                secs, cpu = _drive(submit, finish, jobs, plan.jobs_in_flight)
+                gbps = n * plan.chunk_bytes / secs / 1e9
+                out.append(DiskFigure(system, direction, gbps, secs, disk.direct, cpu / n * 1e6))
+            if not np.array_equal(tier.memory.numpy(), data):
+                raise RuntimeError("engine bench: the loaded bytes differ from the stored ones")
     return out
 
 
-def bench_fio(path: Path, plan: DiskBenchPlan, *, bs: int | None = None) -> list[DiskFigure]:
-    """fio on the plan's bytes in requests of ``bs`` (default: the chunk size)."""
+def bench_fio(
+    path: Path, plan: DiskBenchPlan, *, bs: int | None = None, again: bool = False
+) -> list[DiskFigure]:
+    """fio on the plan's bytes in requests of ``bs`` (default: the chunk size):
+    write new files, read them; with ``again`` also write them a second time
+    (``fio-over``: overwriting blocks already written)."""
     fio = shutil.which("fio")
     if fio is None:
         return []
@@ -152,7 +182,7 @@ def bench_fio(path: Path, plan: DiskBenchPlan, *, bs: int | None = None) -> list
     qd = plan.queue_depth
     size = plan.chunks * plan.chunk_bytes // qd
     out: list[DiskFigure] = []
-    for rw in ("write", "read"):
+    for rw in ("write", "read", "write") if again else ("write", "read"):
         cmd = [
             fio, "--name=disk-bench", f"--directory={path}", f"--rw={rw}",
             f"--bs={bs}", f"--size={size}", f"--numjobs={qd}", "--ioengine=psync",
@@ -161,7 +191,10 @@ def bench_fio(path: Path, plan: DiskBenchPlan, *, bs: int | None = None) -> list
         done = subprocess.run(cmd, capture_output=True, text=True, check=True)
         job = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0][rw]
         bw = job["io_bytes"] / (job["runtime"] / 1000)
-        out.append(DiskFigure(name, rw, bw / 1e9, job["runtime"] / 1000, True))
+        over = len(out) == 2
+        out.append(
+            DiskFigure(f"{name}-over" if over else name, rw, bw / 1e9, job["runtime"] / 1000, True)
+        )
     return out
 
 
@@ -259,14 +292,15 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
         0, 256, (plan.chunks, plan.chunk_bytes), dtype=np.uint8
     )
     runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
-        ("engine", lambda p: bench_engine(p, plan, data)),
-        ("fio", lambda p: bench_fio(p, plan)),
+        ("engine", lambda p: bench_engine(p, plan, data, layout="segments")),
+        ("engine-packs", lambda p: bench_engine(p, plan, data, layout="packs")),
+        ("fio", lambda p: bench_fio(p, plan, again=True)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
     ]
     small = plan.chunk_bytes < PACK_BYTES
     if small:  # what packing changes, and what the drive gives to pack-sized requests
-        runs.insert(1, ("engine-files", lambda p: bench_engine(p, plan, data, packs=False)))
-        runs.insert(3, ("fio-1m", lambda p: bench_fio(p, plan, bs=2**20)))
+        runs.insert(1, ("engine-files", lambda p: bench_engine(p, plan, data, layout="files")))
+        runs.insert(4, ("fio-1m", lambda p: bench_fio(p, plan, bs=2**20)))
     samples: dict[tuple[str, str], list[DiskFigure]] = {}
     made: list[Path] = []
     try:
@@ -285,12 +319,16 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     figures = [sorted(fs, key=lambda f: f.gbps)[len(fs) // 2] for fs in samples.values()]
     by = {(f.system, f.direction): f for f in figures}
     ratios: dict[str, float] = {}
+    pairs = [
+        ("engine", other) for other in ("fio", "fio-1m", "vllm-fs", "engine-packs", "engine-files")
+    ] + [
+        ("engine-reuse", "fio-over"), ("engine-reuse", "vllm-fs"), ("engine-reuse", "engine-packs"),
+    ]  # fmt: skip
     for d in ("write", "read"):
-        ours = by.get(("engine", d))
-        for other in ("fio", "fio-1m", "vllm-fs", "engine-files"):
-            theirs = by.get((other, d))
+        for mine, other in pairs:
+            ours, theirs = by.get((mine, d)), by.get((other, d))
             if ours and theirs:
-                ratios[f"{d} engine/{other}"] = ours.gbps / theirs.gbps
+                ratios[f"{d} {mine}/{other}"] = ours.gbps / theirs.gbps
     return {
         "plan": asdict(plan),
         "repeats": repeats,

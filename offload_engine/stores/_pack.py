@@ -1,4 +1,5 @@
-"""The pack file of the disk tier: several small objects written with one request.
+"""The pack file and the segment record of the disk tier: several objects written
+with one request.
 
 A pack is ``header || slot 0 || slot 1 || ...``. The header names the keys in
 slot order, so a restart indexes a pack with one read of its header, never of
@@ -14,6 +15,12 @@ Header (little-endian)::
 
 The keys area is ``count`` times ``key length u8 | key``; the header is
 zero-padded to whole pages.
+
+A **segment record** (the same ``header || slots``, at an offset inside a
+segment file) has magic "OESR" and one more field, the segment's generation
+(u64), after ``keys bytes``. A segment file starts with a one-page
+:class:`SegmentHead`: magic "OESG" | version u16 | pad u16 | segment bytes u64 |
+generation u64 | xxh3-64 of the fields before it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ MAX_PACK_SLOTS = 255
 
 _MAGIC = b"OEPK"
 _HEAD = struct.Struct("<4sHHIIQ")
+_REC_MAGIC = b"OESR"
+_REC_HEAD = struct.Struct("<4sHHIIQQ")
+_SEG_MAGIC = b"OESG"
+_SEG_HEAD = struct.Struct("<4sHHQQ")
+SEGMENT_VERSION = 1
 
 
 def _round_up(n: int, page: int) -> int:
@@ -49,13 +61,20 @@ def header_bytes(keys: list[bytes], page: int) -> int:
 
 
 def max_header_bytes(slots: int, page: int) -> int:
-    return _round_up(_HEAD.size + slots * (1 + MAX_KEY_BYTES), page)
+    return _round_up(_REC_HEAD.size + slots * (1 + MAX_KEY_BYTES), page)
+
+
+def _struct(generation: int | None) -> tuple[bytes, struct.Struct]:
+    return (_MAGIC, _HEAD) if generation is None else (_REC_MAGIC, _REC_HEAD)
 
 
 @dataclass(frozen=True)
 class PackHeader:
+    """A pack's header (``generation`` ``None``) or a segment record's."""
+
     keys: tuple[bytes, ...]
     slot_bytes: int
+    generation: int | None = None
 
     def size(self, page: int) -> int:
         return header_bytes(list(self.keys), page)
@@ -65,21 +84,35 @@ class PackHeader:
 
     def encode(self, page: int) -> bytes:
         area = b"".join(len(k).to_bytes(1, "little") + k for k in self.keys)
-        fields = (_MAGIC, PACK_VERSION, len(self.keys), self.slot_bytes, len(area))
-        digest = xxhash.xxh3_64_intdigest(_HEAD.pack(*fields, 0) + area)
-        raw = _HEAD.pack(*fields, digest) + area
+        magic, head = _struct(self.generation)
+        fields: tuple[object, ...] = (
+            magic,
+            PACK_VERSION,
+            len(self.keys),
+            self.slot_bytes,
+            len(area),
+        )
+        if self.generation is not None:
+            fields += (self.generation,)
+        digest = xxhash.xxh3_64_intdigest(head.pack(*fields, 0) + area)
+        raw = head.pack(*fields, digest) + area
         return raw + bytes(self.size(page) - len(raw))
 
     @staticmethod
     def needed(first: bytes | memoryview) -> int:
         """How many header bytes to read, given (at least) its first ``_HEAD.size`` bytes."""
         view = memoryview(first)
-        if view.nbytes < _HEAD.size:
+        if view.nbytes < _REC_HEAD.size:
             raise TrailerError("truncated", f"pack header of {view.nbytes} bytes is truncated")
-        magic, _v, _n, _slot, keys_len, _d = _HEAD.unpack_from(view)
-        if magic != _MAGIC:
-            raise TrailerError("magic", f"no pack header (magic {magic!r})")
-        return _HEAD.size + int(keys_len)
+        magic = bytes(view[:4])
+        if magic == _MAGIC:
+            head = _HEAD
+        elif magic == _REC_MAGIC:
+            head = _REC_HEAD
+        else:
+            raise TrailerError("magic", f"no pack or record header (magic {magic!r})")
+        keys_len = head.unpack_from(view)[4]
+        return head.size + int(keys_len)
 
     @classmethod
     def decode(cls, data: bytes | memoryview) -> PackHeader:
@@ -88,12 +121,19 @@ class PackHeader:
         need = cls.needed(view)
         if view.nbytes < need:
             raise TrailerError("truncated", f"pack header needs {need} bytes, has {view.nbytes}")
-        _m, version, count, slot, keys_len, digest = _HEAD.unpack_from(view)
+        generation: int | None = None
+        if bytes(view[:4]) == _MAGIC:
+            magic, version, count, slot, keys_len, digest = _HEAD.unpack_from(view)
+            fields: tuple[object, ...] = (magic, version, count, slot, keys_len)
+            head = _HEAD
+        else:
+            magic, version, count, slot, keys_len, generation, digest = _REC_HEAD.unpack_from(view)
+            fields = (magic, version, count, slot, keys_len, generation)
+            head = _REC_HEAD
         if version != PACK_VERSION:
             raise TrailerError("version", f"pack format {version}, this code reads {PACK_VERSION}")
-        area = bytes(view[_HEAD.size : need])
-        fields = (_MAGIC, version, count, slot, keys_len, 0)
-        if xxhash.xxh3_64_intdigest(_HEAD.pack(*fields) + area) != digest:
+        area = bytes(view[head.size : need])
+        if xxhash.xxh3_64_intdigest(head.pack(*fields, 0) + area) != digest:
             raise TrailerError("checksum", "pack header checksum mismatch")
         keys: list[bytes] = []
         at = 0
@@ -106,4 +146,36 @@ class PackHeader:
             at += 1 + n
         if at != len(area) or len(set(keys)) != len(keys):
             raise TrailerError("key", "pack header's keys area is malformed")
-        return cls(tuple(keys), int(slot))
+        return cls(tuple(keys), int(slot), None if generation is None else int(generation))
+
+
+@dataclass(frozen=True)
+class SegmentHead:
+    """The first page of a segment file: its size and the generation of its current use."""
+
+    segment_bytes: int
+    generation: int
+
+    def encode(self, page: int) -> bytes:
+        fields = (_SEG_MAGIC, SEGMENT_VERSION, 0, self.segment_bytes, self.generation)
+        raw = _SEG_HEAD.pack(*fields)
+        raw += xxhash.xxh3_64_intdigest(raw).to_bytes(8, "little")
+        return raw + bytes(page - len(raw))
+
+    @classmethod
+    def decode(cls, data: bytes | memoryview) -> SegmentHead:
+        view = memoryview(data)
+        end = _SEG_HEAD.size + 8
+        if view.nbytes < end:
+            raise TrailerError("truncated", "segment head is truncated")
+        magic, version, _pad, size, generation = _SEG_HEAD.unpack_from(view)
+        if magic != _SEG_MAGIC:
+            raise TrailerError("magic", f"no segment head (magic {magic!r})")
+        if version != SEGMENT_VERSION:
+            raise TrailerError(
+                "version", f"segment format {version}, this code reads {SEGMENT_VERSION}"
+            )
+        digest = int.from_bytes(view[_SEG_HEAD.size : end], "little")
+        if xxhash.xxh3_64_intdigest(bytes(view[: _SEG_HEAD.size])) != digest:
+            raise TrailerError("checksum", "segment head checksum mismatch")
+        return cls(int(size), int(generation))

@@ -1,17 +1,35 @@
-"""The local-disk store behind the ``CPU <-> DISK`` handlers: a file per object, or
-a pack file per few small objects.
+"""The local-disk store behind the ``CPU <-> DISK`` handlers: records appended to
+preallocated segment files (the layout of a new directory), or, in a directory
+written before segments, a file per object or a pack file per few small objects.
 
 Directory layout (``path`` must exist and be writable)::
 
-    path/config.json           the LayoutDigest the directory was created under
+    path/config.json           the LayoutDigest, and "store" for the segment layout
     path/lock                  flock-ed by the one DiskStore that owns the directory
+    path/segments/<n>.seg      head page || record || record ... (segment layout)
     path/objects/ab/cd/<key hex>.kv       payload || trailer (padded to 4096 bytes)
     path/objects/ab/cd/<key hex>.kv.tmp   an object being written
     path/packs/ef/<pack number>.pk        header || slot || slot ... (objects < pack_bytes)
     path/packs/ef/<pack number>.pk.tmp    a pack being written
 
-``ab/cd`` are the first four hex digits of the key's xxh64, so directories stay
-small whatever the keys look like; ``ef`` is the pack number mod 256.
+A directory is opened only in the layout it was written in (``segment_bytes``:
+``None`` follows the directory, segments for a new one; 0 or N asks for one, and
+another layout is a :class:`LayoutMismatchError`).
+
+**Segments.** A segment file of ``segment_bytes`` is preallocated at its first
+use and reused, never re-created. Page 0 is its head (its generation, random at
+each use); records follow back to back, each a pack's ``header || slots`` whose
+header also carries the generation. A record's slots are written first and its
+header after them, so a killed writer leaves nothing a restart indexes. A
+restart walks each segment's record headers from page 1 and stops at the first
+that is not whole or not of the head's generation (stale records of an earlier
+use never come back); segments holding records are closed to appends, empty ones
+are free. ``used`` is the segments' bytes; eviction empties a whole idle
+segment, which is then reused under a new generation.
+
+**Files and packs.** ``ab/cd`` are the first four hex digits of the key's xxh64,
+so directories stay small whatever the keys look like; ``ef`` is the pack number
+mod 256.
 
 **Packs.** Objects smaller than ``pack_bytes`` (1 MiB by default) are written
 ``pack_slots`` at a time (enough for ``pack_bytes``) into one pack file with one
@@ -24,18 +42,22 @@ in job order, ``pack_slots`` each (the last may be smaller). Pack numbers
 are never reused; a restart indexes a pack from its header (one read) and, if a
 key is in two packs, keeps the newer one.
 
-**Publishing.** A writer fills ``<name>.tmp`` and renames it over ``<name>``
+**Publishing (files and packs).** A writer fills ``<name>.tmp`` and renames it over ``<name>``
 (``os.replace``, atomic), so a reader sees a whole object or none. The fsync
 policy (``fsync=``): ``"never"`` (default) leaves flushing to the kernel. A
 killed *process* loses nothing the rename published; after a *power loss* a
 published file may be torn, and then its checksum fails and it is a miss.
 ``"data"`` fdatasyncs each file before the rename (durable objects),
-``"always"`` also fsyncs the directory after it (durable names).
+``"always"`` also fsyncs the directory after it (durable names). With
+segments, ``"data"`` fdatasyncs after the head, the slots and the header (a
+header is durable only after its slots), ``"always"`` also fsyncs ``segments/``
+after creating a segment file.
 
 **Verifying.** A load reads payload and trailer in one ``preadv`` straight into
 the host slot, then checks the trailer's key, length, version and xxh3-64. A
-missing, truncated, corrupted or foreign file is a *miss*: counted, reported in
-:class:`~offload_engine.KeyMissError`, its slot zeroed, and the file dropped.
+missing, truncated, corrupted or foreign object is a *miss*: counted, reported in
+:class:`~offload_engine.KeyMissError`, its slot zeroed, and it is dropped (its
+file deleted; in a pack or segment, its index entry).
 
 **I/O.** ``os.preadv``/``os.pwritev`` (they release the GIL) on two thread pools
 of ``queue_depth`` threads each, one for loads and one for stores. A job's
@@ -44,7 +66,7 @@ Loads have priority: a store thread waits between objects while any load is in
 flight. With O_DIRECT (probed per directory, needs page-aligned host memory and
 page-multiple objects; otherwise buffered I/O, logged) the page cache is bypassed.
 
-**Capacity.** ``capacity_bytes`` caps the bytes of published and in-progress
+**Capacity (files and packs).** ``capacity_bytes`` caps the bytes of published and in-progress
 files (payload and trailer, pack headers). A store evicts the policy's victims
 (LRU by default) until the object (or pack) fits; objects being read or written
 are never evicted; if it still cannot fit, that object (or pack) fails with
@@ -67,6 +89,7 @@ import math
 import mmap
 import os
 import queue
+import secrets
 import threading
 import warnings
 from collections import OrderedDict
@@ -100,6 +123,11 @@ PAGE = 4096
 PACK_BYTES = 2**20
 """Objects smaller than this are written several to a pack file, one request of at
 least this many bytes (``DiskStore(pack_bytes=)``; 0 writes one file per object)."""
+
+SEGMENT_BYTES = 128 * 2**20
+"""The largest segment a new directory gets by default (``segment_bytes=None``:
+a 16th of ``capacity_bytes``, at most this), and a reasonable explicit size for a
+large tier."""
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 FsyncPolicy = Literal["never", "data", "always"]
@@ -177,17 +205,57 @@ class _Pack:
     last indexed object goes (dropped as corrupt).
     """
 
-    __slots__ = ("first", "keys", "live", "path", "pins", "size", "slot", "writing")
+    __slots__ = ("base", "first", "keys", "live", "path", "pins", "seg", "size", "slot", "writing")
 
-    def __init__(self, path: Path, keys: list[bytes], first: int, slot: int, size: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        keys: list[bytes],
+        first: int,
+        slot: int,
+        size: int,
+        seg: _Segment | None = None,
+        base: int = 0,
+    ) -> None:
         self.path = path
         self.keys = keys
-        self.first = first  # the offset of slot 0 (the header's bytes)
+        self.base = base  # where its header starts in the file (0 for a pack file)
+        self.first = first  # the file offset of slot 0 (after the header)
         self.slot = slot
         self.size = size
         self.live = len(keys)
         self.pins = 0  # loads in flight of its objects
         self.writing = True
+        self.seg = seg  # the segment holding this record; None for a pack file
+
+
+class _Segment:
+    """One preallocated segment file: records appended at ``cursor`` during one use
+    (``generation``), recycled whole when its last indexed object goes.
+
+    Its ``segment_bytes`` count in the store's ``used`` from its creation on
+    (the file is kept and reused, never deleted, except when the cap shrinks).
+    """
+
+    __slots__ = (
+        "cursor", "fresh", "generation", "holes", "live", "number", "path", "prep", "ready",
+        "records", "writing",
+    )  # fmt: skip
+
+    def __init__(self, number: int, path: Path, *, fresh: bool) -> None:
+        self.number = number
+        self.path = path
+        self.fresh = fresh  # the file is still to be created and preallocated
+        self.generation = 0  # of the current use; 0: free
+        self.ready = 0  # the generation whose segment head is on disk
+        self.cursor = PAGE  # where the next record goes (page 0 is the head)
+        self.records: list[_Pack] = []
+        self.live = 0  # indexed objects (stored or being written)
+        self.writing = 0  # records being written
+        self.prep = threading.Lock()
+        # records that failed before the head of their generation was written:
+        # (base, bytes, generation), marked as holes once it is
+        self.holes: list[tuple[int, int, int]] = []
 
 
 class _Entry:
@@ -261,10 +329,10 @@ class _Pool:
             t.join()
 
 
-def _write_all(fd: int, bufs: list[memoryview], total: int) -> None:
-    """pwritev until ``total`` bytes are written (a short write retries the rest,
-    so a full disk surfaces as ENOSPC)."""
-    done = _pwritev(fd, bufs, 0)
+def _write_all(fd: int, bufs: list[memoryview], total: int, offset: int = 0) -> None:
+    """pwritev until ``total`` bytes are written at ``offset`` (a short write retries
+    the rest, so a full disk surfaces as ENOSPC)."""
+    done = _pwritev(fd, bufs, offset)
     while done < total:
         rest: list[memoryview] = []
         skip = done
@@ -274,7 +342,7 @@ def _write_all(fd: int, bufs: list[memoryview], total: int) -> None:
             else:
                 rest.append(b[skip:])
                 skip = 0
-        n = os.pwrite(fd, b"".join(rest), done) if rest else 0
+        n = os.pwrite(fd, b"".join(rest), offset + done) if rest else 0
         if n <= 0:
             raise OSError(errno.EIO, "write made no progress")
         done += n
@@ -304,9 +372,18 @@ def _probe_direct(path: Path) -> bool:
 
 
 class DiskStore:
-    """Objects of ``digest.page_bytes`` payload bytes under ``path``: one file each,
-    or, when smaller than ``pack_bytes`` (``None``: :data:`PACK_BYTES`, 1 MiB; 0:
-    never), several to a pack file written with one request of >= ``pack_bytes``.
+    """Objects of ``digest.page_bytes`` payload bytes under ``path``.
+
+    ``segment_bytes`` picks the layout. ``None`` (default): the directory's own,
+    and for a new directory segments of a 16th of ``capacity_bytes`` (at most
+    :data:`SEGMENT_BYTES`). ``N`` > 0: segments of ``N`` bytes (a multiple of
+    4096): every object goes into a record appended to a preallocated segment
+    file, each record at least ``pack_bytes`` and, for a job of many objects, one
+    per I/O thread; segments are evicted and reused whole. ``0``: one file per
+    object or, when smaller than ``pack_bytes`` (``None``: :data:`PACK_BYTES`,
+    1 MiB; 0: never), several to a pack file written with one request of >=
+    ``pack_bytes``. A directory written in another layout raises
+    :class:`LayoutMismatchError`.
 
     ``direct``: ``None`` probes O_DIRECT, ``False`` forces buffered I/O, ``True``
     requires O_DIRECT (:class:`TierUnavailableError` if the probe fails).
@@ -326,6 +403,7 @@ class DiskStore:
         queue_depth: int = 4,
         policy: EvictionPolicy | None = None,
         pack_bytes: int | None = None,
+        segment_bytes: int | None = None,
     ) -> None:
         if not isinstance(digest, LayoutDigest):
             raise ConfigError(f"DiskStore takes a LayoutDigest, got {type(digest).__name__}")
@@ -334,6 +412,8 @@ class DiskStore:
         if pack_bytes is None:
             pack_bytes = PACK_BYTES
         check_int(pack_bytes, "DiskStore pack_bytes", minimum=0)
+        if segment_bytes is not None:
+            check_int(segment_bytes, "DiskStore segment_bytes", minimum=0)
         if fsync not in ("never", "data", "always"):
             raise ConfigError(f"DiskStore fsync must be never|data|always, got {fsync!r}")
         if direct not in (None, True, False):
@@ -353,6 +433,14 @@ class DiskStore:
         self.pack_slots = (
             min(slots, _pack.MAX_PACK_SLOTS) if self.payload_bytes < pack_bytes and slots > 1 else 0
         )
+        self._segments: dict[int, _Segment] = {}
+        self._free: list[_Segment] = []  # emptied segments, reused before new ones
+        self._active: _Segment | None = None  # where new records go
+        self._record_min = max(1, slots)  # a record holds >= pack_bytes ...
+        self._record_max = 0  # ... and at most this many objects (what fits a segment)
+        if segment_bytes:  # a bad size fails before the directory is touched
+            self._fit_slots(segment_bytes, capacity_bytes)
+        self.segment_bytes = 0  # files and packs, or segments of this size: set by the config
         self._next_pack = 0
         self._closed = False
         self._lock = threading.Lock()
@@ -370,7 +458,10 @@ class DiskStore:
         self._shards: set[Path] = set()
         self._lock_fd = self._open_directory()
         try:
-            self._check_config()
+            self._check_config(segment_bytes)
+            if self.segment_bytes:
+                self.pack_slots = 0
+                self._record_max = self._fit_slots(self.segment_bytes, capacity_bytes)
             probed = _probe_direct(self.path) if direct is not False else False
             if direct and not probed:
                 raise TierUnavailableError(f"O_DIRECT was required but does not work in {path}")
@@ -388,11 +479,36 @@ class DiskStore:
             raise
         # a read request covers at most this many slots (packs of an earlier run with
         # another pack_bytes may hold more)
-        self._run_slots = max(1, self.pack_slots)
+        self._run_slots = max(1, self.pack_slots, self._record_max)
         trailers = max(PAGE, self._run_slots * self._tail_bytes)
-        headers = _pack.max_header_bytes(self.pack_slots, PAGE) if self.pack_slots else 0
+        most = max(self.pack_slots, self._record_max)
+        headers = _pack.max_header_bytes(most, PAGE) if most else 0
         self._readers = _Pool(queue_depth, "offload-engine-disk-read", trailers)
         self._writers = _Pool(queue_depth, "offload-engine-disk-write", headers + trailers)
+
+    def _fit_slots(self, segment_bytes: int, capacity_bytes: int) -> int:
+        """The most objects one record may hold in a segment of ``segment_bytes``
+        (:class:`ConfigError` if not even one fits, or the cap holds no segment)."""
+        if segment_bytes % PAGE:
+            raise ConfigError(f"DiskStore segment_bytes must be a multiple of {PAGE}")
+        room = segment_bytes - PAGE  # page 0 is the segment head
+        fit = 0
+        for k in range(_pack.MAX_PACK_SLOTS, 0, -1):
+            if _pack.max_header_bytes(k, PAGE) + k * self._slot_bytes <= room:
+                fit = k
+                break
+        if not fit:
+            need = PAGE + _pack.max_header_bytes(1, PAGE) + self._slot_bytes
+            raise ConfigError(
+                f"DiskStore segment_bytes={segment_bytes} cannot hold one object of "
+                f"{self.payload_bytes} bytes (needs >= {need})"
+            )
+        if capacity_bytes < segment_bytes:
+            raise ConfigError(
+                f"DiskStore capacity_bytes={capacity_bytes} is less than one segment "
+                f"({segment_bytes} bytes)"
+            )
+        return fit
 
     # ------------------------------------------------------------ opening
 
@@ -415,7 +531,23 @@ class DiskStore:
             ) from exc
         return fd
 
-    def _check_config(self) -> None:
+    @staticmethod
+    def _store_format(segment_bytes: int) -> dict[str, object] | None:
+        """What ``config.json`` records beside the digest: ``None`` for files and packs."""
+        if not segment_bytes:
+            return None
+        return {"format": "segments", "segment_bytes": segment_bytes}
+
+    def _default_segment_bytes(self) -> int:
+        """A new directory's segment size: a 16th of the cap, at most
+        :data:`SEGMENT_BYTES`, at least what one object needs."""
+        smallest = PAGE + _pack.max_header_bytes(1, PAGE) + self._slot_bytes
+        return max(min(SEGMENT_BYTES, self.capacity_bytes // 16 // PAGE * PAGE), smallest)
+
+    def _check_config(self, segment_bytes: int | None) -> None:
+        """Check (or write) ``config.json`` and set ``self.segment_bytes``: the
+        directory's layout when ``segment_bytes`` is ``None``, else that one (a
+        directory written in another layout is refused)."""
         config = self.path / "config.json"
         try:
             text = config.read_text()
@@ -430,8 +562,39 @@ class DiskStore:
                     raise
                 raise LayoutMismatchError(f"{config} is not a disk tier config: {exc}") from exc
             self.digest.check_same(found, where=f"disk tier directory {self.path}")
+            have = data.get("store")
+            if have is not None and (
+                not isinstance(have, dict) or have.get("format") != "segments"
+            ):
+                raise LayoutMismatchError(f"{config} names an unknown store layout: {have!r}")
+            if segment_bytes is None:
+                try:
+                    self.segment_bytes = int(have["segment_bytes"]) if have is not None else 0
+                except (TypeError, KeyError, ValueError) as exc:
+                    raise LayoutMismatchError(f"{config} names no store layout: {exc}") from exc
+                return
+            want = self._store_format(segment_bytes)
+            if have != want:
+
+                def name(f: object) -> str:
+                    return "files and packs" if f is None else json.dumps(f, sort_keys=True)
+
+                raise LayoutMismatchError(
+                    f"disk tier directory {self.path} was written in the {name(have)} "
+                    f"layout; this store was opened for {name(want)}"
+                )
+            self.segment_bytes = segment_bytes
             return
-        body = json.dumps({"layout": json.loads(self.digest.to_json())}, indent=2, sort_keys=True)
+        if segment_bytes is None:  # a new directory: segments
+            segment_bytes = self._default_segment_bytes()
+        if segment_bytes:
+            self._fit_slots(segment_bytes, self.capacity_bytes)
+        self.segment_bytes = segment_bytes
+        layout = {"layout": json.loads(self.digest.to_json())}
+        want = self._store_format(segment_bytes)
+        if want is not None:
+            layout["store"] = want
+        body = json.dumps(layout, indent=2, sort_keys=True)
         tmp = config.with_suffix(".json.tmp")
         try:
             tmp.write_text(body + "\n")
@@ -444,6 +607,9 @@ class DiskStore:
     def _rebuild_index(self) -> None:
         """Index every whole object file from its name and size, and every whole pack
         from its header (no payload is read); delete leftovers."""
+        if self.segment_bytes:
+            self._rebuild_segments()
+            return
         found: list[tuple[float, int, list[bytes], _Pack | None, int]] = []
         removed = 0
         root = self.path / "objects"
@@ -497,6 +663,105 @@ class DiskStore:
         if self._used > self.capacity_bytes:  # the cap shrank since the last run
             self._unlink(self._evict_locked(self._used - self.capacity_bytes))
 
+    def _rebuild_segments(self) -> None:
+        """Index every segment's records by walking their headers from page 1 (no
+        payload is read): a record counts if its header is whole and carries the
+        generation of the segment's head; the walk stops at the first that does
+        not (never written, torn, or left from an earlier use). Every segment that
+        holds records is closed to new ones (it is reused once emptied); one that
+        holds none is free."""
+        sb = self.segment_bytes
+        found: list[tuple[float, int, int, _Pack]] = []
+        removed = 0
+        root = self.path / "segments"
+        names = sorted(os.listdir(root)) if root.is_dir() else []
+        for name in names:
+            file = root / name
+            number = self._segment_number(name)
+            try:
+                st = file.stat()
+            except FileNotFoundError:
+                continue
+            if number is None or st.st_size != sb or file != self._segment_file(number):
+                file.unlink(missing_ok=True)  # not ours, or preallocation never finished
+                removed += 1
+                continue
+            seg = _Segment(number, file, fresh=False)
+            self._segments[number] = seg
+            self._used += sb
+            for pack in self._walk_segment(seg):
+                found.append((st.st_mtime, number, pack.base, pack))
+            if not seg.records:
+                self._free.append(seg)
+            else:
+                seg.cursor = sb  # closed: appending after a torn record could revive stale ones
+        found.sort(key=lambda f: f[:3])  # oldest first; a later copy wins
+        for _mtime, _n, _base, pack in found:
+            for slot, key in enumerate(pack.keys):
+                old = self._index.get(key)
+                if old is not None:
+                    self._forget_locked(key, old)
+                    removed += 1
+                self._index[key] = _Entry(_READY, 0, pack, slot)
+                self.policy.inserted(key)
+        self._counts["recovered"] = len(self._index)
+        self._counts["removed_at_start"] = removed
+        while self._used > self.capacity_bytes:  # the cap shrank since the last run
+            gone = self._free.pop() if self._free else self._evict_segment_locked()
+            if gone is None:
+                break
+            del self._segments[gone.number]
+            self._used -= sb
+            gone.path.unlink(missing_ok=True)
+
+    def _walk_segment(self, seg: _Segment) -> list[_Pack]:
+        """The whole records of ``seg``'s current use (sets its generation)."""
+        sb = self.segment_bytes
+        try:
+            fd = os.open(seg.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return []
+        try:
+            try:
+                head = _pack.SegmentHead.decode(os.pread(fd, PAGE, 0))
+            except (OSError, TrailerError):
+                return []
+            if head.segment_bytes != sb:
+                return []
+            seg.generation = seg.ready = head.generation
+            at = PAGE
+            while at + PAGE <= sb:
+                try:
+                    header = _read_header(fd, at)
+                except (OSError, TrailerError):
+                    break
+                size = header.file_bytes(PAGE)
+                if not header.keys:  # a hole left by a failed record: step over it
+                    size += header.slot_bytes
+                if header.generation != head.generation or at + size > sb:
+                    break
+                if not header.keys:
+                    at += size
+                    continue
+                if header.slot_bytes != self._slot_bytes:
+                    break
+                first = at + header.size(PAGE)
+                pack = _Pack(seg.path, list(header.keys), first, self._slot_bytes, size, seg, at)
+                pack.writing = False
+                seg.records.append(pack)
+                seg.live += len(pack.keys)
+                at += size
+            return seg.records
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _segment_number(name: str) -> int | None:
+        return _hex_stem(name, ".seg")
+
+    def _segment_file(self, number: int) -> Path:
+        return self.path / "segments" / f"{number:08x}.seg"
+
     def _read_pack(self, file: Path) -> _Pack | None:
         """The pack in ``file`` from its header (one read, two if the header is long),
         or ``None`` if it is not a whole pack of this store's slot size."""
@@ -504,13 +769,9 @@ class DiskStore:
             fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
             try:
                 size = os.fstat(fd).st_size
-                head = os.pread(fd, PAGE, 0)
-                need = _pack.PackHeader.needed(head)
-                if need > len(head):
-                    head = os.pread(fd, need, 0)
+                header = _read_header(fd, 0)
             finally:
                 os.close(fd)
-            header = _pack.PackHeader.decode(head)
         except (OSError, TrailerError):
             return None
         if header.slot_bytes != self._slot_bytes or size != header.file_bytes(PAGE):
@@ -519,12 +780,7 @@ class DiskStore:
 
     @staticmethod
     def _pack_seq(name: str) -> int | None:
-        if not name.endswith(".pk"):
-            return None
-        try:
-            return int(name[:-3], 16)
-        except ValueError:
-            return None
+        return _hex_stem(name, ".pk")
 
     def _pack_file(self, seq: int) -> Path:
         return self.path / "packs" / f"{seq % 256:02x}" / f"{seq:012x}.pk"
@@ -539,6 +795,11 @@ class DiskStore:
             self._used -= entry.size
             return self.file_of(key)
         pack.live -= 1
+        seg = pack.seg
+        if seg is not None:  # the segment's bytes stay counted; it is reused once empty
+            seg.live -= 1
+            self._release_if_empty_locked(seg)
+            return None
         if pack.live:
             return None
         self._used -= pack.size
@@ -641,17 +902,22 @@ class DiskStore:
                 continue
             if pack.pins or pack.writing:
                 continue
-            for k in pack.keys:
-                e = index.get(k)
-                if e is not None and e.pack is pack:
-                    del index[k]
-                    self.policy.removed(k)
-                    self._counts["evictions"] += 1
-            pack.live = 0
+            self._evict_pack_locked(pack)
             self._used -= pack.size
             need -= pack.size
             gone.append(pack)
         return gone
+
+    def _evict_pack_locked(self, pack: _Pack) -> None:
+        """Drop every object of ``pack`` (a pack file or a segment record) still indexed."""
+        index = self._index
+        for k in pack.keys:
+            e = index.get(k)
+            if e is not None and e.pack is pack:
+                del index[k]
+                self.policy.removed(k)
+                self._counts["evictions"] += 1
+        pack.live = 0
 
     def _unlink(self, items: Iterable[bytes | _Pack]) -> None:
         """Delete dropped objects' files and dropped packs.
@@ -672,6 +938,165 @@ class DiskStore:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+
+    # ------------------------------------------------------------ segments
+
+    def _release_if_empty_locked(self, seg: _Segment) -> None:
+        """Put ``seg`` on the free list once nothing in it is indexed or written."""
+        if seg.live or seg.writing or seg is self._active or not seg.generation:
+            return
+        seg.generation = 0
+        seg.records = []
+        self._free.append(seg)
+
+    def _evict_segment_locked(self) -> _Segment | None:
+        """Empty the segment of the policy's first victim whose segment is idle (no
+        record read or written, not the one being appended to); ``None`` if none is."""
+        index = self._index
+        for key in self.policy.victims():
+            entry = index.get(key)
+            if entry is None or entry.state != _READY or entry.pack is None:
+                continue
+            seg = entry.pack.seg
+            if (
+                seg is None
+                or seg is self._active
+                or seg.writing
+                or any(r.pins for r in seg.records)
+            ):
+                continue
+            for record in seg.records:
+                self._evict_pack_locked(record)
+            seg.live = 0
+            seg.generation = 0
+            seg.records = []
+            return seg
+        return None
+
+    def _reserve_locked(self, size: int) -> tuple[_Segment, int] | None:
+        """Room for a record of ``size`` bytes: (segment, offset), taking a free
+        segment, a new one (if the cap allows one more) or an evicted one when the
+        active one is full; ``None`` if none can be had."""
+        seg = self._active
+        if seg is None or seg.cursor + size > self.segment_bytes:
+            self._active = None
+            if seg is not None:
+                self._release_if_empty_locked(seg)
+            if self._free:
+                seg = self._free.pop()
+            elif (len(self._segments) + 1) * self.segment_bytes <= self.capacity_bytes:
+                number = next(i for i in range(len(self._segments) + 1) if i not in self._segments)
+                seg = _Segment(number, self._segment_file(number), fresh=True)
+                self._segments[number] = seg
+                self._used += self.segment_bytes
+            else:
+                seg = self._evict_segment_locked()
+                if seg is None:
+                    return None
+            seg.generation = secrets.randbits(64) | 1  # never 0, never a likely earlier one
+            seg.cursor = PAGE
+            self._active = seg
+        at = seg.cursor
+        seg.cursor += size
+        seg.writing += 1
+        return seg, at
+
+    def _record_slots(self, n: int) -> int:
+        """Objects per record for a job storing ``n``: >= pack_bytes, one record per
+        I/O thread for a large job, no more than a segment holds."""
+        return min(self._record_max, max(self._record_min, -(-n // self.queue_depth)))
+
+    def _prepare_segment(self, seg: _Segment, generation: int, fd: int, page: memoryview) -> None:
+        """Create and preallocate ``seg``'s file (first use), and write the head of
+        ``generation`` before any of its records (each use, once)."""
+        with seg.prep:
+            if seg.ready == generation:
+                return
+            if seg.fresh:
+                os.posix_fallocate(fd, 0, self.segment_bytes)
+                seg.fresh = False
+                if self.fsync == "always":
+                    self._sync_dir(seg.path.parent)
+            page[:] = _pack.SegmentHead(self.segment_bytes, generation).encode(PAGE)
+            _write_all(fd, [page], PAGE, 0)
+            for base, size, gen in seg.holes:
+                if gen == generation:
+                    page[:] = _pack.PackHeader((), size - PAGE, gen).encode(PAGE)
+                    _write_all(fd, [page], PAGE, base)
+            seg.holes = []
+            if self.fsync != "never":
+                os.fdatasync(fd)
+            seg.ready = generation
+
+    def _write_record(
+        self,
+        seg: _Segment,
+        pack: _Pack,
+        generation: int,
+        payloads: list[memoryview],
+        direct: bool,
+        scratch: mmap.mmap,
+    ) -> None:
+        """Slots first, then (once they are written) the header that makes them a
+        record: a killed writer leaves no header, so nothing of it is indexed."""
+        if seg.path.parent not in self._shards:
+            seg.path.parent.mkdir(exist_ok=True)
+            self._shards.add(seg.path.parent)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+        fd = os.open(seg.path, flags, 0o644)
+        mem = memoryview(scratch)
+        hsize = pack.first - pack.base
+        views: list[memoryview] = []
+        try:
+            head = mem[:PAGE]
+            views.append(head)
+            self._prepare_segment(seg, generation, fd, head)
+            bufs = self._slots(pack.keys, payloads, mem, hsize, views)
+            _write_all(fd, bufs, pack.size - hsize, pack.first)
+            if self.fsync != "never":
+                os.fdatasync(fd)
+            header = mem[:hsize]
+            views.append(header)
+            header[:] = _pack.PackHeader(tuple(pack.keys), pack.slot, generation).encode(PAGE)
+            _write_all(fd, [header], hsize, pack.base)
+            if self.fsync != "never":
+                os.fdatasync(fd)
+        finally:
+            for v in views:
+                v.release()
+            mem.release()
+            os.close(fd)
+
+    def _write_hole(self, seg: _Segment, pack: _Pack, direct: bool, scratch: mmap.mmap) -> None:
+        """After a record failed: a header with no keys spanning it, so a restart's
+        walk steps over it to the records after it (best effort: if this fails
+        too, the walk stops there and those records are missed)."""
+        generation = seg.generation
+        page = memoryview(scratch)[:PAGE]
+        try:
+            with seg.prep:
+                if seg.ready != generation:  # the head is not written yet: with it
+                    seg.holes.append((pack.base, pack.size, generation))
+                    return
+                page[:] = _pack.PackHeader((), pack.size - PAGE, generation).encode(PAGE)
+                flags = os.O_WRONLY | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+                fd = os.open(seg.path, flags)
+                try:
+                    _write_all(fd, [page], PAGE, pack.base)
+                finally:
+                    os.close(fd)
+        except OSError as exc:
+            log.warning("could not mark a failed record in %s: %s", seg.path, exc)
+        finally:
+            page.release()
+
+    @staticmethod
+    def _sync_dir(path: Path) -> None:
+        dfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
 
     # ------------------------------------------------------------ stores
 
@@ -705,11 +1130,27 @@ class DiskStore:
                 else:
                     fresh[key] = payload
             new = list(fresh.items())
-            per = self.pack_slots or 1
+            per = self._record_slots(len(new)) if self.segment_bytes else (self.pack_slots or 1)
             for i in range(0, len(new), per):
                 group = new[i : i + per]
                 gkeys = [k for k, _ in group]
                 pack: _Pack | None = None
+                if self.segment_bytes:
+                    first = _pack.header_bytes(gkeys, PAGE)
+                    size = first + len(gkeys) * self._slot_bytes
+                    room = self._reserve_locked(size)
+                    if room is None:
+                        full += gkeys
+                        continue
+                    seg, at = room
+                    pack = _Pack(seg.path, gkeys, at + first, self._slot_bytes, size, seg, at)
+                    seg.records.append(pack)
+                    seg.live += len(gkeys)
+                    for slot, key in enumerate(gkeys):
+                        self._index[key] = _Entry(_WRITING, 0, pack, slot)
+                        self.policy.inserted(key)
+                    units.append((pack, gkeys, [p for _, p in group]))
+                    continue
                 if self.pack_slots:
                     seq = self._next_pack
                     first = _pack.header_bytes(gkeys, PAGE)
@@ -782,19 +1223,30 @@ class DiskStore:
                 with self._lock:  # loads go first
                     while self._loads_active:
                         self._loads_idle.wait()
+                seg = pack.seg if pack is not None else None
                 try:
                     if pack is None:
                         self._write_one(keys[0], payloads[0], direct, scratch)
+                    elif seg is not None:  # stable while the record is being written
+                        self._write_record(seg, pack, seg.generation, payloads, direct, scratch)
                     else:
                         self._write_pack(pack, payloads, direct, scratch)
                 except Exception as exc:  # noqa: BLE001 - reported in the job's result
+                    if seg is not None and pack is not None:
+                        self._write_hole(seg, pack, direct, scratch)
                     with self._lock:
                         for key in keys:
                             entry = self._index.pop(key, None)
                             if entry is not None:
                                 self._used -= entry.size
                                 self.policy.removed(key)
-                        if pack is not None:
+                        if seg is not None and pack is not None:
+                            # its bytes stay in the segment, never indexed (no header)
+                            seg.live -= pack.live
+                            pack.live = 0
+                            seg.writing -= 1
+                            self._release_if_empty_locked(seg)
+                        elif pack is not None:
                             self._used -= pack.size
                             pack.live = 0
                         self._counts["store_failures"] += len(keys)
@@ -808,6 +1260,9 @@ class DiskStore:
                             entry.state = _READY
                     if pack is not None:
                         pack.writing = False
+                    if seg is not None:
+                        seg.writing -= 1
+                        self._release_if_empty_locked(seg)
                     self._counts["stored"] += len(keys)
                 nbytes += sum(p.nbytes for p in payloads)
         finally:
@@ -822,6 +1277,30 @@ class DiskStore:
         finally:
             tail.release()
 
+    def _slots(
+        self,
+        keys: list[bytes],
+        payloads: list[memoryview],
+        mem: memoryview,
+        at: int,
+        views: list[memoryview],
+    ) -> list[memoryview]:
+        """``payload, trailer, payload, trailer ...`` for one write of consecutive slots,
+        the (page-padded) trailers built in ``mem`` from ``at`` (their views added
+        to ``views``, to release)."""
+        bufs: list[memoryview] = []
+        tb = self._tail_bytes
+        for key, payload in zip(keys, payloads, strict=True):
+            trailer = Trailer.for_payload(key, payload).encode(PAGE)
+            tail = mem[at : at + tb]
+            views.append(tail)
+            tail[: len(trailer)] = trailer
+            if tb > len(trailer):
+                tail[len(trailer) :] = bytes(tb - len(trailer))
+            bufs += [payload, tail]
+            at += tb
+        return bufs
+
     def _write_pack(
         self, pack: _Pack, payloads: list[memoryview], direct: bool, scratch: mmap.mmap
     ) -> None:
@@ -830,18 +1309,8 @@ class DiskStore:
         mem = memoryview(scratch)
         views = [mem[: len(header)]]
         views[0][:] = header
-        bufs: list[memoryview] = [views[0]]
-        at, tb = len(header), self._tail_bytes
         try:
-            for key, payload in zip(pack.keys, payloads, strict=True):
-                trailer = Trailer.for_payload(key, payload).encode(PAGE)
-                tail = mem[at : at + tb]
-                views.append(tail)
-                tail[: len(trailer)] = trailer
-                if tb > len(trailer):
-                    tail[len(trailer) :] = bytes(tb - len(trailer))
-                bufs += [payload, tail]
-                at += tb
+            bufs = [views[0], *self._slots(pack.keys, payloads, mem, len(header), views)]
             self._publish(pack.path, bufs, direct)
         finally:
             for v in views:
@@ -869,11 +1338,7 @@ class DiskStore:
         os.close(fd)
         os.replace(tmp, final)
         if self.fsync == "always":
-            dfd = os.open(shard, os.O_RDONLY | os.O_CLOEXEC)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            self._sync_dir(shard)
 
     # ------------------------------------------------------------ loads
 
@@ -1118,6 +1583,25 @@ class DiskStore:
             f"<DiskStore {self.path} {state} objects={n} used={used}/{self.capacity_bytes} "
             f"direct={self.direct} queue_depth={self.queue_depth}>"
         )
+
+
+def _hex_stem(name: str, suffix: str) -> int | None:
+    """The number a ``<hex><suffix>`` file name carries, or ``None``."""
+    if not name.endswith(suffix):
+        return None
+    try:
+        return int(name[: -len(suffix)], 16)
+    except ValueError:
+        return None
+
+
+def _read_header(fd: int, at: int) -> _pack.PackHeader:
+    """The pack or record header at ``at``: one ``pread``, two if it is longer than a page."""
+    raw = os.pread(fd, PAGE, at)
+    need = _pack.PackHeader.needed(raw)
+    if need > len(raw):
+        raw = os.pread(fd, need, at)
+    return _pack.PackHeader.decode(raw)
 
 
 def _split(items: list[_T], parts: int) -> list[list[_T]]:

@@ -63,8 +63,8 @@ def test_hits_come_from_disk_in_a_fresh_process_with_identical_tokens(tmp_path: 
     assert plain["metrics"]["vllm:external_prefix_cache_hits"] == 0
     # run A wrote chunks to disk ...
     assert first["metrics"]["vllm:kv_offload_tiering_write_bytes"] > 0
-    # (96 KiB chunks, under the 1 MiB pack_bytes: several to a pack file)
-    assert list(kv_dir.joinpath("packs").rglob("*.pk"))
+    # (a new directory: the segment layout, records in preallocated segment files)
+    assert list(kv_dir.joinpath("segments").glob("*.seg"))
     # ... which run B, with a fresh host tier, read back as external prefix hits
     assert second["metrics"]["vllm:prefix_cache_hits"] == 0
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0

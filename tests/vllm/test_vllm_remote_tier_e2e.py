@@ -111,7 +111,8 @@ def test_disk_then_remote_a_second_instance_gets_hits_from_redis(tmp_path: Path)
         )
     want = plain["rounds"][0]
     assert first["rounds"] == [want] and second["rounds"] == [want]
-    # one file per chunk (*.kv) or, for chunks under 1 MiB, pack files (*.pk)
-    assert [*dir_a.rglob("*.kv"), *dir_a.rglob("*.pk")], "run A wrote nothing to disk"
+    # segment files (*.seg: a new directory's layout), or files (*.kv) and packs (*.pk)
+    found = [*dir_a.rglob("*.seg"), *dir_a.rglob("*.kv"), *dir_a.rglob("*.pk")]
+    assert found, "run A wrote nothing to disk"
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0, second["log"]
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0

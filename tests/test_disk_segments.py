@@ -1,0 +1,539 @@
+"""The segment layout (``DiskStore(segment_bytes=)``): records appended to preallocated
+segment files, each object verified alone, a record indexed only once its header is
+written after its slots, segments recycled whole under a new generation.
+(Concurrent stores and loads: tests/test_disk.py, parametrized over the layouts.)"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from offload_engine import (
+    ConfigError,
+    KeyMissError,
+    LayoutMismatchError,
+    SyncOffloadingEngine,
+    TierFullError,
+    TrailerError,
+    TransferSpec,
+    cpu_blocks,
+    disk_blocks,
+)
+from offload_engine.handlers.disk import disk_handlers
+from offload_engine.stores import _pack
+from offload_engine.stores import disk as disk_mod
+from offload_engine.stores.disk import PAGE, DiskStore
+from offload_engine.tier import HostTier
+from tests.test_disk import _mounted, in_threads, killed_mid_write
+from tests.test_disk_pack import (
+    BLOCK,
+    SLOT,
+    data,
+    digest,
+    key,
+    load,
+    load_with_one_flipped_byte,
+    make_tier,
+    store,
+)
+
+SEG = 2**20  # 1 MiB segments: page 0 is the head, 1020 KiB for records
+
+
+def keys(a: int, b: int) -> list[bytes]:
+    return [key(i) for i in range(a, b)]
+
+
+def record(n: int) -> int:
+    """Bytes of a record of ``n`` objects (a one-page header: short keys)."""
+    return PAGE + n * SLOT
+
+
+@contextlib.contextmanager
+def engine_on(
+    path: Path, tier: HostTier, block: int = BLOCK, **args: object
+) -> Iterator[tuple[DiskStore, SyncOffloadingEngine]]:
+    args.setdefault("capacity_bytes", 8 * SEG)
+    args.setdefault("segment_bytes", SEG)
+    args.setdefault("pack_bytes", 0)  # records sized by the job and queue depth alone
+    args.setdefault("queue_depth", 1)
+    with (
+        DiskStore(path, digest(block), **args) as store,  # type: ignore[arg-type]
+        SyncOffloadingEngine(disk_handlers(store, tier)) as engine,
+    ):
+        yield store, engine
+
+
+def segments(path: Path) -> list[Path]:
+    return sorted((path / "segments").glob("*.seg"))
+
+
+def on_disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in segments(path))
+
+
+@contextlib.contextmanager
+def counting(monkeypatch: pytest.MonkeyPatch, call: str) -> Iterator[list[tuple[int, int]]]:
+    """Record the store's ``_pwritev``/``_preadv`` calls as (offset, bytes)."""
+    calls: list[tuple[int, int]] = []
+    real = getattr(disk_mod, call)
+
+    def counted(fd: int, bufs: list[memoryview], offset: int) -> int:
+        calls.append((offset, sum(memoryview(b).nbytes for b in bufs)))
+        return int(real(fd, bufs, offset))
+
+    monkeypatch.setattr(disk_mod, call, counted)
+    yield calls
+    monkeypatch.setattr(disk_mod, call, real)
+
+
+# ------------------------------------------------------------------ round trips
+
+
+@pytest.mark.parametrize("mib", [0.25, 1, 2, 8])
+def test_round_trips_bit_exact_at_chunk_sizes(tmp_path: Path, mib: float) -> None:
+    block = int(mib * 2**20)
+    tier = make_tier(8, block, seed=int(mib * 4))
+    seg = 32 * 2**20
+    ks = keys(0, 4)
+    with engine_on(
+        tmp_path, tier, block, capacity_bytes=3 * seg, segment_bytes=seg, queue_depth=4
+    ) as (disk, engine):
+        assert store(engine, [0, 1, 2, 3], ks).success  # type: ignore[attr-defined]
+        tier.memory[4:].zero_()
+        assert load(engine, ks, [4, 5, 6, 7]).success  # type: ignore[attr-defined]
+        assert [data(tier, 4 + i) for i in range(4)] == [data(tier, i) for i in range(4)]
+        assert disk.stats().used_bytes == on_disk(tmp_path) == len(segments(tmp_path)) * seg
+        assert not (tmp_path / "objects").exists() and not (tmp_path / "packs").exists()
+    with engine_on(
+        tmp_path, tier, block, capacity_bytes=3 * seg, segment_bytes=seg, queue_depth=4
+    ) as (disk, engine):
+        assert disk.stats().recovered == 4
+        tier.memory[4:].zero_()
+        assert load(engine, ks[::-1], [4, 5, 6, 7]).success  # type: ignore[attr-defined]
+        assert [data(tier, 4 + i) for i in range(4)] == [data(tier, 3 - i) for i in range(4)]
+
+
+@pytest.mark.parametrize(("fsync", "direct"), [("data", None), ("always", None), ("never", False)])
+def test_fsync_policies_and_buffered_io_round_trip(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str, direct: bool | None
+) -> None:
+    tier = make_tier()
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        synced.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    with engine_on(tmp_path, tier, fsync=fsync, direct=direct) as (disk, engine):
+        assert disk.direct is (direct is None)
+        assert store(engine, list(range(4)), keys(0, 4)).success  # type: ignore[attr-defined]
+        # data and always: after the head, after the record's slots, after its header
+        assert len(synced) == (0 if fsync == "never" else 3)
+    tier.memory[8:12].zero_()
+    with engine_on(tmp_path, tier, fsync=fsync, direct=direct) as (disk, engine):
+        assert load(engine, keys(0, 4), [8, 9, 10, 11]).success  # type: ignore[attr-defined]
+        assert all(data(tier, 8 + i) == data(tier, i) for i in range(4))
+
+
+def test_a_record_is_slots_then_its_header_and_a_run_is_one_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    ks = keys(0, 8)
+    with engine_on(tmp_path, tier, queue_depth=2) as (disk, engine):
+        with counting(monkeypatch, "_pwritev") as writes:
+            assert store(engine, list(range(8)), ks).success  # type: ignore[attr-defined]
+        # 8 objects, 2 threads: two records of 4, each slots first and then its header;
+        # the segment's head before any of them
+        assert writes[0] == (0, PAGE)
+        records = sorted(writes[1:])
+        assert records == sorted(
+            [
+                (2 * PAGE, 4 * SLOT),
+                (PAGE, PAGE),
+                (PAGE + record(4) + PAGE, 4 * SLOT),
+                (PAGE + record(4), PAGE),
+            ]
+        )
+        for base in (PAGE, PAGE + record(4)):
+            slots = writes.index((base + PAGE, 4 * SLOT))
+            assert writes.index((base, PAGE)) > slots
+        assert disk.location(ks[5]) == (segments(tmp_path)[0], PAGE + record(4) + PAGE + SLOT, SLOT)
+        tier.memory[8:].zero_()
+        with counting(monkeypatch, "_preadv") as reads:
+            assert load(engine, ks, list(range(8, 16))).success  # type: ignore[attr-defined]
+        assert sorted(reads) == [(2 * PAGE, 4 * SLOT), (PAGE + record(4) + PAGE, 4 * SLOT)]
+        assert [data(tier, 8 + i) for i in range(8)] == [data(tier, i) for i in range(8)]
+
+
+def test_bad_segment_settings_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="multiple of 4096"):
+        DiskStore(tmp_path, digest(), capacity_bytes=8 * SEG, segment_bytes=SEG + 1)
+    with pytest.raises(ConfigError, match="cannot hold one object"):
+        DiskStore(tmp_path, digest(), capacity_bytes=8 * SEG, segment_bytes=SLOT)
+    with pytest.raises(ConfigError, match="less than one segment"):
+        DiskStore(tmp_path, digest(), capacity_bytes=SEG - PAGE, segment_bytes=SEG)
+    with pytest.raises(ConfigError, match="segment_bytes"):
+        DiskStore(tmp_path, digest(), capacity_bytes=SEG, segment_bytes=-1)
+
+
+def test_a_directory_is_read_only_in_the_layout_it_was_written_in(tmp_path: Path) -> None:
+    tier = make_tier(4)
+    seg_dir, file_dir, new_dir = tmp_path / "seg", tmp_path / "files", tmp_path / "new"
+    for d in (seg_dir, file_dir, new_dir):
+        d.mkdir()
+    with engine_on(seg_dir, tier) as (_disk, engine):
+        assert store(engine, [0], [key(0)]).success  # type: ignore[attr-defined]
+    config = json.loads((seg_dir / "config.json").read_text())
+    assert config["store"] == {"format": "segments", "segment_bytes": SEG}
+    with pytest.raises(LayoutMismatchError, match="files and packs"):
+        DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=0)
+    with pytest.raises(LayoutMismatchError, match="segment_bytes"):
+        DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=2 * SEG)
+    with DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own layout
+        assert disk.segment_bytes == SEG and disk.contains([key(0)]) == 1
+    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=0):
+        pass
+    assert "store" not in json.loads((file_dir / "config.json").read_text())
+    with pytest.raises(LayoutMismatchError, match="files and packs"):
+        DiskStore(file_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=SEG)
+    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own layout
+        assert disk.segment_bytes == 0 and disk.pack_slots > 0
+    # a new directory, no segment_bytes: segments of a 16th of the cap
+    with DiskStore(new_dir, digest(), capacity_bytes=32 * SEG) as disk:
+        assert disk.segment_bytes == 2 * SEG and disk.pack_slots == 0
+    config = json.loads((new_dir / "config.json").read_text())
+    assert config["store"] == {"format": "segments", "segment_bytes": 2 * SEG}
+    config["store"] = {"format": "log"}
+    (new_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(LayoutMismatchError, match="unknown store layout"):
+        DiskStore(new_dir, digest(), capacity_bytes=32 * SEG)
+
+
+# ------------------------------------------------------------------ restart
+
+
+def test_restart_walks_record_headers_and_appends_to_a_new_segment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    with engine_on(tmp_path, tier) as (_disk, engine):
+        for j in range(3):
+            assert store(engine, list(range(j * 4, j * 4 + 4)), keys(j * 4, j * 4 + 4)).success  # type: ignore[attr-defined]
+    [seg0] = segments(tmp_path)
+    (tmp_path / "segments" / "junk.seg").write_bytes(b"x")  # not ours: deleted
+    tier.memory[16:].zero_()
+    with engine_on(tmp_path, tier) as (disk, engine):
+        stats = disk.stats()
+        assert (stats.recovered, stats.removed_at_start, stats.used_bytes) == (12, 1, SEG)
+        with counting(monkeypatch, "_preadv") as reads:
+            assert load(engine, keys(0, 12), list(range(16, 28))).success  # type: ignore[attr-defined]
+        assert len(reads) == 3  # a record's consecutive slots: one read
+        assert all(data(tier, 16 + i) == data(tier, i) for i in range(12))
+        # the recovered segment is closed: a new record goes into a second one
+        assert store(engine, [12], [key(12)]).success  # type: ignore[attr-defined]
+        where = disk.location(key(12))
+        assert where is not None and where[0] != seg0
+        assert disk.stats().used_bytes == 2 * SEG == on_disk(tmp_path)
+
+
+def test_a_corrupted_object_inside_a_segment_is_a_miss_for_it_alone(tmp_path: Path) -> None:
+    tier = make_tier()
+    ks = keys(0, 4)
+    with engine_on(tmp_path, tier) as (disk, engine):
+        assert store(engine, [0, 1, 2, 3], ks).success  # type: ignore[attr-defined]
+        load_with_one_flipped_byte(disk, engine, tier, ks, 2)
+        stats = disk.stats()
+        assert (stats.corrupt, stats.objects, stats.used_bytes) == (1, 3, SEG)
+        # stored again, in a later record: it wins after a restart too
+        assert store(engine, [2], [ks[2]]).success  # type: ignore[attr-defined]
+    with engine_on(tmp_path, tier) as (disk, engine):
+        assert disk.stats().recovered == 4
+        tier.memory[8:12].zero_()
+        assert load(engine, ks, [8, 9, 10, 11]).success  # type: ignore[attr-defined]
+        assert all(data(tier, 8 + i) == data(tier, i) for i in range(4))
+
+
+# ------------------------------------------------------------------ capacity, recycling
+
+
+def test_a_recycled_segment_never_serves_its_earlier_keys(tmp_path: Path) -> None:
+    tier = make_tier()
+    a1, a2, b, c = keys(0, 6), keys(6, 12), keys(12, 24), keys(24, 30)
+    with engine_on(tmp_path, tier, capacity_bytes=2 * SEG) as (disk, engine):
+        assert store(engine, list(range(6)), a1).success  # type: ignore[attr-defined]
+        assert store(engine, list(range(6, 12)), a2).success  # type: ignore[attr-defined]
+        assert store(engine, list(range(12, 24)), b).success  # type: ignore[attr-defined]
+        seg0, seg1 = segments(tmp_path)
+        # c does not fit the second segment: the least recently used segment (a1 and
+        # a2) is emptied and reused under a new generation, from its first record
+        assert store(engine, list(range(24, 30)), c).success  # type: ignore[attr-defined]
+        assert disk.contains(a1) == disk.contains(a2) == 0
+        assert disk.contains(b) == 12 and disk.contains(c) == 6
+        assert disk.location(c[0]) == (seg0, 2 * PAGE, SLOT)
+        stats = disk.stats()
+        assert (stats.evictions, stats.objects, stats.used_bytes) == (12, 18, 2 * SEG)
+        assert segments(tmp_path) == [seg0, seg1] and on_disk(tmp_path) == 2 * SEG
+    # c is exactly as long as a1 was: the walk lands on a2's old header, whole and
+    # valid but of the earlier generation, and must stop there
+    raw = seg0.read_bytes()
+    head = _pack.SegmentHead.decode(raw[:PAGE])
+    stale = _pack.PackHeader.decode(raw[PAGE + record(6) :][:PAGE])
+    assert stale.keys == tuple(a2) and stale.generation != head.generation
+    originals = [data(tier, 24 + i) for i in range(6)]
+    tier.memory[16:].zero_()
+    with engine_on(tmp_path, tier, capacity_bytes=2 * SEG) as (disk, engine):
+        assert disk.stats().recovered == 18
+        assert disk.contains(a1) == disk.contains(a2) == 0
+        assert load(engine, c, list(range(16, 22))).success  # type: ignore[attr-defined]
+        assert [data(tier, 16 + i) for i in range(6)] == originals
+        assert disk.stats().used_bytes == 2 * SEG == on_disk(tmp_path)
+
+
+def test_capacity_is_whole_segments_exact_across_restart(tmp_path: Path) -> None:
+    tier = make_tier(48)
+    with engine_on(tmp_path, tier, capacity_bytes=3 * SEG) as (disk, engine):
+        for j in range(5):  # 12 objects a segment at most: 5 x 6 fill three segments
+            assert store(engine, list(range(6)), keys(j * 6, j * 6 + 6)).success  # type: ignore[attr-defined]
+        assert disk.stats().used_bytes == 3 * SEG == on_disk(tmp_path)
+        # a job larger than the cap holds: records of 14, 14, 14 and 6; the fourth finds
+        # every segment holding a record being written, and fails
+        r = store(engine, list(range(48)), keys(100, 148))
+        assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
+        assert disk.contains(keys(100, 148)) == 42 and disk.stats().store_failures == 6
+        assert disk.stats().used_bytes == 3 * SEG == on_disk(tmp_path)
+        live = [k for k in keys(0, 30) + keys(100, 148) if disk.contains([k])]
+    with engine_on(tmp_path, tier, capacity_bytes=3 * SEG) as (disk, _engine):
+        assert disk.stats().used_bytes == 3 * SEG == on_disk(tmp_path)
+        assert [k for k in keys(0, 30) + keys(100, 148) if disk.contains([k])] == live
+    with engine_on(tmp_path, tier, capacity_bytes=SEG) as (disk, _engine):
+        # a smaller cap: whole segments went, their files with them
+        assert disk.stats().used_bytes == SEG == on_disk(tmp_path)
+        assert len(segments(tmp_path)) == 1
+
+
+def test_recycling_under_concurrent_stores_and_loads_never_serves_wrong_bytes(
+    tmp_path: Path,
+) -> None:
+    """Four threads store and load more than the cap holds, so segments are emptied
+    and reused while loads run: every load gets each key's own bytes or a miss
+    (its block zeroed), never another key's or an earlier use's."""
+    tier = make_tier(64, seed=5)
+    originals = {b: data(tier, b) for b in range(32)}
+    with engine_on(tmp_path, tier, capacity_bytes=3 * SEG, queue_depth=2) as (disk, engine):
+
+        def worker(t: int) -> None:
+            for rnd in range(6):
+                ids = list(range(t * 8, t * 8 + 8))  # blocks 0..31 hold the originals
+                ks = keys(1000 * rnd + 100 * t, 1000 * rnd + 100 * t + 8)
+                r = store(engine, ids, ks)
+                assert r.success or isinstance(r.error, TierFullError), r  # type: ignore[attr-defined]
+                dest = [32 + t * 8 + i for i in range(8)]
+                r = load(engine, ks, dest)
+                err = r.error  # type: ignore[attr-defined]
+                missing = set(err.missing) if isinstance(err, KeyMissError) else set()
+                assert r.success or missing, r  # type: ignore[attr-defined]
+                for k, b, d in zip(ks, ids, dest, strict=True):
+                    want = bytes(BLOCK) if k in missing else originals[b]
+                    assert data(tier, d) == want
+
+        in_threads(worker, 4)
+        stats = disk.stats()
+        assert stats.evictions > 0 and stats.corrupt == 0
+        assert stats.used_bytes == 3 * SEG == on_disk(tmp_path)
+        stored = [
+            keys(1000 * r + 100 * t, 1000 * r + 100 * t + 8) for t in range(4) for r in range(6)
+        ]
+        live = [k for ks in stored for k in ks if disk.contains([k])]
+    # after a restart: the same keys, each with its own bytes
+    tier.memory[32:].zero_()
+    with engine_on(tmp_path, tier, capacity_bytes=3 * SEG) as (disk, engine):
+        assert disk.stats().recovered == len(live) > 0
+        for n, k in enumerate(live[:32]):
+            i = int.from_bytes(k[:32], "big")  # key(i): thread (i % 1000) // 100, block i % 100
+            assert load(engine, [k], [32 + n]).success  # type: ignore[attr-defined]
+            assert data(tier, 32 + n) == originals[(i % 1000) // 100 * 8 + i % 100]
+
+
+def test_a_segment_with_an_object_being_read_is_not_recycled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    entered, release = threading.Event(), threading.Event()
+    real = disk_mod._preadv
+
+    def held(fd: int, bufs: list[memoryview], offset: int) -> int:
+        entered.set()
+        release.wait(10)
+        return int(real(fd, bufs, offset))
+
+    with engine_on(tmp_path, tier, capacity_bytes=SEG) as (disk, engine):
+        assert store(engine, list(range(12)), keys(0, 12)).success  # type: ignore[attr-defined]
+        monkeypatch.setattr(disk_mod, "_preadv", held)
+        job = engine.submit(TransferSpec(disk_blocks([key(3)]), cpu_blocks([20])))
+        assert entered.wait(10)
+        r = store(engine, list(range(12, 16)), keys(12, 16))
+        assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
+        release.set()
+        [done] = engine.wait([job], timeout=30)
+        assert done.success and data(tier, 20) == data(tier, 3)  # type: ignore[attr-defined]
+        assert disk.contains(keys(0, 12)) == 12
+        assert store(engine, list(range(12, 16)), keys(12, 16)).success  # type: ignore[attr-defined]
+        assert disk.contains(keys(0, 12)) == 0
+
+
+# ------------------------------------------------------------------ disk full
+
+
+def test_disk_full_on_a_small_tmpfs(tmp_path: Path) -> None:
+    small = tmp_path / "small"
+    small.mkdir()
+    tier = make_tier(48)
+    with _mounted(small, f"size={SEG * 5 // 2}") as mounted:
+        if not mounted:
+            pytest.skip("mounting a tmpfs is refused here; the injected ENOSPC tests cover it")
+        with engine_on(small, tier) as (disk, engine):
+            for j in range(2):  # a record of 12 objects fills a segment
+                r = store(engine, list(range(j * 12, j * 12 + 12)), keys(j * 12, j * 12 + 12))
+                assert r.success  # type: ignore[attr-defined]
+            # the third segment cannot be preallocated: its record fails, nothing else
+            r = store(engine, list(range(24, 36)), keys(24, 36))
+            assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
+            assert disk.contains(keys(0, 36)) == 24 and disk.stats().store_failures == 12
+            tier.memory[36:48].zero_()
+            assert load(engine, keys(6, 18), list(range(36, 48))).success  # type: ignore[attr-defined]
+            assert all(data(tier, 36 + i) == data(tier, 6 + i) for i in range(12))
+        with engine_on(small, tier) as (disk, _engine):
+            assert disk.stats().recovered == 24
+            assert disk.stats().used_bytes == 2 * SEG == on_disk(small)
+
+
+def test_enospc_preallocating_a_segment_fails_its_records_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    calls = [0]
+    real = os.posix_fallocate
+
+    def fallocate(fd: int, offset: int, length: int) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with engine_on(tmp_path, tier) as (disk, engine):
+        r = store(engine, [0, 1], keys(0, 2))
+        assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
+        assert disk.contains(keys(0, 2)) == 0 and disk.stats().store_failures == 2
+        # the engine serves on: the next record prepares the segment again
+        assert store(engine, [0, 1, 2], keys(0, 3)).success  # type: ignore[attr-defined]
+        tier.memory[8:11].zero_()
+        assert load(engine, keys(0, 3), [8, 9, 10]).success  # type: ignore[attr-defined]
+        assert all(data(tier, 8 + i) == data(tier, i) for i in range(3))
+        assert disk.stats().used_bytes == SEG == on_disk(tmp_path)
+    with engine_on(tmp_path, tier) as (disk, _engine):
+        assert disk.stats().recovered == 3
+
+
+def test_enospc_writing_a_record_leaves_a_hole_the_restart_steps_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
+    real = disk_mod._pwritev
+    fail = [True]
+
+    def pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
+        if fail[0] and sum(b.nbytes for b in bufs) == 3 * SLOT:  # the second record's slots
+            fail[0] = False
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return int(real(fd, bufs, offset))
+
+    monkeypatch.setattr(disk_mod, "_pwritev", pwritev)
+    with engine_on(tmp_path, tier) as (disk, engine):
+        assert store(engine, [0, 1], keys(0, 2)).success  # type: ignore[attr-defined]
+        r = store(engine, [2, 3, 4], keys(2, 5))
+        assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
+        assert store(engine, [5, 6], keys(5, 7)).success  # type: ignore[attr-defined]
+        assert disk.location(key(5)) == (
+            segments(tmp_path)[0],
+            PAGE + record(2) + record(3) + PAGE,
+            SLOT,
+        )
+        assert [disk.contains([k]) for k in keys(0, 7)] == [1, 1, 0, 0, 0, 1, 1]
+    tier.memory[8:].zero_()
+    with engine_on(tmp_path, tier) as (disk, engine):
+        assert disk.stats().recovered == 4  # the records on both sides of the hole
+        assert [disk.contains([k]) for k in keys(0, 7)] == [1, 1, 0, 0, 0, 1, 1]
+        assert load(engine, [key(0), key(1), key(5), key(6)], [8, 9, 10, 11]).success  # type: ignore[attr-defined]
+        assert [data(tier, b) for b in (8, 9, 10, 11)] == [data(tier, b) for b in (0, 1, 5, 6)]
+
+
+# ------------------------------------------------------------------ crash mid-write
+
+_WRITER = r"""
+import os, sys, threading
+from offload_engine.handlers.disk import disk_handlers
+from offload_engine.stores import disk as disk_mod
+from offload_engine.stores.disk import DiskStore
+from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
+from tests.test_disk_segments import BLOCK, SEG, digest, keys, make_tier
+
+real = disk_mod._pwritev
+count = [0]
+where = sys.argv[2]  # "slots": die halfway through the second record's slots
+                     # "header": die after its slots, before its header
+
+def pwritev(fd, bufs, offset):
+    count[0] += 1
+    # calls: 1 segment head, 2 record 1 slots, 3 its header, 4 record 2 slots, 5 its header
+    if (where == "slots" and count[0] == 4) or (where == "header" and count[0] == 5):
+        if where == "slots":
+            os.pwritev(fd, [bufs[0][: BLOCK // 2]], offset)  # aligned: O_DIRECT takes it
+        sys.stdout.write("MID-WRITE\n")
+        sys.stdout.flush()
+        threading.Event().wait()  # until SIGKILL
+    return real(fd, bufs, offset)
+
+disk_mod._pwritev = pwritev
+tier = make_tier(8, seed=11)
+store = DiskStore(
+    sys.argv[1], digest(), capacity_bytes=4 * SEG, segment_bytes=SEG, pack_bytes=0, queue_depth=1
+)
+engine = SyncOffloadingEngine(disk_handlers(store, tier))
+engine.wait([engine.submit(TransferSpec(cpu_blocks(range(4)), disk_blocks(keys(0, 4))))])
+engine.wait([engine.submit(TransferSpec(cpu_blocks(range(4, 8)), disk_blocks(keys(4, 8))))])
+"""
+
+
+@pytest.mark.parametrize("where", ["slots", "header"])
+def test_a_writer_killed_mid_record_leaves_nothing_of_it_in_the_index(
+    tmp_path: Path, where: str
+) -> None:
+    with killed_mid_write(_WRITER, str(tmp_path), where):
+        pass
+    [seg0] = segments(tmp_path)
+    # the second record's header page was never written (preallocated: zeros)
+    with pytest.raises(TrailerError, match="magic"):
+        _pack.PackHeader.needed(seg0.read_bytes()[PAGE + record(4) :][:PAGE])
+    tier = make_tier(16, seed=11)  # the writer's data in blocks 0..7
+    with engine_on(tmp_path, tier, capacity_bytes=4 * SEG) as (disk, engine):
+        stats = disk.stats()
+        assert (stats.recovered, stats.used_bytes) == (4, SEG)
+        assert disk.contains(keys(0, 8)) == 4 and disk.contains(keys(4, 8)) == 0
+        assert load(engine, keys(0, 4), [8, 9, 10, 11]).success  # type: ignore[attr-defined]
+        assert all(data(tier, 8 + i) == data(tier, i) for i in range(4))
+        # stored again after the restart: into a new segment, never over the torn tail
+        assert store(engine, [4, 5, 6, 7], keys(4, 8)).success  # type: ignore[attr-defined]
+        where_now = disk.location(key(4))
+        assert where_now is not None and where_now[0] != seg0
