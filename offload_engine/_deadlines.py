@@ -52,6 +52,11 @@ class Deadlines:
                 expired.append(job)
         return expired
 
+    def due_locked(self, now: float) -> bool:
+        """Whether some deadline is at or before ``now``."""
+        heap = self._heap
+        return bool(heap) and heap[0][0] <= now
+
     def arm_locked(self, now: float) -> tuple[float, anyio.Event]:
         """The timer task's next sleep: (seconds until the earliest deadline, its event)."""
         heap = self._heap

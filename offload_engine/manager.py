@@ -92,9 +92,10 @@ class _ResultIterator:
     """A plain async iterator (not a generator, so abandoning it with ``break``
     leaves nothing to finalize)."""
 
-    __slots__ = ("_store",)
+    __slots__ = ("_manager", "_store")
 
-    def __init__(self, store: CompletionStore) -> None:
+    def __init__(self, manager: OffloadingQueueManager, store: CompletionStore) -> None:
+        self._manager = manager
         self._store = store
 
     def __aiter__(self) -> _ResultIterator:
@@ -102,7 +103,13 @@ class _ResultIterator:
 
     async def __anext__(self) -> TransferResult:
         await anyio.lowlevel.checkpoint()
-        result = await self._store.next_result()
+        manager = self._manager
+        manager._poll()
+        manager._watch(1)
+        try:
+            result = await self._store.next_result()
+        finally:
+            manager._watch(-1)
         if result is None:
             raise StopAsyncIteration
         return result
@@ -165,6 +172,9 @@ class OffloadingQueueManager:
         # submitting threads inside a handler's launch, and what close awaits them with
         self._launching_here = 0
         self._here_done: anyio.Event | None = None
+        # handlers that report a finished job only when polled, unless watched
+        # (TransferHandler.polled_completion); replaced, never mutated
+        self._polled: tuple[TransferHandler[Any], ...] = ()
         self._closed_event: anyio.Event | None = None
         #: results nobody collected when ``async with`` closed the engine, or when
         #: :meth:`aclose` raised a handler's close error
@@ -217,6 +227,7 @@ class OffloadingQueueManager:
             route = Route(handler, self._capacity)
             if not running:
                 self._routes[pair] = route
+                self._note_polled(handler)
                 return
             # Started before it is routable: until start() returns, a submit for this
             # pair gets NoHandlerError, and if start() raises, nothing was accepted.
@@ -234,7 +245,23 @@ class OffloadingQueueManager:
         with self._lock:
             self._registering.discard(pair)
             self._routes[pair] = route
+            self._note_polled(handler)
         self._spawn(self._route_main, route)
+
+    def _note_polled(self, handler: TransferHandler[Any]) -> None:
+        if handler.polled_completion:
+            self._polled = (*self._polled, handler)
+
+    def _poll(self) -> None:
+        """Let every polled-completion handler report what has finished."""
+        for handler in self._polled:
+            handler.poll()
+
+    def _watch(self, delta: int) -> None:
+        """Someone starts (+1) or stops (-1) waiting: polled-completion handlers
+        report unprompted meanwhile. Never under the lock."""
+        for handler in self._polled:
+            handler.watch(delta)
 
     @property
     def handlers(self) -> tuple[TransferHandler[Any], ...]:
@@ -373,6 +400,8 @@ class OffloadingQueueManager:
         return leftovers
 
     async def _drain(self, cancel_queued: bool, timeout: float | None) -> None:
+        # closing waits for every job: polled handlers report unprompted from now on
+        self._watch(1)
         with self._lock:
             if cancel_queued:
                 for route in self._routes.values():
@@ -528,6 +557,8 @@ class OffloadingQueueManager:
                     inflight[job.job_id] = job
                     batch.append(job)
                     room -= 1
+                # queued jobs wait for room that only finished jobs' reports make
+                blocked = bool(queue) and room <= 0 and handler.polled_completion
                 if batch:
                     route.launching = mine = True
                 else:
@@ -547,11 +578,19 @@ class OffloadingQueueManager:
                     await anyio.lowlevel.checkpoint()
             else:
                 since_yield = 0
-                await event.wait()
+                if blocked:
+                    await self._wait_watched(handler, event)
+                else:
+                    await event.wait()
 
     async def _timer_main(self) -> None:
         deadlines = self._deadlines
         while True:
+            if self._polled:
+                with self._lock:
+                    due = deadlines.due_locked(time.monotonic())
+                if due:  # a job that finished unpolled is not timed out
+                    self._poll()
             with self._lock:
                 now = time.monotonic()
                 expired = deadlines.expired_locked(now)
@@ -741,7 +780,20 @@ class OffloadingQueueManager:
                     self._launch_here(here)
                 self._flush()
                 return jid
+            await self._wait_watched(route.handler, event)
+
+    async def _wait_watched(self, handler: TransferHandler[Any], event: anyio.Event) -> None:
+        """Await ``event`` (room that only finished jobs make); a polled-completion
+        handler reports what has finished first, and unprompted meanwhile."""
+        if not handler.polled_completion:
             await event.wait()
+            return
+        handler.poll()
+        handler.watch(1)
+        try:
+            await event.wait()
+        finally:
+            handler.watch(-1)
 
     def submit_blocking(
         self,
@@ -760,20 +812,32 @@ class OffloadingQueueManager:
         wait_timeout = check_wait_timeout(wait_timeout, what="wait_timeout")
         route, prepared, timeout, job_id = self._prepare(spec, job_id, timeout)
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
-        with self._lock:
+        handler = route.handler
+        watching = False  # a polled-completion handler is watched while this waits for room
+        try:
             while True:
-                try:
-                    jid, here = self._enqueue_locked(route, spec, prepared, job_id, timeout)
-                    break
-                except QueueFullError:
-                    remaining = None if deadline is None else deadline - time.monotonic()
-                    if remaining is not None and remaining <= 0:
-                        raise
-                    self._sync_space_waiters += 1
+                with self._lock:
                     try:
-                        self._space_cond.wait(remaining)
-                    finally:
-                        self._sync_space_waiters -= 1
+                        jid, here = self._enqueue_locked(route, spec, prepared, job_id, timeout)
+                        break
+                    except QueueFullError:
+                        remaining = None if deadline is None else deadline - time.monotonic()
+                        if remaining is not None and remaining <= 0:
+                            raise
+                        if watching or not handler.polled_completion:
+                            self._sync_space_waiters += 1
+                            try:
+                                self._space_cond.wait(remaining)
+                            finally:
+                                self._sync_space_waiters -= 1
+                            continue
+                # outside the lock: report what has finished, then watch while waiting
+                handler.poll()
+                handler.watch(1)
+                watching = True
+        finally:
+            if watching:
+                handler.watch(-1)
         if here is not None:
             self._launch_here(here)
         self._flush()
@@ -895,6 +959,8 @@ class OffloadingQueueManager:
         """Every result not yet collected, in finish order. Never blocks; any thread."""
         if self._state == _NEW:
             raise EngineNotStartedError("enter the engine ('async with') first")
+        if self._polled:
+            self._poll()
         return self._store.drain()
 
     async def wait(
@@ -912,7 +978,14 @@ class OffloadingQueueManager:
         await anyio.lowlevel.checkpoint()
         if self._state == _NEW:
             raise EngineNotStartedError("enter the engine ('async with') first")
-        return await self._store.wait(job_ids, timeout)
+        if not self._polled:
+            return await self._store.wait(job_ids, timeout)
+        self._poll()
+        self._watch(1)
+        try:
+            return await self._store.wait(job_ids, timeout)
+        finally:
+            self._watch(-1)
 
     def wait_blocking(
         self, job_ids: Iterable[int], *, timeout: float | None = None
@@ -922,7 +995,14 @@ class OffloadingQueueManager:
             raise WrongThreadError("wait_blocking would deadlock on the engine's loop thread")
         if self._state == _NEW:
             raise EngineNotStartedError("start the engine first")
-        return self._store.wait_blocking(job_ids, timeout)
+        if not self._polled:
+            return self._store.wait_blocking(job_ids, timeout)
+        self._poll()
+        self._watch(1)
+        try:
+            return self._store.wait_blocking(job_ids, timeout)
+        finally:
+            self._watch(-1)
 
     def __aiter__(self) -> AsyncIterator[TransferResult]:
         return self.results()
@@ -935,7 +1015,7 @@ class OffloadingQueueManager:
         """
         if self._state == _NEW:
             raise EngineNotStartedError("enter the engine ('async with') first")
-        return _ResultIterator(self._store)
+        return _ResultIterator(self, self._store)
 
     # ------------------------------------------------------------ introspection
 

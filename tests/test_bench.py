@@ -213,3 +213,19 @@ def test_the_decode_step_keeps_its_shapes_and_the_plan_counts_its_ticks() -> Non
     ]
     [line] = format_step_rows(rows)
     assert "4.00 ms alone" in line and "contiguous +2.5%" in line and "auto +5.0%" in line
+
+
+def test_allocator_slots_come_in_runs_as_vllms_cpu_allocator_hands_them_out() -> None:
+    from offload_engine.bench.slots import allocator_slots
+
+    jobs = allocator_slots(12, 4, 6)
+    assert [j.tolist() for j in jobs] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [8, 9, 10, 11],  # fresh slots, ascending, until the tier is full
+        [3, 2, 1, 0],  # then the oldest evicted, reused last-in first-out: descending
+        [7, 6, 5, 4],
+        [11, 10, 9, 8],
+    ]
+    with pytest.raises(ValueError, match="do not fit"):
+        allocator_slots(4, 5, 1)

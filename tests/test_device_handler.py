@@ -135,7 +135,7 @@ def round_trip(
 @pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
-@pytest.mark.parametrize("launch", ["loop", "submitter", "launcher"])
+@pytest.mark.parametrize("launch", list(LAUNCH_MODES))
 def test_round_trip_every_layout_and_strategy(
     fake: FakeRuntime, kind: str, strategy: CopyStrategy, factor: int, launch: str
 ) -> None:
@@ -554,3 +554,41 @@ def test_merge_runs_returns_scattered_copies_as_they_are() -> None:
     dst, src, sizes = u(300, 100, 200), u(0, 50, 20), u(10, 10, 10)
     out = merge_runs(dst, src, sizes)
     assert [a.tolist() for a in out] == [[300, 100, 200], [0, 50, 20], [10, 10, 10]]
+
+
+@pytest.mark.parametrize(
+    ("slots", "descriptors"),
+    [
+        ([7, 6, 5, 4, 3, 2, 1, 0], [1]),  # a run handed out last-in first-out: descending
+        ([0, 1, 2, 3, 11, 10, 9, 8], [2]),  # fresh slots ascending, then reused ones
+        ([3, 9, 0, 6, 12, 15], [6]),  # scattered: one descriptor per slot
+        (list(range(11, -1, -1)), [1, 1]),  # a run longer than a piece (8 staging rows)
+        ([0, 1, 2, 5, 6, 7, 8, 9, 10, 14, 15], [2, 2]),  # run 5-10 is cut by the piece boundary
+    ],
+)
+def test_staged_jobs_move_runs_of_consecutive_tier_slots_as_one_descriptor(
+    fake: FakeRuntime, slots: list[int], descriptors: list[int]
+) -> None:
+    layout = build_layout("cross-layer", fake.empty, num_blocks=24)
+    tier = pinned_host_tier(fake, layout, 16)
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, staging_bytes=16 * layout.slot_bytes)
+    store, load = make_device_handlers(fake, layout, tier, cfg)
+    cache = [int(b) for b in np.random.default_rng(1).permutation(12)[: len(slots)]]
+    assert len(cache) == len(slots)
+    back = [12 + b for b in range(len(slots))]
+    poison(layout, back)
+    with SyncOffloadingEngine([store, load]) as engine:
+        [r] = engine.wait([engine.submit(TransferSpec(gpu_blocks(cache), cpu_blocks(slots)))])
+        assert r.success
+        stores = list(fake.batch_calls)
+        [r] = engine.wait([engine.submit(TransferSpec(cpu_blocks(slots), gpu_blocks(back)))])
+        assert r.success
+        loads = fake.batch_calls[len(stores) :]
+    assert [c.count for c in stores] == descriptors
+    assert [c.count for c in loads] == descriptors
+    for slot, block in zip(slots, cache, strict=True):
+        assert tier.memory[slot].numpy().tobytes() == cache_block_bytes(layout, block)
+    assert [cache_block_bytes(layout, b) for b in back] == [
+        cache_block_bytes(layout, b) for b in cache
+    ]
+    tier.release()

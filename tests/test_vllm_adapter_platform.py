@@ -69,8 +69,9 @@ def test_cuda_platform_builds_device_handlers_on_the_cuda_runtime(
             backend.build(layout, 2, config)
 
 
+@pytest.mark.parametrize("polled", [False, True])
 def test_a_device_platform_runs_real_copies_through_the_device_handler(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, polled: bool
 ) -> None:
     fake = FakeRuntime()
     try:
@@ -88,9 +89,12 @@ def test_a_device_platform_runs_real_copies_through_the_device_handler(
                 "cpu_bytes_to_use": 1 << 20,
                 "strategy": "staged",
                 "staging_bytes": 4 * layout.slot_bytes,
+                "submitter_launch": polled,
+                "polled_completion": polled,
             }
         )
         handlers, tier = backend.build(layout, 4, config)
+        assert [h.polled_completion for h in handlers] == [polled, polled]
         try:
             assert [h.pair for h in handlers] == [
                 (Medium.GPU, Medium.CPU),

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench.slots import allocator_slots
 from offload_engine.bench.step import LAUNCH_MODES
 from offload_engine.handlers.device import (
     CopyStrategy,
@@ -140,13 +141,18 @@ class Bench:
         store, load = make_device_handlers(self.runtime, self.layout, self.tier, cfg)
         return SyncOffloadingEngine([store, load], capacity=100_000), store, load
 
-    def specs(self, direction: str, per_job: int, jobs: int) -> list[TransferSpec]:
+    def specs(
+        self, direction: str, per_job: int, jobs: int, slots: str = "random"
+    ) -> list[TransferSpec]:
+        """``slots``: ``random`` tier slots, or ``allocator``: as vLLM's CPU offloading
+        manager hands them out (see :func:`allocator_slots`)."""
         half = self.num_blocks // 2
         rng = np.random.default_rng(per_job)
+        tiers = allocator_slots(half, per_job, jobs) if slots == "allocator" else None
         out = []
-        for _ in range(jobs):
+        for j in range(jobs):
             cache = rng.choice(half, size=per_job, replace=False)
-            tier = rng.choice(half, size=per_job, replace=False)
+            tier = tiers[j] if tiers is not None else rng.choice(half, size=per_job, replace=False)
             if direction == "store":
                 out.append(TransferSpec(gpu_blocks(cache), cpu_blocks(tier)))
             else:  # loads read the other half of the tier into the other half of the cache
@@ -182,11 +188,11 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
         for strategy in args.strategies:
             engine, _, _ = bench.engine(strategy)
             try:
-                for per_job in args.per_job:
+                for per_job, slots in [(b, k) for b in args.per_job for k in args.slots]:
                     n = jobs_for(per_job, bench.block_bytes, target)
                     per = n * per_job * bench.block_bytes
-                    stores = bench.specs("store", per_job, n)
-                    loads = bench.specs("load", per_job, n)
+                    stores = bench.specs("store", per_job, n, slots)
+                    loads = bench.specs("load", per_job, n, slots)
                     bench.run(engine, stores[:2] + loads[:2])  # warm up (Triton compiles once)
                     samples: dict[str, list[float]] = {"store": [], "load": [], "both": []}
                     for _ in range(args.reps):
@@ -201,6 +207,7 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
                                 "pass": "bandwidth",
                                 "tokens": tokens,
                                 "blocks_per_job": per_job,
+                                "slots": slots,
                                 "strategy": strategy.value,
                                 "case": case,
                                 "gbps": gbps,
@@ -209,7 +216,8 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
                             }
                         )
                         print(
-                            f"  {strategy.value:7} {per_job:4} blocks {case:5} {gbps:6.1f} GB/s "
+                            f"  {strategy.value:7} {per_job:4} blocks {slots:9} {case:5} "
+                            f"{gbps:6.1f} GB/s "
                             f"ratio {gbps / ceiling[case]:.3f}",
                             flush=True,
                         )
@@ -328,8 +336,8 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
 
         store.prepare = timed_prepare  # type: ignore[method-assign]
         try:
-            for per_job in (8, 64, 512):
-                specs = bench.specs("store", per_job, 40)
+            for per_job, slots in [(b, k) for b in (8, 64, 512) for k in args.slots]:
+                specs = bench.specs("store", per_job, 40, slots)
                 bench.run(engine, specs[:4])
                 launch_cpu.clear()
                 submit_cpu = []
@@ -357,6 +365,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                     "strategy": strategy.value,
                     "launch": launch,
                     "blocks_per_job": per_job,
+                    "slots": slots,
                     # every thread's CPU per job, one job at a time, and submit to result
                     "process_alone_us": (time.process_time_ns() - p0) / 1e3 / 20,
                     "latency_alone_us": statistics.median(latency),
@@ -368,7 +377,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
                 }
                 rows.append(row)
                 print(
-                    f"  {strategy.value:7} {launch:9} {per_job:4} blocks: submit "
+                    f"  {strategy.value:7} {launch:9} {per_job:4} blocks {slots:9}: submit "
                     f"{row['submit_us']:.0f} us back to back, {row['submit_alone_us']:.0f} us "
                     f"alone (prepare {row['prepare_alone_us']:.0f} us); launch "
                     f"{row['launch_us']:.0f} us back to back, {row['launch_alone_us']:.0f} us "
@@ -434,6 +443,12 @@ def main() -> int:
         "modes other than loop as variants <strategy>/<mode>",
     )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
+    parser.add_argument(
+        "--slots",
+        default="random,allocator",
+        help="tier slots per job (bandwidth and cpu passes): random, and/or allocator "
+        "(as vLLM's CPU offloading manager hands them out: runs of consecutive slots)",
+    )
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     args = parser.parse_args()
     args.tokens = [int(t) for t in args.tokens.split(",")]
@@ -441,6 +456,7 @@ def main() -> int:
     args.strategies = [CopyStrategy(t) for t in args.strategies.split(",")]
     args.step_blocks = [int(t) for t in args.step_blocks.split(",")]
     args.launch_modes = args.launch_modes.split(",")
+    args.slots = args.slots.split(",")
     if args.streams is not None:
         Bench.streams = args.streams
     rows: list[dict[str, Any]] = []
@@ -464,7 +480,10 @@ def main() -> int:
     print("\nsummary (ratio to the same-run contiguous ceiling)")
     for r in rows:
         if r["pass"] == "bandwidth":
-            what = f"{r['tokens']:2}tok {r['blocks_per_job']:3}b {r['strategy']:7} {r['case']:5}"
+            what = (
+                f"{r['tokens']:2}tok {r['blocks_per_job']:3}b {r['slots']:9} {r['strategy']:7} "
+                f"{r['case']:5}"
+            )
             print(f"  bw   {what} {r['gbps']:6.1f} GB/s {r['ratio']:.3f}")
     for r in rows:
         if r["pass"] == "gemm":
@@ -482,8 +501,9 @@ def main() -> int:
                 f", all threads {r['process_alone_us']:.0f} us, "
                 f"submit to result {r['latency_alone_us']:.0f} us"
             )
-            what = f"{r['strategy']:7} {r['launch']:9}"
-            print(f"  cpu  {what} {r['blocks_per_job']:3} blocks {cpu}")
+            what = f"{r['strategy']:7} {r['launch']:9} {r['blocks_per_job']:3} blocks"
+            what += f" {r['slots']:9}"
+            print(f"  cpu  {what} {cpu}")
     for r in rows:
         if r["pass"] == "step" and r["variant"] != "none":
             what = f"{r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks {r['variant']:10}"

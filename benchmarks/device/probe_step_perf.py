@@ -28,6 +28,7 @@ import torch
 from profile_launch import cpu_us  # this folder's profile_launch.py (sys.path[0])
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench.slots import allocator_slots
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceHandlerConfig,
@@ -184,7 +185,12 @@ def main() -> int:
     if not {"3", "4"} & set(sections):
         tier.release()
         return 0
-    print("3. where the CPU goes, no engine thread running (median thread CPU per job)")
+    # PROBE_SLOTS=allocator: section 3's tier slots as vLLM's allocator hands them out
+    by_allocator = os.environ.get("PROBE_SLOTS") == "allocator"
+    print(
+        "3. where the CPU goes, no engine thread running (median thread CPU per job; "
+        f"{'allocator' if by_allocator else 'random'} tier slots)"
+    )
     timers: dict[str, list[int]] = defaultdict(list)
 
     def wrap(obj: Any, name: str, label: str) -> None:
@@ -219,9 +225,14 @@ def main() -> int:
             for per_job in (8, 512):
                 for handler, direction in ((store, "store"), (load, "load")):
                     specs = []
-                    for _ in range(30):
+                    tiers = allocator_slots(nb, per_job, 30) if by_allocator else None
+                    for j in range(30):
                         c = rng.choice(nb, size=per_job, replace=False)
-                        t = rng.choice(nb, size=per_job, replace=False)
+                        t = (
+                            tiers[j]
+                            if tiers is not None
+                            else rng.choice(nb, size=per_job, replace=False)
+                        )
                         specs.append(
                             TransferSpec(gpu_blocks(c), cpu_blocks(t))
                             if direction == "store"

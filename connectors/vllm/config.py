@@ -50,6 +50,8 @@ class EngineOffloadingConfig:
     offload_prompt_only: bool = True
     strategy: CopyStrategy = "auto"
     staging_bytes: int = DEFAULT_STAGING_BYTES
+    submitter_launch: bool = False
+    polled_completion: bool = False
     job_timeout_s: float | None = None
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     host_workers: int = 1
@@ -190,6 +192,9 @@ def parse_extra_config(
     staging = r.int_(
         "staging_bytes", DEFAULT_STAGING_BYTES, minimum=1, want="a positive number of bytes"
     )
+    # where a device job is launched and how its completion is found (DeviceHandlerConfig)
+    submitter_launch = r.bool_("submitter_launch", False)
+    polled_completion = r.bool_("polled_completion", False)
     timeout = r.float_("job_timeout_s", "a positive number of seconds (or null for none)")
     capacity = r.int_("queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1, want="a positive int")
     workers = r.int_("host_workers", 1, minimum=1, want="a positive int")
@@ -215,6 +220,8 @@ def parse_extra_config(
         offload_prompt_only=prompt_only,
         strategy=strategy,  # type: ignore[arg-type]
         staging_bytes=staging or DEFAULT_STAGING_BYTES,
+        submitter_launch=submitter_launch,
+        polled_completion=polled_completion,
         job_timeout_s=timeout,
         queue_capacity=capacity or DEFAULT_QUEUE_CAPACITY,
         host_workers=workers or 1,

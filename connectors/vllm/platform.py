@@ -145,7 +145,10 @@ def build_device_handlers(
             layout,
             tier,
             DeviceHandlerConfig(
-                strategy=CopyStrategy(config.strategy), staging_bytes=config.staging_bytes
+                strategy=CopyStrategy(config.strategy),
+                staging_bytes=config.staging_bytes,
+                submitter_launch=config.submitter_launch,
+                polled_completion=config.polled_completion,
             ),
         )
     except BaseException:

@@ -66,11 +66,15 @@ from offload_engine.testing import FakeHandler
 #: the contiguous floor, and the engine with an instant fake handler (the queue alone)
 BASELINE, FLOOR, INSTANT = "none", "contiguous", "instant"
 #: where a small job's device work is enqueued, as DeviceHandlerConfig fields: the
-#: engine's loop (the default), the submitting thread, or the launcher thread
+#: engine's loop (the default), the submitting thread, or the launcher thread; the
+#: ``-polled`` modes also find finished jobs in the caller's ``get_finished``
+#: (``polled_completion``) instead of the watcher thread
 LAUNCH_MODES: dict[str, dict[str, Any]] = {
     "loop": {},
     "submitter": {"submitter_launch": True},
     "launcher": {"inline_launch_blocks": 0},
+    "polled": {"polled_completion": True},
+    "submitter-polled": {"submitter_launch": True, "polled_completion": True},
 }
 
 

@@ -13,9 +13,12 @@ A handler sees a job three times:
    a worker thread, arms a fake timer) and returns.
 3. The work reports back through the :class:`LaunchedJob` it was given, by
    calling ``job.succeed(nbytes)`` or ``job.fail(exc)`` exactly once, **from any
-   thread**. Nothing polls: a device handler's watcher thread sleeps in an event
+   thread**. No thread polls on a timer: a device handler's watcher thread sleeps in an event
    synchronize, a thread-pool worker calls back when its copy returns, a fake
-   calls back from a loop timer.
+   calls back from a loop timer. A handler with ``polled_completion`` may
+   instead leave a finished job unreported until the engine calls
+   :meth:`TransferHandler.poll` (when a caller collects results), and reports
+   unprompted only while :meth:`TransferHandler.watch` says someone waits.
 
 ``ordered = True`` asks the engine to deliver the handler's results in launch
 order (the engine holds an early finisher until its predecessors finish).
@@ -111,6 +114,11 @@ class TransferHandler(abc.ABC, Generic[P]):
     #: once: when the handler's queue is empty and it has room, the engine launches
     #: a new job there instead of waking its loop
     launch_in_submitter: bool = False
+    #: the handler may leave a finished job unreported until :meth:`poll`. The
+    #: engine polls in ``get_finished`` (the caller's thread) and before a deadline
+    #: expires, and calls :meth:`watch` around every wait for a result, for room or
+    #: for close, so nobody waits on a job that only a poll would report
+    polled_completion: bool = False
 
     @property
     def pair(self) -> tuple[Medium, Medium]:
@@ -127,6 +135,16 @@ class TransferHandler(abc.ABC, Generic[P]):
     @abc.abstractmethod
     def launch(self, job: LaunchedJob[P]) -> None:
         """Start ``job`` without blocking; report through ``job.succeed``/``job.fail``."""
+
+    def poll(self) -> None:
+        """Report the launched jobs that have finished, without blocking. Any
+        thread (``polled_completion`` handlers)."""
+
+    def watch(self, delta: int) -> None:
+        """Someone started (+1) or stopped (-1) waiting for this handler's jobs:
+        while the count is positive, report each job as it finishes without
+        waiting for a :meth:`poll`. Any thread, never under the engine's lock
+        (``polled_completion`` handlers)."""
 
     def start(self, context: HandlerContext) -> None:
         """Acquire runtime resources (threads, streams). Called once, on the loop."""

@@ -13,7 +13,9 @@ memory).
 At submit, :meth:`DeviceCopyHandler.prepare` records an event on the caller's
 current stream and the job's first operation waits on it. ``launch`` only
 queues the job: a launcher thread enqueues the device work and a watcher
-thread sleeps on the job's events and reports. Device-side copies ask for a
+thread sleeps on the job's events and reports (with ``polled_completion``, the
+caller's ``get_finished`` queries them instead, and the watcher only serves
+callers that wait). Device-side copies ask for a
 high-priority stream; runtimes without stream priorities (NPU) ignore it.
 ``docs/cuda.md`` explains the strategies, the stream sets, what keeps a small
 job's launch cheap, and the measurements behind them.
@@ -21,6 +23,7 @@ job's launch cheap, and the measurements behind them.
 
 from __future__ import annotations
 
+import collections
 import enum
 import queue
 import threading
@@ -85,6 +88,11 @@ class DeviceHandlerConfig:
     submits them when nothing is queued before them, sparing the loop's wake-up
     too: the least CPU per job in all, but the submitter pays the launch (a CUDA
     graph step then starts later; see docs/performance.md).
+    ``polled_completion``: a finished job is found by the caller's own poll (the
+    engine's ``get_finished``), one event query per stream the job used, and
+    reported there, without waking the watcher thread; the watcher reports
+    only while someone waits (a ``wait``, close, a full queue, a deadline).
+    With ``submitter_launch`` too, a small job wakes no other thread at all.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -96,10 +104,12 @@ class DeviceHandlerConfig:
     close_timeout: float = 30.0
     inline_launch_blocks: int = 64
     submitter_launch: bool = False
+    polled_completion: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.submitter_launch, bool):
-            raise ConfigError(f"submitter_launch must be a bool, got {self.submitter_launch!r}")
+        for key in ("submitter_launch", "polled_completion"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
         if not isinstance(self.strategy, CopyStrategy):
             raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
         for key in ("staging_bytes", "dma_min_chunk_bytes", "inline_launch_blocks"):
@@ -209,6 +219,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # engine's loop, or with submitter_launch the submitting thread
         self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
         self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
+        self.polled_completion = config.polled_completion
+        # polled completion: launched jobs nobody reported yet, in launch order,
+        # and how many callers wait (while any do, jobs go to the watcher instead)
+        self._polled: collections.deque[LaunchedJob[DevicePlan]] = collections.deque()
+        self._watchers = 0
+        self._poll_lock = threading.Lock()
         align = runtime.block_copy_alignment
         aligned = (
             all(v % align == 0 for t in [*layout.tensors, tier.span] for v in (t.data_ptr(),))
@@ -327,6 +343,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if not self._started:
             return
         self._started = False
+        self.watch(1)  # jobs never polled (abandoned at close) are awaited by the watcher
         self._launch_q.put(_STOP)  # the launcher passes it on to the watcher
         await join_threads(
             self._threads,
@@ -425,8 +442,50 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
             job.fail(exc)
             self._recycle(job.prepared)
-        else:
-            self._watch_q.put(job)
+            return
+        if self.polled_completion:
+            with self._poll_lock:
+                if not self._watchers:
+                    self._polled.append(job)
+                    return
+        self._watch_q.put(job)
+
+    # ------------------------------------------------------------ polled completion
+
+    def poll(self) -> None:
+        """Report the leading run of finished jobs (event queries, no waiting)."""
+        if not self._polled:
+            return
+        done: list[tuple[LaunchedJob[DevicePlan], BaseException | None]] = []
+        query = self.runtime.query
+        with self._poll_lock:
+            polled = self._polled
+            while polled:
+                job = polled[0]
+                error: BaseException | None = None
+                try:
+                    if not all(query(event) for event in job.prepared.checks):
+                        break
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    error = exc
+                polled.popleft()
+                done.append((job, error))
+        # reported outside the lock (a report takes the engine's lock); the engine
+        # delivers an ordered handler's results in launch order whoever reports
+        for job, error in done:
+            if error is None:
+                job.succeed(job.prepared.nbytes)
+            else:
+                job.fail(error)
+            self._recycle(job.prepared)
+
+    def watch(self, delta: int) -> None:
+        """While someone waits, the watcher thread reports each job as it finishes."""
+        with self._poll_lock:
+            self._watchers += delta
+            if self._watchers > 0:
+                while self._polled:
+                    self._watch_q.put(self._polled.popleft())
 
     def _launch_loop(self) -> None:
         # the SM stream is this thread's current stream throughout, so a kernel
@@ -539,14 +598,18 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if self._last_effect is not None:
             for stream in dmas if self._store else (sm,):
                 rt.wait_event(stream, self._last_effect)
-        # every group's ids in one upload, before any piece
-        ids = self._upload_ids(plan, sm, [m.cache_ids for m in plan.groups])
+        # Each group's blocks go through staging in tier-address order, so a run of
+        # consecutive tier slots (ascending or descending in the job, as an
+        # allocator that reuses freed slots last-in first-out hands them out) fills
+        # consecutive staging rows and moves as one DMA descriptor.
         tier_base = np.uint64(self._tier_base)
+        order = [self._tier_order(m, tier_base) for m in plan.groups]
+        # every group's ids in one upload, before any piece
+        ids = self._upload_ids(plan, sm, [cache_ids for cache_ids, _ in order])
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
-        for m, group_ids in zip(plan.groups, ids, strict=True):
+        for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
             n = int(m.cache_ids.shape[0])
-            tier_rows = tier_base + self.tier.slot_offsets(m.slots)
             for lo in range(0, n, staging.rows):
                 hi = min(lo + staging.rows, n)
                 b = staging.take()
@@ -584,6 +647,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         elif end is None:  # an empty job still takes its place in the order
             end = self._mark(plan, dmas[0] if self._store else sm)
         self._last_effect = end
+
+    def _tier_order(self, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
+        """The group's cache ids and tier row addresses, sorted by tier address
+        (stable: blocks bound for one slot keep their order)."""
+        rows = tier_base + self.tier.slot_offsets(m.slots)
+        if rows.shape[0] < 2 or bool((rows[1:] > rows[:-1]).all()):
+            return m.cache_ids, rows
+        order = np.argsort(rows, kind="stable")
+        return m.cache_ids[order], rows[order]
 
     # ------------------------------------------------------------ completion
 

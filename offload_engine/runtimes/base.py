@@ -142,6 +142,11 @@ class DeviceRuntime(abc.ABC):
     def synchronize(self, event: Any) -> None:
         """Block until the event's recorded work has finished; raise if it failed."""
 
+    @abc.abstractmethod
+    def query(self, event: Any) -> bool:
+        """Whether the event's recorded work has finished, without waiting; raise
+        if it failed (as :meth:`synchronize` would)."""
+
     # -- memory ----------------------------------------------------------------
 
     @abc.abstractmethod
@@ -237,6 +242,9 @@ class TorchStyleEvents:
 
     def synchronize(self, event: Any) -> None:
         event.synchronize()
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
 
 
 def pin_chunks(

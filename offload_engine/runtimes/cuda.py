@@ -306,6 +306,14 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         else:
             self._check(rc, "cuEventQuery")
 
+    def query(self, event: Any) -> bool:
+        self._bind_thread()
+        rc = self._driver.event_query(event.cuda_event)
+        if rc == _CUDA_ERROR_NOT_READY:
+            return False
+        self._check(rc, "cuEventQuery")
+        return True
+
     def record_current(self, event: Any) -> None:
         self._bind_thread()
         raw = self._current_raw

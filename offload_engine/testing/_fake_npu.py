@@ -162,7 +162,7 @@ class FakeNpuEvent(FakeEvent):
 
     def query(self) -> bool:
         self._ascend.flush()
-        return bool(self.completed >= self.recorded)
+        return self.reached(FakeNpuError, "NPU work")
 
     def synchronize(self) -> None:
         self._ascend.flush()

@@ -65,6 +65,18 @@ class FakeEvent:
             self.errors = {g: e for g, e in self.errors.items() if g >= generation}
             self._cond.notify_all()
 
+    def reached(self, error_type: type[Exception], what: str) -> bool:
+        """Whether the latest record's work is done (a query); raise ``error_type``
+        if it failed."""
+        with self._cond:
+            target = self.recorded
+            if self.completed < target:
+                return False
+            error = self.errors.get(target)
+        if error is not None:
+            raise error_type(f"{what} before this event failed: {error}") from error
+        return True
+
     def wait_for(self, generation: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self.completed >= generation)
@@ -75,20 +87,35 @@ class SerialStream:
 
     An operation that raises leaves its error pending on the stream; the next
     event recorded there carries it, as an asynchronous device error would.
+    ``inline`` streams have no thread: each operation runs at once, in the
+    thread that enqueues it (a device that finishes work as soon as it gets it).
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, inline: bool = False) -> None:
         self.name = name
         self._ops: queue.SimpleQueue[object] = queue.SimpleQueue()
         self.pending_error: BaseException | None = None
+        self.inline = inline
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
+        if not inline:
+            self.thread.start()
 
     def enqueue(self, op: Callable[[], None]) -> None:
-        self._ops.put(op)
+        if not self.inline:
+            self._ops.put(op)
+            return
+        try:
+            op()
+        except Exception as exc:  # noqa: BLE001 - surfaces at the next recorded event
+            self.pending_error = exc
 
     def stop(self) -> None:
-        self._ops.put(_STOP)
+        if not self.inline:
+            self._ops.put(_STOP)
+
+    def join(self) -> None:
+        if not self.inline:
+            self.thread.join()
 
     def _run(self) -> None:
         while True:
@@ -115,7 +142,7 @@ class FakeStream(SerialStream):
 
     def __init__(self, runtime: FakeRuntime) -> None:
         self.runtime = runtime
-        super().__init__(f"offload-engine-fake-stream-{next(self._ids)}")
+        super().__init__(f"offload-engine-fake-stream-{next(self._ids)}", inline=runtime.inline)
 
 
 @dataclass(frozen=True)
@@ -152,7 +179,13 @@ class FakeDeviceMemory:
 
 
 class FakeRuntime(DeviceRuntime):
-    """A runtime whose device is host memory and whose streams are threads."""
+    """A runtime whose device is host memory and whose streams are threads.
+
+    With ``inline=True`` the streams have no threads: every operation runs when
+    it is enqueued, in the enqueuing thread, so work is done by the time a launch
+    returns (for deterministic tests and for measuring the engine's own threads;
+    ``hang_next`` would hang the launching thread there).
+    """
 
     nonblocking_launch = True  # every call only puts work on a stream thread
 
@@ -166,8 +199,10 @@ class FakeRuntime(DeviceRuntime):
         batched: bool = True,
         pin_chunk_bytes: int = MAX_PIN_CHUNK_BYTES,
         kernel_copies: bool = True,
+        inline: bool = False,
     ) -> None:
         self.medium = medium
+        self.inline = inline
         self.device = torch.device("cpu")
         self.max_batch = max_batch
         self.batched = batched
@@ -221,6 +256,9 @@ class FakeRuntime(DeviceRuntime):
             error = event.errors.get(target)
         if error is not None:
             raise FakeDeviceError(f"device work before this event failed: {error}") from error
+
+    def query(self, event: Any) -> bool:
+        return bool(event.reached(FakeDeviceError, "device work"))
 
     def enqueue(self, stream: FakeStream, op: Callable[[], None]) -> None:
         """Run ``op`` on ``stream`` in order (tests use it as "compute work")."""
@@ -379,4 +417,4 @@ class FakeRuntime(DeviceRuntime):
         for s in streams:
             s.stop()
         for s in streams:
-            s.thread.join()
+            s.join()

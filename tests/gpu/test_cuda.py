@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -19,6 +20,7 @@ from offload_engine.handlers.device import (
 from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
 from tests.test_device_handler import round_trip
+from tests.test_polled_completion import Pair
 from tests.test_tier_over import OTHER, POISON, outside_pages, region_for
 from tests.test_tier_over import round_trip as region_round_trip
 
@@ -46,6 +48,35 @@ def test_round_trip_on_the_gpu(
     cuda: object, kind: str, strategy: CopyStrategy, factor: int
 ) -> None:
     round_trip(cuda, gpu_empty, kind, strategy, factor)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
+@pytest.mark.parametrize("launch", ["polled", "submitter-polled"])
+def test_round_trip_with_polled_completion(
+    cuda: object, strategy: CopyStrategy, launch: str
+) -> None:
+    round_trip(cuda, gpu_empty, "flashinfer", strategy, 4, launch=launch)  # type: ignore[arg-type]
+
+
+def test_get_finished_finds_jobs_done_on_the_gpu_without_the_watcher(cuda: object) -> None:
+    pair = Pair(cuda, gpu_empty, polled_completion=True, submitter_launch=True)
+    try:
+        with SyncOffloadingEngine(pair.handlers) as engine:
+            for spec in (
+                TransferSpec(gpu_blocks([1, 2, 4]), cpu_blocks([5, 3, 0])),
+                TransferSpec(cpu_blocks([5, 3, 0]), gpu_blocks([6, 7, 3])),
+            ):
+                job = engine.submit_nowait(spec)
+                results: list[object] = []
+                deadline = time.monotonic() + 30
+                while not results and time.monotonic() < deadline:
+                    results = engine.get_finished()  # event queries, on this thread
+                assert [(r.job_id, r.success) for r in results] == [(job, True)]  # type: ignore[attr-defined]
+        assert pair.watched == []
+        got = [cache_block_bytes(pair.layout, b) for b in (6, 7, 3)]
+        assert got == [cache_block_bytes(pair.layout, b) for b in (1, 2, 4)]
+    finally:
+        pair.release()
 
 
 def test_round_trip_without_the_batched_api() -> None:
