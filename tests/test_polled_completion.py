@@ -34,6 +34,7 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.runtimes.base import DeviceRuntime
 from offload_engine.testing import FakeDeviceError, FakeRuntime, build_layout, cache_block_bytes
 
 POLLED = {"polled_completion": True, "submitter_launch": True}
@@ -116,6 +117,24 @@ class Pair:
 def test_the_option_is_checked() -> None:
     with pytest.raises(ConfigError, match="polled_completion"):
         DeviceHandlerConfig(polled_completion=1)  # type: ignore[arg-type]
+
+
+class _NoQueryRuntime(FakeRuntime):
+    """A runtime written before ``DeviceRuntime.query`` existed."""
+
+    query = DeviceRuntime.query  # type: ignore[assignment]
+
+
+def test_a_runtime_without_query_refuses_polled_completion_only() -> None:
+    runtime = _NoQueryRuntime()
+    try:
+        with pytest.raises(ConfigError, match="non-blocking event query"):
+            Pair(runtime, polled_completion=True)
+        pair = Pair(runtime)  # the watcher thread needs no query
+        assert not pair.store.polled_completion
+        pair.release()
+    finally:
+        runtime.close()
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

@@ -219,6 +219,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # engine's loop, or with submitter_launch the submitting thread
         self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
         self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
+        if config.polled_completion and type(runtime).query is DeviceRuntime.query:
+            raise ConfigError(
+                f"polled_completion needs a non-blocking event query, and the "
+                f"{type(runtime).__name__} runtime has none (DeviceRuntime.query)"
+            )
         self.polled_completion = config.polled_completion
         # polled completion: launched jobs nobody reported yet, in launch order,
         # and how many callers wait (while any do, jobs go to the watcher instead)

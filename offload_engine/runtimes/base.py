@@ -142,10 +142,12 @@ class DeviceRuntime(abc.ABC):
     def synchronize(self, event: Any) -> None:
         """Block until the event's recorded work has finished; raise if it failed."""
 
-    @abc.abstractmethod
     def query(self, event: Any) -> bool:
         """Whether the event's recorded work has finished, without waiting; raise
-        if it failed (as :meth:`synchronize` would)."""
+        if it failed (as :meth:`synchronize` would). Only a handler with
+        ``polled_completion`` calls it, so a runtime written before it existed
+        still works without; such a handler refuses a runtime that lacks it."""
+        raise NotImplementedError(f"{type(self).__name__} has no non-blocking event query")
 
     # -- memory ----------------------------------------------------------------
 
