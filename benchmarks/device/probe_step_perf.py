@@ -213,62 +213,73 @@ def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int)
             setattr(rt, name, wrap(reals[name], name) if on else reals[name])
         setattr(merge_owner, merge_name, wrap(real_merge, "merge") if on else real_merge)
 
-    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
-    store, load = make_device_handlers(rt, layout, tier, cfg)
     jobs = 24
-    with SyncOffloadingEngine([store, load]) as engine:
-        for handler, direction in ((store, "store"), (load, "load")):
-            tiers = allocator_slots(nb, 512, jobs)
-            specs = []
-            for j in range(jobs):
-                c = gpu_blocks(rng.choice(nb, size=512, replace=False))
-                t = cpu_blocks(tiers[j])
-                specs.append(TransferSpec(c, t) if direction == "store" else TransferSpec(t, c))
-            engine.wait([engine.submit(x) for x in specs[:3]])
-            real_enqueue = handler._enqueue
-            samples: list[float] = []
-            parts: list[dict[str, int]] = []
-            where: dict[str, Any] = {"thread": "", "wrapped": False}
-
-            timed_enqueue = _timed_enqueue(local, real_enqueue, samples, parts, where)
-            handler._enqueue = timed_enqueue  # type: ignore[method-assign]
-            try:
-                for wrapped in (False, True):
-                    instrument(wrapped)
-                    where["wrapped"] = wrapped
-                    cases: list[tuple[str, Any]] = [
+    # the default launch (a 512-block job goes to the launcher thread), then the same
+    # job launched by the submitting thread (inline_launch_blocks above 512)
+    for variant in ("launcher", "submitter"):
+        cfg = DeviceHandlerConfig(
+            strategy=CopyStrategy.STAGED,
+            max_inflight=8,
+            inline_launch_blocks=1024 if variant == "submitter" else 64,
+            submitter_launch=variant == "submitter",
+        )
+        store, load = make_device_handlers(rt, layout, tier, cfg)
+        with SyncOffloadingEngine([store, load]) as engine:
+            for handler, direction in ((store, "store"), (load, "load")):
+                tiers = allocator_slots(nb, 512, jobs)
+                specs = []
+                for j in range(jobs):
+                    c = gpu_blocks(rng.choice(nb, size=512, replace=False))
+                    t = cpu_blocks(tiers[j])
+                    specs.append(TransferSpec(c, t) if direction == "store" else TransferSpec(t, c))
+                engine.wait([engine.submit(x) for x in specs[:3]])
+                real_enqueue = handler._enqueue
+                samples: list[float] = []
+                parts: list[dict[str, int]] = []
+                where: dict[str, Any] = {"thread": "", "wrapped": False}
+                timed_enqueue = _timed_enqueue(local, real_enqueue, samples, parts, where)
+                handler._enqueue = timed_enqueue  # type: ignore[method-assign]
+                cases: list[tuple[str, Any]] = [
+                    ("engine, one at a time", "alone"),
+                    ("engine, back to back", "b2b"),
+                ]
+                if variant == "launcher":
+                    cases = [
                         ("direct, hot", None),
                         ("direct, after 20 ms sleep", 0.02),
-                        ("engine, one at a time", "alone"),
-                        ("engine, back to back", "b2b"),
+                        *cases,
                     ]
-                    for label, how in cases:
-                        samples.clear()
-                        parts.clear()
-                        if how == "alone":
-                            for x in specs:
-                                engine.wait([engine.submit(x)])
-                        elif how == "b2b":
-                            engine.wait([engine.submit(x) for x in specs])
-                        else:
-                            for x in specs:
-                                p = handler.prepare(x)
-                                if how:
-                                    time.sleep(how)
-                                handler._enqueue(p)
-                                torch.cuda.synchronize()
-                                handler._recycle(p)
-                        med = statistics.median(samples)
-                        detail = _breakdown(parts)
-                        print(
-                            f"  {direction:5} {'timed calls' if wrapped else 'plain':11} "
-                            f"{label:27}: _enqueue {med:6.0f} us (min {min(samples):5.0f}, "
-                            f"thread {where['thread']}){detail}",
-                            flush=True,
-                        )
-            finally:
-                instrument(False)
-                handler._enqueue = real_enqueue  # type: ignore[method-assign]
+                try:
+                    for wrapped in (False, True):
+                        instrument(wrapped)
+                        where["wrapped"] = wrapped
+                        for label, how in cases:
+                            samples.clear()
+                            parts.clear()
+                            if how == "alone":
+                                for x in specs:
+                                    engine.wait([engine.submit(x)])
+                            elif how == "b2b":
+                                engine.wait([engine.submit(x) for x in specs])
+                            else:
+                                for x in specs:
+                                    p = handler.prepare(x)
+                                    if how:
+                                        time.sleep(how)
+                                    handler._enqueue(p)
+                                    torch.cuda.synchronize()
+                                    handler._recycle(p)
+                            name = f"{label}, submitter" if variant == "submitter" else label
+                            print(
+                                f"  {direction:5} {'timed calls' if wrapped else 'plain':11} "
+                                f"{name:37}: _enqueue {statistics.median(samples):6.0f} us "
+                                f"(min {min(samples):5.0f}, thread {where['thread']})"
+                                f"{_breakdown(parts)}",
+                                flush=True,
+                            )
+                finally:
+                    instrument(False)
+                    handler._enqueue = real_enqueue  # type: ignore[method-assign]
 
 
 def main() -> int:
