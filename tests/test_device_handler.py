@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -617,18 +618,21 @@ def test_staged_runs_planned_per_job_are_merge_runs_per_piece(fake: FakeRuntime,
             run = list(range(start, start + length))
             slots += run[::-1] if rng.random() < 0.5 else run
         tier_rows = np.sort(np.array(slots[:n], dtype=np.uint64) * np.uint64(pitch))
-        runs = store._runs(group, tier_rows, rows_per)
+        staging = SimpleNamespace(rows=rows_per, addresses=[int(base), int(base) + 5 * pitch])
+        runs = store._runs(group, tier_rows, staging)  # type: ignore[arg-type]
         for k, lo in enumerate(range(0, n, rows_per)):
             hi = min(lo + rows_per, n)
-            rows = base + np.arange(hi - lo, dtype=np.uint64) * np.uint64(pitch)
+            b = k % 2  # pieces take the staging buffers in turn
+            at = np.uint64(staging.addresses[b])
+            rows = at + np.arange(hi - lo, dtype=np.uint64) * np.uint64(pitch)
             sizes = np.full(hi - lo, size, dtype=np.uint64)
             want = merge_runs(tier_rows[lo:hi], rows, sizes)
             if runs is None:
                 got = (tier_rows[lo:hi], rows, sizes)
             else:
-                starts, offsets, run_bytes, cuts = runs
+                run_tier, run_rows, run_bytes, cuts = runs
                 c0, c1 = cuts[k], cuts[k + 1]
-                got = (tier_rows[starts[c0:c1]], offsets[c0:c1] + base, run_bytes[c0:c1])
+                got = (run_tier[c0:c1], run_rows[b][c0:c1], run_bytes[c0:c1])
             merged += hi - lo - int(want[2].shape[0])
             for a, b in zip(got, want, strict=True):
                 assert a.dtype == np.uint64

@@ -640,7 +640,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         at = 0
         for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
             n = int(m.cache_ids.shape[0])
-            runs = self._runs(m.group, tier_rows, rows_per)
+            runs = self._runs(m.group, tier_rows, staging)
             sizes_all = self._used_sizes[m.group]
             for k, lo in enumerate(range(0, n, rows_per)):
                 hi = min(lo + rows_per, n)
@@ -654,10 +654,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     rows = staging.row_addresses[b][: hi - lo]
                     sizes = sizes_all[: hi - lo]
                 else:  # one per run of consecutive tier slots within the piece
-                    starts, offsets, run_bytes, cuts = runs
+                    run_tier, run_rows, run_bytes, cuts = runs
                     c0, c1 = cuts[k], cuts[k + 1]
-                    tier = tier_rows[starts[c0:c1]]
-                    rows = offsets[c0:c1] + np.uint64(staging.addresses[b])
+                    tier = run_tier[c0:c1]
+                    rows = run_rows[b][c0:c1]
                     sizes = run_bytes[c0:c1]
                 dst, src = (tier, rows) if store else (rows, tier)
                 piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
@@ -694,27 +694,30 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         else:
             self._last_effect = [(end, dmas[parity] if store else sm)]
 
-    def _runs(self, group: int, tier_rows: Any, rows_per: int) -> tuple[Any, ...] | None:
+    def _runs(self, group: int, tier_rows: Any, staging: _Staging) -> tuple[Any, ...] | None:
         """A group's runs of consecutive tier slots, cut at piece boundaries, planned
-        once per job: each run's first index in the group, its staging row's offset
-        in a buffer, its bytes, and per piece where its runs begin (and end). None
-        when no two neighbours continue each other (scattered slots, or a group that
-        does not fill a staging row, so staging rows cannot merge): the descriptors
-        are then one per block. The same descriptors ``merge_runs`` makes per piece."""
+        once per job: each run's tier address, its staging row's address in each
+        buffer, its bytes, and per piece where its runs begin (and end), so a piece
+        only slices them. None when no two neighbours continue each other
+        (scattered slots, or a group that does not fill a staging row, so staging
+        rows cannot merge): the descriptors are then one per block. These are the
+        descriptors ``merge_runs`` makes from each piece's rows."""
         size = self.layout.group_bytes[group]
         n = int(tier_rows.shape[0])
         if n < 2 or size != self.layout.slot_bytes:
             return None
-        starts_flag = np.empty(n, dtype=np.bool_)
-        np.not_equal(tier_rows[1:], tier_rows[:-1] + np.uint64(size), out=starts_flag[1:])
-        if starts_flag[1:].all():
+        run_starts = np.empty(n, dtype=np.bool_)
+        np.not_equal(tier_rows[1:], tier_rows[:-1] + np.uint64(size), out=run_starts[1:])
+        if run_starts[1:].all():
             return None
-        starts_flag[::rows_per] = True  # a piece starts a run
-        starts = np.flatnonzero(starts_flag)
+        rows_per = staging.rows
+        run_starts[::rows_per] = True  # a piece starts a run
+        starts = np.flatnonzero(run_starts)
         run_bytes = np.diff(starts, append=n).astype(np.uint64) * np.uint64(size)
         offsets = (starts % rows_per).astype(np.uint64) * np.uint64(self.layout.slot_bytes)
+        run_rows = [offsets + np.uint64(a) for a in staging.addresses]
         cuts = np.searchsorted(starts, np.arange(0, n + rows_per, rows_per)).tolist()
-        return starts, offsets, run_bytes, cuts
+        return tier_rows[starts], run_rows, run_bytes, cuts
 
     def _tier_order(self, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
         """The group's cache ids and tier row addresses, sorted by tier address
