@@ -713,7 +713,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         rows_per = staging.rows
         run_starts[::rows_per] = True  # a piece starts a run
         starts = np.flatnonzero(run_starts)
-        run_bytes = np.diff(starts, append=n).astype(np.uint64) * np.uint64(size)
+        ends = np.empty_like(starts)
+        ends[:-1] = starts[1:]
+        ends[-1] = n
+        run_bytes = (ends - starts).astype(np.uint64) * np.uint64(size)
         offsets = (starts % rows_per).astype(np.uint64) * np.uint64(self.layout.slot_bytes)
         run_rows = [offsets + np.uint64(a) for a in staging.addresses]
         cuts = np.searchsorted(starts, np.arange(0, n + rows_per, rows_per)).tolist()
