@@ -44,6 +44,7 @@ from offload_engine.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
+    merge_runs,
 )
 from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
@@ -640,7 +641,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         at = 0
         for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
             n = int(m.cache_ids.shape[0])
-            runs = self._runs(m.group, tier_rows, staging)
+            # a group of one piece merges that piece (fewer numpy calls than planning)
+            runs = self._runs(m.group, tier_rows, staging) if n > rows_per else None
             sizes_all = self._used_sizes[m.group]
             for k, lo in enumerate(range(0, n, rows_per)):
                 hi = min(lo + rows_per, n)
@@ -649,10 +651,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 parity = self._pieces % 2
                 dma = dmas[parity]
                 first, second = (sm, dma) if store else (dma, sm)
-                if runs is None:  # one descriptor per block (no two neighbours continue)
+                if runs is None:  # a single piece, or no two neighbours continue
                     tier = tier_rows[lo:hi]
                     rows = staging.row_addresses[b][: hi - lo]
                     sizes = sizes_all[: hi - lo]
+                    if n <= rows_per:  # (merge_runs is symmetric in its two sides)
+                        tier, rows, sizes = merge_runs(tier, rows, sizes)
                 else:  # one per run of consecutive tier slots within the piece
                     run_tier, run_rows, run_bytes, cuts = runs
                     c0, c1 = cuts[k], cuts[k + 1]
