@@ -34,6 +34,7 @@ from offload_engine.tier import HostTier
 from tests.test_disk import _mounted, in_threads, killed_mid_write
 from tests.test_disk_pack import (
     BLOCK,
+    PACK,
     SLOT,
     data,
     digest,
@@ -121,6 +122,47 @@ def test_round_trips_bit_exact_at_chunk_sizes(tmp_path: Path, mib: float) -> Non
         assert [data(tier, 4 + i) for i in range(4)] == [data(tier, 3 - i) for i in range(4)]
 
 
+@pytest.mark.parametrize("record", [False, True])
+def test_a_header_is_as_long_as_its_size_says_at_every_key_count(record: bool) -> None:
+    # a record's fixed fields are 8 bytes longer than a pack's: around a page
+    # boundary (110 keys of 36 bytes) the record's header needs one more page
+    for n in range(1, _pack.MAX_PACK_SLOTS + 1):
+        header = _pack.PackHeader(tuple(keys(0, n)), SLOT, 7 if record else None)
+        assert len(header.encode(PAGE)) == header.size(PAGE), n
+
+
+def test_a_record_whose_header_crosses_a_page_by_its_generation_round_trips(
+    tmp_path: Path,
+) -> None:
+    tier = make_tier(220, BLOCK, seed=3)
+    ks = keys(0, 110)
+    seg = 16 * 2**20
+    with engine_on(tmp_path, tier, capacity_bytes=2 * seg, segment_bytes=seg) as (_, engine):
+        assert store(engine, list(range(110)), ks).success  # type: ignore[attr-defined]
+        assert load(engine, ks, list(range(110, 220))).success  # type: ignore[attr-defined]
+    assert [data(tier, 110 + i) for i in range(110)] == [data(tier, i) for i in range(110)]
+    with engine_on(tmp_path, tier, capacity_bytes=2 * seg, segment_bytes=seg) as (disk, _):
+        assert disk.stats().recovered == 110
+
+
+def test_a_record_is_cut_to_fill_the_rest_of_a_segment(tmp_path: Path) -> None:
+    # jobs of 8 objects (records of 8): the second job's record does not fit
+    # the first segment's rest, so 6 of its objects go there and 2 to the next
+    tier = make_tier(48, seed=4)
+    ks = keys(0, 24)
+    assert record(8) + record(8) > SEG - PAGE >= record(8) + record(6)
+    with engine_on(tmp_path, tier) as (disk, engine):
+        for j in range(3):
+            ids = list(range(8 * j, 8 * j + 8))
+            assert store(engine, ids, ks[8 * j : 8 * j + 8]).success  # type: ignore[attr-defined]
+        assert len(segments(tmp_path)) == 2
+        assert disk.stats().used_bytes == on_disk(tmp_path) == 2 * SEG
+        assert load(engine, ks, list(range(24, 48))).success  # type: ignore[attr-defined]
+        assert [data(tier, 24 + i) for i in range(24)] == [data(tier, i) for i in range(24)]
+    with engine_on(tmp_path, tier) as (disk, _):
+        assert disk.stats().recovered == 24
+
+
 @pytest.mark.parametrize(("fsync", "direct"), [("data", None), ("always", None), ("never", False)])
 def test_fsync_policies_and_buffered_io_round_trip(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fsync: str, direct: bool | None
@@ -150,7 +192,8 @@ def test_a_record_is_slots_then_its_header_and_a_run_is_one_read(
 ) -> None:
     tier = make_tier()
     ks = keys(0, 8)
-    with engine_on(tmp_path, tier, queue_depth=2) as (disk, engine):
+    # pack_bytes of 4 slots: a read request covers up to 4
+    with engine_on(tmp_path, tier, queue_depth=2, pack_bytes=PACK) as (disk, engine):
         with counting(monkeypatch, "_pwritev") as writes:
             assert store(engine, list(range(8)), ks).success  # type: ignore[attr-defined]
         # 8 objects, 2 threads: two records of 4, each slots first and then its header;
@@ -173,6 +216,21 @@ def test_a_record_is_slots_then_its_header_and_a_run_is_one_read(
         with counting(monkeypatch, "_preadv") as reads:
             assert load(engine, ks, list(range(8, 16))).success  # type: ignore[attr-defined]
         assert sorted(reads) == [(2 * PAGE, 4 * SLOT), (PAGE + record(4) + PAGE, 4 * SLOT)]
+        assert [data(tier, 8 + i) for i in range(8)] == [data(tier, i) for i in range(8)]
+
+
+def test_a_read_request_stops_at_pack_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # one record of 8 objects; pack_bytes of 2 slots: its run is read 2 slots a request
+    tier = make_tier()
+    ks = keys(0, 8)
+    with engine_on(tmp_path, tier, pack_bytes=2 * SLOT) as (_, engine):
+        assert store(engine, list(range(8)), ks).success  # type: ignore[attr-defined]
+        tier.memory[8:].zero_()
+        with counting(monkeypatch, "_preadv") as reads:
+            assert load(engine, ks, list(range(8, 16))).success  # type: ignore[attr-defined]
+        assert sorted(reads) == [(2 * PAGE + i * 2 * SLOT, 2 * SLOT) for i in range(4)]
         assert [data(tier, 8 + i) for i in range(8)] == [data(tier, i) for i in range(8)]
 
 
@@ -233,12 +291,12 @@ def test_restart_walks_record_headers_and_appends_to_a_new_segment(
     [seg0] = segments(tmp_path)
     (tmp_path / "segments" / "junk.seg").write_bytes(b"x")  # not ours: deleted
     tier.memory[16:].zero_()
-    with engine_on(tmp_path, tier) as (disk, engine):
+    with engine_on(tmp_path, tier, pack_bytes=PACK) as (disk, engine):
         stats = disk.stats()
         assert (stats.recovered, stats.removed_at_start, stats.used_bytes) == (12, 1, SEG)
         with counting(monkeypatch, "_preadv") as reads:
             assert load(engine, keys(0, 12), list(range(16, 28))).success  # type: ignore[attr-defined]
-        assert len(reads) == 3  # a record's consecutive slots: one read
+        assert len(reads) == 3  # a record's 4 consecutive slots (pack_bytes): one read
         assert all(data(tier, 16 + i) == data(tier, i) for i in range(12))
         # the recovered segment is closed: a new record goes into a second one
         assert store(engine, [12], [key(12)]).success  # type: ignore[attr-defined]
@@ -268,35 +326,38 @@ def test_a_corrupted_object_inside_a_segment_is_a_miss_for_it_alone(tmp_path: Pa
 
 
 def test_a_recycled_segment_never_serves_its_earlier_keys(tmp_path: Path) -> None:
-    tier = make_tier()
-    a1, a2, b, c = keys(0, 6), keys(6, 12), keys(12, 24), keys(24, 30)
+    tier = make_tier(48)
+    # a1 and a2 fill the first segment and b the second, each leaving less than one
+    # object's record, so no record is cut to fill a rest
+    a1, a2, b, c = keys(0, 7), keys(7, 14), keys(14, 28), keys(28, 35)
+    assert SEG - PAGE - 2 * record(7) < record(1) and SEG - PAGE - record(14) < record(1)
     with engine_on(tmp_path, tier, capacity_bytes=2 * SEG) as (disk, engine):
-        assert store(engine, list(range(6)), a1).success  # type: ignore[attr-defined]
-        assert store(engine, list(range(6, 12)), a2).success  # type: ignore[attr-defined]
-        assert store(engine, list(range(12, 24)), b).success  # type: ignore[attr-defined]
+        assert store(engine, list(range(7)), a1).success  # type: ignore[attr-defined]
+        assert store(engine, list(range(7, 14)), a2).success  # type: ignore[attr-defined]
+        assert store(engine, list(range(14, 28)), b).success  # type: ignore[attr-defined]
         seg0, seg1 = segments(tmp_path)
         # c does not fit the second segment: the least recently used segment (a1 and
         # a2) is emptied and reused under a new generation, from its first record
-        assert store(engine, list(range(24, 30)), c).success  # type: ignore[attr-defined]
+        assert store(engine, list(range(28, 35)), c).success  # type: ignore[attr-defined]
         assert disk.contains(a1) == disk.contains(a2) == 0
-        assert disk.contains(b) == 12 and disk.contains(c) == 6
+        assert disk.contains(b) == 14 and disk.contains(c) == 7
         assert disk.location(c[0]) == (seg0, 2 * PAGE, SLOT)
         stats = disk.stats()
-        assert (stats.evictions, stats.objects, stats.used_bytes) == (12, 18, 2 * SEG)
+        assert (stats.evictions, stats.objects, stats.used_bytes) == (14, 21, 2 * SEG)
         assert segments(tmp_path) == [seg0, seg1] and on_disk(tmp_path) == 2 * SEG
     # c is exactly as long as a1 was: the walk lands on a2's old header, whole and
     # valid but of the earlier generation, and must stop there
     raw = seg0.read_bytes()
     head = _pack.SegmentHead.decode(raw[:PAGE])
-    stale = _pack.PackHeader.decode(raw[PAGE + record(6) :][:PAGE])
+    stale = _pack.PackHeader.decode(raw[PAGE + record(7) :][:PAGE])
     assert stale.keys == tuple(a2) and stale.generation != head.generation
-    originals = [data(tier, 24 + i) for i in range(6)]
-    tier.memory[16:].zero_()
+    originals = [data(tier, 28 + i) for i in range(7)]
+    tier.memory[35:].zero_()
     with engine_on(tmp_path, tier, capacity_bytes=2 * SEG) as (disk, engine):
-        assert disk.stats().recovered == 18
+        assert disk.stats().recovered == 21
         assert disk.contains(a1) == disk.contains(a2) == 0
-        assert load(engine, c, list(range(16, 22))).success  # type: ignore[attr-defined]
-        assert [data(tier, 16 + i) for i in range(6)] == originals
+        assert load(engine, c, list(range(35, 42))).success  # type: ignore[attr-defined]
+        assert [data(tier, 35 + i) for i in range(7)] == originals
         assert disk.stats().used_bytes == 2 * SEG == on_disk(tmp_path)
 
 
@@ -306,11 +367,13 @@ def test_capacity_is_whole_segments_exact_across_restart(tmp_path: Path) -> None
         for j in range(5):  # 12 objects a segment at most: 5 x 6 fill three segments
             assert store(engine, list(range(6)), keys(j * 6, j * 6 + 6)).success  # type: ignore[attr-defined]
         assert disk.stats().used_bytes == 3 * SEG == on_disk(tmp_path)
-        # a job larger than the cap holds: records of 14, 14, 14 and 6; the fourth finds
-        # every segment holding a record being written, and fails
+        # the five records were 6, 6, 2 | 4, 6, 4 | 2 (each cut to fill a segment's
+        # rest). A job larger than the cap holds: records of 12 (the third segment's
+        # rest), 14 and 14 (in the two segments it empties), then 8, which finds every
+        # segment holding a record being written, and fails
         r = store(engine, list(range(48)), keys(100, 148))
         assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
-        assert disk.contains(keys(100, 148)) == 42 and disk.stats().store_failures == 6
+        assert disk.contains(keys(100, 148)) == 40 and disk.stats().store_failures == 8
         assert disk.stats().used_bytes == 3 * SEG == on_disk(tmp_path)
         live = [k for k in keys(0, 30) + keys(100, 148) if disk.contains([k])]
     with engine_on(tmp_path, tier, capacity_bytes=3 * SEG) as (disk, _engine):
@@ -403,18 +466,19 @@ def test_disk_full_on_a_small_tmpfs(tmp_path: Path) -> None:
         if not mounted:
             pytest.skip("mounting a tmpfs is refused here; the injected ENOSPC tests cover it")
         with engine_on(small, tier) as (disk, engine):
-            for j in range(2):  # a record of 12 objects fills a segment
-                r = store(engine, list(range(j * 12, j * 12 + 12)), keys(j * 12, j * 12 + 12))
+            assert SEG - PAGE - record(14) < record(1)
+            for j in range(2):  # a record of 14 objects fills a segment
+                r = store(engine, list(range(j * 14, j * 14 + 14)), keys(j * 14, j * 14 + 14))
                 assert r.success  # type: ignore[attr-defined]
             # the third segment cannot be preallocated: its record fails, nothing else
-            r = store(engine, list(range(24, 36)), keys(24, 36))
+            r = store(engine, list(range(28, 40)), keys(28, 40))
             assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
-            assert disk.contains(keys(0, 36)) == 24 and disk.stats().store_failures == 12
+            assert disk.contains(keys(0, 40)) == 28 and disk.stats().store_failures == 12
             tier.memory[36:48].zero_()
             assert load(engine, keys(6, 18), list(range(36, 48))).success  # type: ignore[attr-defined]
             assert all(data(tier, 36 + i) == data(tier, 6 + i) for i in range(12))
         with engine_on(small, tier) as (disk, _engine):
-            assert disk.stats().recovered == 24
+            assert disk.stats().recovered == 28
             assert disk.stats().used_bytes == 2 * SEG == on_disk(small)
 
 

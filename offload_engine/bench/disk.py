@@ -124,7 +124,10 @@ def bench_engine(
     segment = min(SEGMENT_BYTES, -(-volume // 8 // 4096) * 4096 + 2**20)
     capacity = 2 * volume
     if layout == "segments":  # one pass and one segment: the second pass reuses the first's
-        capacity = (-(-volume // (segment - 2**20)) + 1) * segment
+        # (a segment's rest that cannot take one more object stays empty, and every
+        # record has a header page: at most a slot and 1 MiB a segment)
+        usable = segment - plan.chunk_bytes - 4096 - 2**20
+        capacity = (-(-volume // usable) + 1) * segment
     with (
         DiskStore(
             path,

@@ -56,8 +56,11 @@ def slot_bytes(payload_bytes: int, page: int) -> int:
     return _round_up(payload_bytes + page, page)
 
 
-def header_bytes(keys: list[bytes], page: int) -> int:
-    return _round_up(_HEAD.size + sum(1 + len(k) for k in keys), page)
+def header_bytes(keys: list[bytes], page: int, *, record: bool = False) -> int:
+    """Bytes of a pack's header (``record``: a segment record's, 8 bytes longer
+    before padding) naming ``keys``, padded to whole pages."""
+    head = _REC_HEAD if record else _HEAD
+    return _round_up(head.size + sum(1 + len(k) for k in keys), page)
 
 
 def max_header_bytes(slots: int, page: int) -> int:
@@ -77,7 +80,7 @@ class PackHeader:
     generation: int | None = None
 
     def size(self, page: int) -> int:
-        return header_bytes(list(self.keys), page)
+        return header_bytes(list(self.keys), page, record=self.generation is not None)
 
     def file_bytes(self, page: int) -> int:
         return self.size(page) + len(self.keys) * self.slot_bytes

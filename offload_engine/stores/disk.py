@@ -480,6 +480,10 @@ class DiskStore:
         # a read request covers at most this many slots (packs of an earlier run with
         # another pack_bytes may hold more)
         self._run_slots = max(1, self.pack_slots, self._record_max)
+        # a run stops growing once it reaches pack_bytes: requests of about that size
+        # read small objects well, and a run of several large objects read slower
+        # than one request per object (performance.md, session 4)
+        self._read_slots = min(self._run_slots, max(1, slots))
         trailers = max(PAGE, self._run_slots * self._tail_bytes)
         most = max(self.pack_slots, self._record_max)
         headers = _pack.max_header_bytes(most, PAGE) if most else 0
@@ -1001,6 +1005,18 @@ class DiskStore:
         seg.writing += 1
         return seg, at
 
+    def _fit_active_locked(self, keys: list[bytes]) -> list[bytes]:
+        """The longest head of ``keys`` whose record fits the rest of the active
+        segment; all of them if none fits (the record then opens another segment)."""
+        seg = self._active
+        if seg is None:
+            return keys
+        rest = self.segment_bytes - seg.cursor
+        for k in range(len(keys), 0, -1):
+            if _pack.header_bytes(keys[:k], PAGE, record=True) + k * self._slot_bytes <= rest:
+                return keys[:k]
+        return keys
+
     def _record_slots(self, n: int) -> int:
         """Objects per record for a job storing ``n``: >= pack_bytes, one record per
         I/O thread for a large job, no more than a segment holds."""
@@ -1131,12 +1147,19 @@ class DiskStore:
                     fresh[key] = payload
             new = list(fresh.items())
             per = self._record_slots(len(new)) if self.segment_bytes else (self.pack_slots or 1)
-            for i in range(0, len(new), per):
+            i = 0
+            while i < len(new):
                 group = new[i : i + per]
                 gkeys = [k for k, _ in group]
                 pack: _Pack | None = None
                 if self.segment_bytes:
-                    first = _pack.header_bytes(gkeys, PAGE)
+                    # a record that does not fit the rest of the active segment is cut
+                    # to what does, so a segment's tail is not left empty
+                    gkeys = self._fit_active_locked(gkeys)
+                    group = group[: len(gkeys)]
+                i += len(group)
+                if self.segment_bytes:
+                    first = _pack.header_bytes(gkeys, PAGE, record=True)
                     size = first + len(gkeys) * self._slot_bytes
                     room = self._reserve_locked(size)
                     if room is None:
@@ -1381,7 +1404,7 @@ class DiskStore:
                     and last is not None
                     and last.pack is pack
                     and last.slot + 1 == entry.slot
-                    and len(runs[-1][2]) < self._run_slots
+                    and len(runs[-1][2]) < self._read_slots
                 ):
                     runs[-1][2].append((key, dest))
                 else:
