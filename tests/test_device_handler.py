@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -591,4 +592,50 @@ def test_staged_jobs_move_runs_of_consecutive_tier_slots_as_one_descriptor(
     assert [cache_block_bytes(layout, b) for b in back] == [
         cache_block_bytes(layout, b) for b in cache
     ]
+    tier.release()
+
+
+@pytest.mark.parametrize("kind", ["cross-layer", "groups"])
+def test_staged_runs_planned_per_job_are_merge_runs_per_piece(fake: FakeRuntime, kind: str) -> None:
+    """The runs a staged job plans once (``_runs``) are, piece by piece, exactly the
+    descriptors ``merge_runs`` makes from that piece's tier and staging rows."""
+    layout = build_layout(kind, fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 64)
+    store, _ = make_device_handlers(fake, layout, tier)
+    rng = np.random.default_rng(7)
+    base = np.uint64(1 << 40)
+    pitch = layout.slot_bytes
+    merged = 0
+    for trial in range(300):
+        n = int(rng.integers(1, 40))
+        rows_per = int(rng.integers(1, 12))
+        group = trial % len(layout.groups)
+        size = layout.group_bytes[group]
+        # runs of consecutive slots, ascending or descending, between scattered ones
+        slots: list[int] = []
+        while len(slots) < n:
+            start, length = int(rng.integers(0, 1000)), int(rng.integers(1, 9))
+            run = list(range(start, start + length))
+            slots += run[::-1] if rng.random() < 0.5 else run
+        tier_rows = np.sort(np.array(slots[:n], dtype=np.uint64) * np.uint64(pitch))
+        staging = SimpleNamespace(rows=rows_per, addresses=[int(base), int(base) + 5 * pitch])
+        runs = store._runs(group, tier_rows, staging)  # type: ignore[arg-type]
+        for k, lo in enumerate(range(0, n, rows_per)):
+            hi = min(lo + rows_per, n)
+            b = k % 2  # pieces take the staging buffers in turn
+            at = np.uint64(staging.addresses[b])
+            rows = at + np.arange(hi - lo, dtype=np.uint64) * np.uint64(pitch)
+            sizes = np.full(hi - lo, size, dtype=np.uint64)
+            want = merge_runs(tier_rows[lo:hi], rows, sizes)
+            if runs is None:
+                got = (tier_rows[lo:hi], rows, sizes)
+            else:
+                run_tier, run_rows, run_bytes, cuts = runs
+                c0, c1 = cuts[k], cuts[k + 1]
+                got = (run_tier[c0:c1], run_rows[b][c0:c1], run_bytes[c0:c1])
+            merged += hi - lo - int(want[2].shape[0])
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == np.uint64
+                assert a.tolist() == b.tolist()
+    assert merged > 0  # the trials had runs to merge
     tier.release()

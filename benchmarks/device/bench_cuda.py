@@ -51,7 +51,6 @@ from offload_engine.runtimes.cuda import CudaRuntime
 from offload_engine.vocabulary import Direction
 
 LAYERS, HEADS, DIM = 32, 8, 128
-STRATEGIES = (CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL)
 
 
 def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict[str, float]:
@@ -310,7 +309,7 @@ def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> Non
     bench = Bench(runtime, 16, 1536)
     # each strategy with each launch mode side by side (LAUNCH_MODES: small jobs
     # enqueued on the engine's loop, the submitting thread or the launcher thread)
-    for strategy, launch in [(s, m) for s in STRATEGIES for m in args.launch_modes]:
+    for strategy, launch in [(s, m) for s in args.strategies for m in args.launch_modes]:
         engine, store, _ = bench.engine(strategy, launch=launch)
         launch_cpu: list[float] = []
         real_enqueue = store._enqueue
@@ -421,7 +420,9 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--passes", default="bandwidth,gemm,cpu,step")
     parser.add_argument("--per-job", default="8,32,512", help="blocks per job (bandwidth pass)")
-    parser.add_argument("--strategies", default="dma,staged,kernel", help="bandwidth pass")
+    parser.add_argument(
+        "--strategies", default="dma,staged,kernel", help="bandwidth and cpu passes"
+    )
     parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
     parser.add_argument("--step-steps", type=int, default=30, help="timed steps per variant")
     parser.add_argument("--step-blocks", default="4,16,64", help="blocks each way per step")

@@ -11,6 +11,9 @@
 5. A staged 512-block job's device timeline (each piece's DMA and gather/scatter,
    from timing events around each call) alone and under a long GEMM: how long the
    link idles.
+6. The staged 512-block launch (allocator tier slots) called directly and through
+   the engine's launcher thread, unwrapped and with every driver call timed, hot and
+   after the thread slept: where the engine path's extra CPU goes.
 
 ``PROBE_SECTIONS=35`` runs sections 3 and 5 only.
 """
@@ -107,6 +110,178 @@ def timeline(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int) ->
     rt.copy_blocks, rt.memcpy_batch = real_copy, real_batch  # type: ignore[method-assign]
 
 
+def _calibrate(reps: int = 15) -> str:
+    """A fixed piece of pure Python (about 100 us hot) timed hot, after a 20 ms sleep
+    and after 20 ms of waiting on the device: does this machine run code slower
+    right after a thread idled (clock, caches), whatever the code?"""
+
+    def work() -> int:
+        total = 0
+        for i in range(3000):
+            total += i & 7
+        return total
+
+    out = []
+    for how in ("hot", "sleep", "device"):
+        samples = []
+        for _ in range(reps):
+            if how == "sleep":
+                time.sleep(0.02)
+            elif how == "device":
+                torch.cuda._sleep(20_000_000)  # about 10-20 ms of device time
+                torch.cuda.synchronize()
+            t0 = time.thread_time_ns()
+            work()
+            samples.append((time.thread_time_ns() - t0) / 1e3)
+        out.append(f"{how} {statistics.median(samples):.0f} us")
+    t0 = time.thread_time_ns()
+    for _ in range(1000):
+        time.thread_time_ns()
+    clock = (time.thread_time_ns() - t0) / 1e3 / 1000
+    return ", ".join(out) + f"; one thread_time_ns call {clock:.2f} us"
+
+
+def _breakdown(parts: list[dict[str, int]]) -> str:
+    """Median CPU and count per timed call over the jobs in ``parts``."""
+    if not parts:
+        return ""
+    keys = sorted(k for k in parts[0] if not k.endswith("#"))
+    return (
+        " ["
+        + ", ".join(
+            f"{k} {statistics.median([p.get(k, 0) for p in parts]) / 1e3:.0f}us"
+            f" x{statistics.median([p.get(k + '#', 0) for p in parts]):.0f}"
+            for k in keys
+        )
+        + "]"
+    )
+
+
+def _timed_enqueue(
+    local: Any, real: Any, samples: list[float], parts: list[dict[str, int]], where: dict[str, Any]
+) -> Any:
+    """``real`` (a handler's ``_enqueue``) timed in whichever thread calls it."""
+    import threading
+
+    def timed(plan: Any) -> None:
+        local.acc = {} if where["wrapped"] else None
+        t0 = time.thread_time_ns()
+        real(plan)
+        samples.append((time.thread_time_ns() - t0) / 1e3)
+        if local.acc is not None:
+            parts.append(local.acc)
+        local.acc = None
+        where["thread"] = threading.current_thread().name
+
+    return timed
+
+
+def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int) -> None:
+    """Section 6: the staged 512-block launch, direct and in the launcher thread."""
+    import threading
+
+    import offload_engine.handlers.device as dmod
+
+    print("6. staged 512-block launch (allocator slots): direct vs the engine's launcher thread")
+    print(f"  calibration (pure Python, this thread): {_calibrate()}")
+    local = threading.local()  # per thread: the running _enqueue's per-call totals
+    names = ("record", "wait_event", "memcpy_batch", "copy_blocks", "upload_ids", "new_event")
+    reals = {name: getattr(rt, name) for name in names}
+    # descriptor merging: merge_runs per piece (main before stepperf5) or the runs
+    # planned once per job (stepperf5's DeviceCopyHandler._runs)
+    merge_owner, merge_name = (
+        (dmod, "merge_runs") if hasattr(dmod, "merge_runs") else (dmod.DeviceCopyHandler, "_runs")
+    )
+    real_merge = getattr(merge_owner, merge_name)
+
+    def wrap(real: Any, label: str) -> Any:
+        def timed(*args: Any, **kw: Any) -> Any:
+            acc = getattr(local, "acc", None)
+            if acc is None:
+                return real(*args, **kw)
+            t0 = time.thread_time_ns()
+            try:
+                return real(*args, **kw)
+            finally:
+                acc[label] = acc.get(label, 0) + time.thread_time_ns() - t0
+                acc[label + "#"] = acc.get(label + "#", 0) + 1
+
+        return timed
+
+    def instrument(on: bool) -> None:
+        for name in names:
+            setattr(rt, name, wrap(reals[name], name) if on else reals[name])
+        setattr(merge_owner, merge_name, wrap(real_merge, "merge") if on else real_merge)
+
+    jobs = 24
+    # the default launch (a 512-block job goes to the launcher thread), then the same
+    # job launched by the submitting thread (inline_launch_blocks above 512)
+    for variant in ("launcher", "submitter"):
+        cfg = DeviceHandlerConfig(
+            strategy=CopyStrategy.STAGED,
+            max_inflight=8,
+            inline_launch_blocks=1024 if variant == "submitter" else 64,
+            submitter_launch=variant == "submitter",
+        )
+        store, load = make_device_handlers(rt, layout, tier, cfg)
+        with SyncOffloadingEngine([store, load]) as engine:
+            for handler, direction in ((store, "store"), (load, "load")):
+                tiers = allocator_slots(nb, 512, jobs)
+                specs = []
+                for j in range(jobs):
+                    c = gpu_blocks(rng.choice(nb, size=512, replace=False))
+                    t = cpu_blocks(tiers[j])
+                    specs.append(TransferSpec(c, t) if direction == "store" else TransferSpec(t, c))
+                engine.wait([engine.submit(x) for x in specs[:3]])
+                real_enqueue = handler._enqueue
+                samples: list[float] = []
+                parts: list[dict[str, int]] = []
+                where: dict[str, Any] = {"thread": "", "wrapped": False}
+                timed_enqueue = _timed_enqueue(local, real_enqueue, samples, parts, where)
+                handler._enqueue = timed_enqueue  # type: ignore[method-assign]
+                cases: list[tuple[str, Any]] = [
+                    ("engine, one at a time", "alone"),
+                    ("engine, back to back", "b2b"),
+                ]
+                if variant == "launcher":
+                    cases = [
+                        ("direct, hot", None),
+                        ("direct, after 20 ms sleep", 0.02),
+                        *cases,
+                    ]
+                try:
+                    for wrapped in (False, True):
+                        instrument(wrapped)
+                        where["wrapped"] = wrapped
+                        for label, how in cases:
+                            samples.clear()
+                            parts.clear()
+                            if how == "alone":
+                                for x in specs:
+                                    engine.wait([engine.submit(x)])
+                            elif how == "b2b":
+                                engine.wait([engine.submit(x) for x in specs])
+                            else:
+                                for x in specs:
+                                    p = handler.prepare(x)
+                                    if how:
+                                        time.sleep(how)
+                                    handler._enqueue(p)
+                                    torch.cuda.synchronize()
+                                    handler._recycle(p)
+                            name = f"{label}, submitter" if variant == "submitter" else label
+                            print(
+                                f"  {direction:5} {'timed calls' if wrapped else 'plain':11} "
+                                f"{name:37}: _enqueue {statistics.median(samples):6.0f} us "
+                                f"(min {min(samples):5.0f}, thread {where['thread']})"
+                                f"{_breakdown(parts)}",
+                                flush=True,
+                            )
+                finally:
+                    instrument(False)
+                    handler._enqueue = real_enqueue  # type: ignore[method-assign]
+
+
 def main() -> int:
     rt = CudaRuntime()
     nb = 1536
@@ -182,6 +357,8 @@ def main() -> int:
             store._recycle(plan)
     if "5" in sections:
         timeline(rt, layout, tier, rng, nb)
+    if "6" in sections:
+        engine_path(rt, layout, tier, rng, nb)
     if not {"3", "4"} & set(sections):
         tier.release()
         return 0
@@ -216,7 +393,10 @@ def main() -> int:
         wrap(rt, name, name)
     import offload_engine.handlers.device as dmod
 
-    wrap(dmod, "merge_runs", "merge_runs")
+    if hasattr(dmod, "merge_runs"):  # main before stepperf5: merged per piece
+        wrap(dmod, "merge_runs", "merge_runs")
+    if hasattr(dmod.DeviceCopyHandler, "_runs"):  # stepperf5: runs planned once per job
+        wrap(dmod.DeviceCopyHandler, "_runs", "runs")
     wrap(dmod, "map_transfer", "map_transfer")
     for strategy in (CopyStrategy.STAGED, CopyStrategy.KERNEL):
         cfg = DeviceHandlerConfig(strategy=strategy, max_inflight=8)

@@ -289,8 +289,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         ]
         self._seq = 0
         self._pieces = 0  # staged pieces so far; their DMAs alternate between two streams
-        # the event after which the previous job's writes (its effect) are done
-        self._last_effect: Any = None
+        # the events after which the previous job's writes (its effect) are done,
+        # each with the stream it was recorded on (a wait on that stream is implied)
+        self._last_effect: list[tuple[Any, Any]] = []
         self._staging = (
             _Staging(rt, self.config.staging_buffers, self._stage_rows, self.layout.slot_bytes)
             if self._stage_rows
@@ -369,6 +370,24 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             if self._events:
                 return self._events.pop()
         return self.runtime.new_event()
+
+    def _take_events(self, count: int) -> list[Any]:
+        """``count`` pooled events with one lock (a staged job takes two per piece)."""
+        with self._events_lock:
+            pool = self._events
+            taken = pool[-count:] if count else []
+            del pool[len(pool) - len(taken) :]
+        while len(taken) < count:
+            taken.append(self.runtime.new_event())
+        return taken
+
+    def _after_last_effect(self, streams: tuple[Any, ...]) -> None:
+        """Make ``streams`` wait for the previous job's writes (jobs take effect in
+        submission order); an event recorded on the stream itself needs no wait."""
+        for event, on in self._last_effect:
+            for stream in streams:
+                if stream is not on:
+                    self.runtime.wait_event(stream, event)
 
     def _recycle(self, plan: DevicePlan) -> None:
         # Safe to reuse once the job is done: a later wait on a recycled event
@@ -516,8 +535,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             return
         stream = dmas[0] if plan.strategy is CopyStrategy.DMA else sm
         rt.wait_event(stream, plan.ready)
-        if self._last_effect is not None:
-            rt.wait_event(stream, self._last_effect)
+        self._after_last_effect((stream,))
         if plan.strategy is CopyStrategy.DMA:
             for m in plan.groups:
                 dst, src, sizes = chunk_descriptors(
@@ -541,7 +559,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 self._block_copy(
                     stream, m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
                 )
-        self._last_effect = self._mark(plan, stream)
+        self._last_effect = [(self._mark(plan, stream), stream)]
 
     def _mark(self, plan: DevicePlan, stream: Any) -> Any:
         """Record a pooled event on ``stream`` that the watcher will check."""
@@ -599,10 +617,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         staging = self._staging
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
-        rt.wait_event(sm, plan.ready)
-        if self._last_effect is not None:
-            for stream in dmas if self._store else (sm,):
-                rt.wait_event(stream, self._last_effect)
+        store = self._store
+        record, wait, copy = rt.record, rt.wait_event, rt.memcpy_batch
+        wait(sm, plan.ready)
+        self._after_last_effect(dmas if store else (sm,))
         # Each group's blocks go through staging in tier-address order, so a run of
         # consecutive tier slots (ascending or descending in the job, as an
         # allocator that reuses freed slots last-in first-out hands them out) fills
@@ -611,47 +629,102 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         order = [self._tier_order(m, tier_base) for m in plan.groups]
         # every group's ids in one upload, before any piece
         ids = self._upload_ids(plan, sm, [cache_ids for cache_ids, _ in order])
+        rows_per = staging.rows
+        pieces = sum(-(-int(m.cache_ids.shape[0]) // rows_per) for m in plan.groups)
+        # two events per piece (its first half done, its second half done; an empty
+        # job records one), taken from the pool at once
+        events = self._take_events(max(2 * pieces, 1))
+        plan.events.extend(events)
+        checks = plan.checks
         last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
         end = None
+        at = 0
         for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
             n = int(m.cache_ids.shape[0])
-            for lo in range(0, n, staging.rows):
-                hi = min(lo + staging.rows, n)
+            # a group of one piece merges that piece (fewer numpy calls than planning)
+            runs = self._runs(m.group, tier_rows, staging) if n > rows_per else None
+            sizes_all = self._used_sizes[m.group]
+            for k, lo in enumerate(range(0, n, rows_per)):
+                hi = min(lo + rows_per, n)
                 b = staging.take()
                 self._pieces += 1
-                dma = dmas[self._pieces % 2]
-                first, second = (sm, dma) if self._store else (dma, sm)
-                rows = staging.row_addresses[b][: hi - lo]
-                tier = tier_rows[lo:hi]
-                sizes = self._used_sizes[m.group][: hi - lo]
-                dst, src, sizes = (
-                    merge_runs(tier, rows, sizes) if self._store else merge_runs(rows, tier, sizes)
-                )
+                parity = self._pieces % 2
+                dma = dmas[parity]
+                first, second = (sm, dma) if store else (dma, sm)
+                if runs is None:  # a single piece, or no two neighbours continue
+                    tier = tier_rows[lo:hi]
+                    rows = staging.row_addresses[b][: hi - lo]
+                    sizes = sizes_all[: hi - lo]
+                    if n <= rows_per:  # (merge_runs is symmetric in its two sides)
+                        tier, rows, sizes = merge_runs(tier, rows, sizes)
+                else:  # one per run of consecutive tier slots within the piece
+                    run_tier, run_rows, run_bytes, cuts = runs
+                    c0, c1 = cuts[k], cuts[k + 1]
+                    tier = run_tier[c0:c1]
+                    rows = run_rows[b][c0:c1]
+                    sizes = run_bytes[c0:c1]
+                dst, src = (tier, rows) if store else (rows, tier)
                 piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
                 if staging.free[b] is not None:
-                    rt.wait_event(first, staging.free[b])
-                if self._store:
+                    wait(first, staging.free[b])
+                if store:
                     self._block_copy(
                         sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
                     )
                 else:
-                    rt.memcpy_batch(dma, dst, src, sizes, self.direction)
-                full = self._mark(plan, first)
-                rt.wait_event(second, full)
-                if self._store:
-                    rt.memcpy_batch(dma, dst, src, sizes, self.direction)
+                    copy(dma, dst, src, sizes, self.direction)
+                full, end = events[at], events[at + 1]
+                at += 2
+                record(full, first)
+                wait(second, full)
+                if store:
+                    copy(dma, dst, src, sizes, self.direction)
                 else:
                     self._block_copy(
                         sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
                     )
-                staging.free[b] = end = self._mark(plan, second)
-                last[self._pieces % 2] = end
-        if self._store and len(last) == 2:  # join both DMA streams into one end event
-            rt.wait_event(dmas[0], last[1])
-            end = self._mark(plan, dmas[0])
+                record(end, second)
+                checks += (full, end)
+                staging.free[b] = last[parity] = end
+        if store and len(last) == 2:
+            # the next job's DMA streams wait for both ends (no join needed)
+            self._last_effect = [(last[0], dmas[0]), (last[1], dmas[1])]
         elif end is None:  # an empty job still takes its place in the order
-            end = self._mark(plan, dmas[0] if self._store else sm)
-        self._last_effect = end
+            stream = dmas[0] if store else sm
+            end = events[at]
+            record(end, stream)
+            checks.append(end)
+            self._last_effect = [(end, stream)]
+        else:
+            self._last_effect = [(end, dmas[parity] if store else sm)]
+
+    def _runs(self, group: int, tier_rows: Any, staging: _Staging) -> tuple[Any, ...] | None:
+        """A group's runs of consecutive tier slots, cut at piece boundaries, planned
+        once per job: each run's tier address, its staging row's address in each
+        buffer, its bytes, and per piece where its runs begin (and end), so a piece
+        only slices them. None when no two neighbours continue each other
+        (scattered slots, or a group that does not fill a staging row, so staging
+        rows cannot merge): the descriptors are then one per block. These are the
+        descriptors ``merge_runs`` makes from each piece's rows."""
+        size = self.layout.group_bytes[group]
+        n = int(tier_rows.shape[0])
+        if n < 2 or size != self.layout.slot_bytes:
+            return None
+        run_starts = np.empty(n, dtype=np.bool_)
+        np.not_equal(tier_rows[1:], tier_rows[:-1] + np.uint64(size), out=run_starts[1:])
+        if run_starts[1:].all():
+            return None
+        rows_per = staging.rows
+        run_starts[::rows_per] = True  # a piece starts a run
+        starts = np.flatnonzero(run_starts)
+        ends = np.empty_like(starts)
+        ends[:-1] = starts[1:]
+        ends[-1] = n
+        run_bytes = (ends - starts).astype(np.uint64) * np.uint64(size)
+        offsets = (starts % rows_per).astype(np.uint64) * np.uint64(self.layout.slot_bytes)
+        run_rows = [offsets + np.uint64(a) for a in staging.addresses]
+        cuts = np.searchsorted(starts, np.arange(0, n + rows_per, rows_per)).tolist()
+        return tier_rows[starts], run_rows, run_bytes, cuts
 
     def _tier_order(self, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
         """The group's cache ids and tier row addresses, sorted by tier address
