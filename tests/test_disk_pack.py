@@ -318,10 +318,11 @@ def test_packs_are_evicted_whole_and_the_accounting_stays_exact(tmp_path: Path) 
         assert disk.stats().used_bytes == sum(p.stat().st_size for p in packs(tmp_path))
 
 
-def test_a_pack_with_an_object_being_read_is_not_evicted(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    tier = make_tier()
+def load_held_in_flight(
+    engine: SyncOffloadingEngine, monkeypatch: pytest.MonkeyPatch, k: bytes, block: int
+) -> tuple[int, threading.Event]:
+    """Submit a load of ``k`` into ``block`` whose read is held inside ``_preadv``;
+    return once the read has started: the job id and the event that releases it."""
     entered, release = threading.Event(), threading.Event()
     real = disk_mod._preadv
 
@@ -330,11 +331,19 @@ def test_a_pack_with_an_object_being_read_is_not_evicted(
         release.wait(10)
         return int(real(fd, bufs, offset))
 
+    monkeypatch.setattr(disk_mod, "_preadv", held)
+    job = engine.submit(TransferSpec(disk_blocks([k]), cpu_blocks([block])))
+    assert entered.wait(10)
+    return job, release
+
+
+def test_a_pack_with_an_object_being_read_is_not_evicted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tier = make_tier()
     with engine_on(tmp_path, tier, capacity_bytes=pack_size(4)) as (disk, engine):
         assert store(engine, [0, 1, 2, 3], [key(i) for i in range(4)]).success  # type: ignore[attr-defined]
-        monkeypatch.setattr(disk_mod, "_preadv", held)
-        job = engine.submit(TransferSpec(disk_blocks([key(2)]), cpu_blocks([20])))
-        assert entered.wait(10)
+        job, release = load_held_in_flight(engine, monkeypatch, key(2), 20)
         r = store(engine, [4, 5, 6, 7], [key(4 + i) for i in range(4)])
         assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
         release.set()

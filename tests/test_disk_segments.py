@@ -9,7 +9,6 @@ import contextlib
 import errno
 import json
 import os
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,9 +21,6 @@ from offload_engine import (
     SyncOffloadingEngine,
     TierFullError,
     TrailerError,
-    TransferSpec,
-    cpu_blocks,
-    disk_blocks,
 )
 from offload_engine.handlers.disk import disk_handlers
 from offload_engine.stores import _pack
@@ -40,6 +36,7 @@ from tests.test_disk_pack import (
     digest,
     key,
     load,
+    load_held_in_flight,
     load_with_one_flipped_byte,
     make_tier,
     store,
@@ -432,19 +429,9 @@ def test_a_segment_with_an_object_being_read_is_not_recycled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = make_tier()
-    entered, release = threading.Event(), threading.Event()
-    real = disk_mod._preadv
-
-    def held(fd: int, bufs: list[memoryview], offset: int) -> int:
-        entered.set()
-        release.wait(10)
-        return int(real(fd, bufs, offset))
-
     with engine_on(tmp_path, tier, capacity_bytes=SEG) as (disk, engine):
         assert store(engine, list(range(12)), keys(0, 12)).success  # type: ignore[attr-defined]
-        monkeypatch.setattr(disk_mod, "_preadv", held)
-        job = engine.submit(TransferSpec(disk_blocks([key(3)]), cpu_blocks([20])))
-        assert entered.wait(10)
+        job, release = load_held_in_flight(engine, monkeypatch, key(3), 20)
         r = store(engine, list(range(12, 16)), keys(12, 16))
         assert isinstance(r.error, TierFullError)  # type: ignore[attr-defined]
         release.set()
