@@ -11,8 +11,6 @@ import argparse
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
-
 import offload_engine.bench.disk as bench
 
 
@@ -31,10 +29,8 @@ def main() -> None:
     ap.add_argument("--chunk-mib", type=float, default=1.0)
     ap.add_argument("--volume-mib", type=int, default=512)
     args = ap.parse_args()
-    chunk = int(args.chunk_mib * 2**20)
-    plan = bench.DiskBenchPlan(chunk_bytes=chunk, chunks=args.volume_mib * 2**20 // chunk)
-    rng = np.random.default_rng(0)
-    data = rng.integers(0, 256, size=(plan.chunks, plan.chunk_bytes), dtype=np.uint8)
+    plan = bench.DiskBenchPlan.of_volume(int(args.chunk_mib * 2**20), args.volume_mib)
+    data = plan.random_chunks()
     systems: list[tuple[str, Callable[[Path], list[bench.DiskFigure]]]] = [
         ("vllm-fs", lambda p: bench.bench_vllm_fs(p, plan, data)),
         ("engine", lambda p: bench.bench_engine(p, plan, data, layout="segments")),

@@ -15,8 +15,6 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import offload_engine.bench.disk as bench
 from offload_engine.stores.disk import DiskStore
 
@@ -36,10 +34,8 @@ def main() -> None:
     ap.add_argument("--volume-mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    chunk = int(args.chunk_mib * 2**20)
-    plan = bench.DiskBenchPlan(chunk_bytes=chunk, chunks=args.volume_mib * 2**20 // chunk)
-    rng = np.random.default_rng(0)
-    data = rng.integers(0, 256, size=(plan.chunks, plan.chunk_bytes), dtype=np.uint8)
+    plan = bench.DiskBenchPlan.of_volume(int(args.chunk_mib * 2**20), args.volume_mib)
+    data = plan.random_chunks()
     variants: list[tuple[str, type[DiskStore], bench.Layout]] = [
         ("capped", DiskStore, "segments"),
         ("whole-runs", WholeRuns, "segments"),

@@ -68,6 +68,19 @@ class DiskBenchPlan:
     def quick(cls) -> DiskBenchPlan:
         return cls(chunk_bytes=2**20, chunks=32, chunks_per_job=8)
 
+    @classmethod
+    def of_volume(cls, chunk_bytes: int, volume_mib: int, **fields: int) -> DiskBenchPlan:
+        """Chunks of ``chunk_bytes`` making ``volume_mib`` (at least 16 chunks)."""
+        return cls(
+            chunk_bytes=chunk_bytes, chunks=max(16, volume_mib * 2**20 // chunk_bytes), **fields
+        )
+
+    def random_chunks(self) -> np.ndarray:
+        """What every system writes: seeded random bytes, one row per chunk."""
+        return np.random.default_rng(0).integers(
+            0, 256, (self.chunks, self.chunk_bytes), dtype=np.uint8
+        )
+
 
 @dataclass(frozen=True)
 class DiskFigure:
@@ -291,9 +304,7 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
     in fresh subdirectories of ``directory`` that are removed at the end; report
     the median of each (system, direction)."""
-    data = np.random.default_rng(0).integers(
-        0, 256, (plan.chunks, plan.chunk_bytes), dtype=np.uint8
-    )
+    data = plan.random_chunks()
     runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
         ("engine", lambda p: bench_engine(p, plan, data, layout="segments")),
         ("engine-packs", lambda p: bench_engine(p, plan, data, layout="packs")),

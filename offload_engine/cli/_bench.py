@@ -122,11 +122,7 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     runs = []
     for chunk in sizes:
         plan = (
-            DiskBenchPlan.quick()
-            if args.quick
-            else DiskBenchPlan(
-                chunk_bytes=chunk, chunks=max(16, (args.volume_mib * 2**20) // chunk)
-            )
+            DiskBenchPlan.quick() if args.quick else DiskBenchPlan.of_volume(chunk, args.volume_mib)
         )
         plan = DiskBenchPlan(
             chunk_bytes=plan.chunk_bytes if args.quick and not args.chunk_mib else chunk,
