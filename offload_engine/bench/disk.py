@@ -23,8 +23,11 @@ takes it:
   ``engine-reuse`` is compared with); for chunks under 1 MiB also **fio-1m**, the same
   bytes in 1 MiB requests (what the drive gives to requests of the size packs make);
 * **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
-  ``SecondaryTierManager`` API on a memoryview, ``queue_depth`` read and write
-  threads, the same jobs.
+  ``SecondaryTierManager`` API on a memoryview, the same jobs. Its pool's
+  read-priority and write-priority threads both drain either queue, so a phase
+  of only reads (or only writes) runs on all of them: it gets ``queue_depth``
+  threads in all (half read-priority, half write-priority), the same number of
+  requests in flight as fio and the engine.
 
 Every figure is **cold**: O_DIRECT bypasses the page cache for all three
 (the report records whether each one used it). Submit CPU is
@@ -249,8 +252,9 @@ def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Dis
     array[:] = data
     view = memoryview(array)  # type: ignore[arg-type]
     tier = FileSystemTierManager(
-        _fs_tier_spec(plan), view, "fs", root_dir=str(path), n_read_threads=qd, n_write_threads=qd
-    )
+        _fs_tier_spec(plan), view, "fs", root_dir=str(path),
+        n_read_threads=max(1, -(-qd // 2)), n_write_threads=max(1, qd // 2),
+    )  # fmt: skip
     keys = [OffloadKey(k) for k in _keys(n, "vllm")]
     jobs = n // per
     ctx = ReqContext("bench")
@@ -302,6 +306,7 @@ def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Dis
 
 def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) -> dict[str, Any]:
     """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
+    each round starting one system later (so none always follows the same one),
     in fresh subdirectories of ``directory`` that are removed at the end; report
     the median of each (system, direction)."""
     data = plan.random_chunks()
@@ -319,7 +324,8 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     made: list[Path] = []
     try:
         for rep in range(repeats):
-            for name, run in runs:
+            shift = rep % len(runs)
+            for name, run in runs[shift:] + runs[:shift]:
                 where = directory / f"disk-bench-{name}-{os.getpid()}-{rep}"
                 where.mkdir(parents=True)
                 made.append(where)
