@@ -149,6 +149,7 @@ def build_device_handlers(
                 staging_bytes=config.staging_bytes,
                 submitter_launch=config.submitter_launch,
                 polled_completion=config.polled_completion,
+                **({} if config.native_launch is None else {"native_launch": config.native_launch}),
             ),
         )
     except BaseException:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from offload_engine._loop import ThreadSignal, join_threads
 from offload_engine.errors import (
     ConfigError,
     LayoutError,
+    RuntimeUnavailableError,
 )
 from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import (
@@ -46,6 +48,7 @@ from offload_engine.layout import (
     chunk_descriptors,
     merge_runs,
 )
+from offload_engine.runtimes._native import LaunchProgram
 from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
@@ -55,6 +58,9 @@ from offload_engine.vocabulary import (
 )
 
 _STOP = object()
+log = logging.getLogger("offload_engine.device")
+#: ``DeviceHandlerConfig.native_launch`` unless given (docs/performance.md, stepperf6)
+NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
 
 
 class CopyStrategy(enum.Enum):
@@ -93,6 +99,11 @@ class DeviceHandlerConfig:
     reported there, without waking the watcher thread; the watcher reports
     only while someone waits (a ``wait``, close, a full queue, a deadline).
     With ``submitter_launch`` too, a small job wakes no other thread at all.
+    ``native_launch``: a job's driver calls are recorded and issued by one
+    native call that releases the GIL (:mod:`offload_engine.runtimes._native`;
+    CUDA with the NVRTC kernel and a C compiler). ``"auto"`` uses it where the
+    runtime has it and keeps the Python calls elsewhere (logged); ``True``
+    refuses a runtime without it; ``False`` always calls from Python.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -105,8 +116,13 @@ class DeviceHandlerConfig:
     inline_launch_blocks: int = 64
     submitter_launch: bool = False
     polled_completion: bool = False
+    native_launch: bool | Literal["auto"] = NATIVE_LAUNCH_DEFAULT
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.native_launch, bool) or self.native_launch == "auto"):
+            raise ConfigError(
+                f"native_launch must be 'auto', True or False, got {self.native_launch!r}"
+            )
         for key in ("submitter_launch", "polled_completion"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
@@ -270,6 +286,20 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             if min_region >= config.dma_min_chunk_bytes or rows < 1
             else CopyStrategy.STAGED
         )
+        # the native launch: a program that records the launch's calls (None: they go
+        # to the runtime one by one); native_note says why it is not used
+        self._native: LaunchProgram | None = None
+        self.native_note: str | None = None
+        if config.native_launch is not False:
+            try:
+                self._native = runtime.native_program()
+            except RuntimeUnavailableError as exc:
+                if config.native_launch is True:
+                    raise ConfigError(f"native_launch is True, but {exc}") from None
+                self.native_note = str(exc)
+                log.info("%s launches from Python: %s", self.name, exc)
+        # what the launch code calls to enqueue work: the program, or the runtime
+        self._ops: Any = runtime if self._native is None else self._native
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []  # guarded by _events_lock
         self._events_lock = threading.Lock()
@@ -387,7 +417,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         for event, on in self._last_effect:
             for stream in streams:
                 if stream is not on:
-                    self.runtime.wait_event(stream, event)
+                    self._ops.wait_event(stream, event)
 
     def _recycle(self, plan: DevicePlan) -> None:
         # Safe to reuse once the job is done: a later wait on a recycled event
@@ -416,12 +446,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         host = buffer.host
         if len(arrays) == 1:
             host[:total] = arrays[0]
-            return [self.runtime.upload_ids(stream, buffer, total)]
+            return [self._ops.upload_ids(stream, buffer, total)]
         at = 0
         for a in arrays:
             host[at : at + a.shape[0]] = a
             at += int(a.shape[0])
-        device = self.runtime.upload_ids(stream, buffer, total)
+        device = self._ops.upload_ids(stream, buffer, total)
         out = []
         at = 0
         for a in arrays:
@@ -526,8 +556,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams. Jobs take effect in submission order:
-        each job's writes wait for the previous job's writes."""
-        rt = self.runtime
+        each job's writes wait for the previous job's writes. With the native launch,
+        the calls are recorded and then issued by one native call."""
+        native = self._native
+        if native is None:
+            self._enqueue_calls(plan)
+            return
+        native.begin()
+        self._enqueue_calls(plan)
+        native.run()
+
+    def _enqueue_calls(self, plan: DevicePlan) -> None:
+        """The job's calls, made on ``self._ops``: the runtime, or the native program."""
+        rt = self._ops
         sm, dmas = self._pool[self._seq % len(self._pool)]
         self._seq += 1
         if plan.strategy is CopyStrategy.STAGED:
@@ -564,7 +605,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def _mark(self, plan: DevicePlan, stream: Any) -> Any:
         """Record a pooled event on ``stream`` that the watcher will check."""
         event = self._event()
-        self.runtime.record(event, stream)
+        self._ops.record(event, stream)
         plan.events.append(event)
         plan.checks.append(event)
         return event
@@ -582,7 +623,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         """Copy ``count`` blocks of the group between the cache and slot rows: a
         staging buffer filled in order (``slot_ids`` None) or the tier itself."""
         base, stride, size, offset, max_size = self._tables[m.group]
-        self.runtime.copy_blocks(
+        self._ops.copy_blocks(
             stream,
             BlockCopy(
                 region_base=base,
@@ -613,7 +654,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         Every piece records events the watcher checks, since a device error
         surfaces at the next event recorded on its own stream.
         """
-        rt = self.runtime
+        rt = self._ops
         staging = self._staging
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
