@@ -39,6 +39,7 @@ from offload_engine import (
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.handlers.device import NATIVE_LAUNCH_DEFAULT
 
 from .config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 
@@ -149,7 +150,9 @@ def build_device_handlers(
                 staging_bytes=config.staging_bytes,
                 submitter_launch=config.submitter_launch,
                 polled_completion=config.polled_completion,
-                **({} if config.native_launch is None else {"native_launch": config.native_launch}),
+                native_launch=(
+                    NATIVE_LAUNCH_DEFAULT if config.native_launch is None else config.native_launch
+                ),
             ),
         )
     except BaseException:
