@@ -34,6 +34,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
+from offload_engine.handlers import device
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceCopyHandler,
@@ -210,14 +211,22 @@ def fresh_library(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 def handlers(
-    layout: KVLayout, tier: HostTier, native: bool, *, rows: int, v12: bool = False, **kw: Any
+    layout: KVLayout,
+    tier: HostTier,
+    native: bool,
+    *,
+    rows: int,
+    v12: bool = False,
+    buffers: int = 2,
+    **kw: Any,
 ) -> tuple[Driver, DeviceCopyHandler, DeviceCopyHandler]:
     driver = Driver(v12=v12)
     strategy = kw.pop("strategy", CopyStrategy.STAGED)
     runtime = DriverlessCuda(driver, **kw)
     cfg = DeviceHandlerConfig(
         strategy=strategy,
-        staging_bytes=2 * rows * layout.slot_bytes,
+        staging_bytes=buffers * rows * layout.slot_bytes,
+        staging_buffers=buffers,
         native_launch=native,
         max_inflight=4,
     )
@@ -260,21 +269,35 @@ def run_jobs(engine: SyncOffloadingEngine, todo: list[Any]) -> list[Any]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "strategy", "rows", "batched", "v12", "max_batch"),
+    ("kind", "strategy", "rows", "buffers", "batched", "v12", "max_batch"),
     [
-        ("cross-layer", CopyStrategy.STAGED, 3, True, False, 4096),
-        ("cross-layer", CopyStrategy.STAGED, 8, True, True, 4096),
-        ("groups", CopyStrategy.STAGED, 2, True, False, 4096),
-        ("flash-attention", CopyStrategy.STAGED, 5, False, False, 4096),
-        ("flash-attention", CopyStrategy.DMA, 4, True, False, 3),
-        ("separate-kv", CopyStrategy.KERNEL, 4, True, False, 4096),
+        ("cross-layer", CopyStrategy.STAGED, 3, 2, True, False, 4096),
+        ("cross-layer", CopyStrategy.STAGED, 8, 2, True, True, 4096),
+        ("cross-layer", CopyStrategy.STAGED, 2, 3, True, False, 4096),
+        ("groups", CopyStrategy.STAGED, 2, 2, True, False, 4096),
+        ("groups", CopyStrategy.STAGED, 5, 4, True, False, 4096),
+        ("flash-attention", CopyStrategy.STAGED, 5, 2, False, False, 4096),
+        ("mla", CopyStrategy.STAGED, 4, 3, True, False, 2),
+        ("flash-attention", CopyStrategy.DMA, 4, 2, True, False, 3),
+        ("separate-kv", CopyStrategy.KERNEL, 4, 2, True, False, 4096),
     ],
 )
+@pytest.mark.parametrize("table", [1, device.TABLE_PIECES])
 def test_native_program_makes_the_python_paths_calls(
-    kind: str, strategy: CopyStrategy, rows: int, batched: bool, v12: bool, max_batch: int
+    monkeypatch: pytest.MonkeyPatch,
+    table: int,
+    kind: str,
+    strategy: CopyStrategy,
+    rows: int,
+    buffers: int,
+    batched: bool,
+    v12: bool,
+    max_batch: int,
 ) -> None:
     """Random jobs (stores and loads, random and allocator slots, several pieces)
-    make the same driver calls, arguments and order on both paths."""
+    make the same driver calls, arguments and order on both paths; ``table``: the
+    fewest pieces a staged job lays out as one table (1: every job)."""
+    monkeypatch.setattr(device, "TABLE_PIECES", table)
     layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=24)
     tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 40)
     groups = len(layout.groups)
@@ -286,13 +309,15 @@ def test_native_program_makes_the_python_paths_calls(
             tier,
             native,
             rows=rows,
+            buffers=buffers,
             v12=v12,
             batched=batched,
             max_batch=max_batch,
             strategy=strategy,
         )
         with SyncOffloadingEngine([store, load]) as engine:
-            assert all(r.success for r in run_jobs(engine, todo))
+            results = run_jobs(engine, todo)
+            assert all(r.success for r in results), [r.error for r in results if not r.success][:1]
         logs.append(driver.calls)
     python, native_calls = logs
     kinds = {c[0] for c in python}

@@ -48,7 +48,7 @@ from offload_engine.layout import (
     chunk_descriptors,
     merge_runs,
 )
-from offload_engine.runtimes._native import LaunchProgram
+from offload_engine.runtimes._native import OP_RECORD, OP_WAIT, LaunchProgram
 from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
@@ -59,6 +59,10 @@ from offload_engine.vocabulary import (
 
 _STOP = object()
 log = logging.getLogger("offload_engine.device")
+#: with the native launch, a staged job of at least this many pieces is laid out as
+#: one numpy table (:meth:`DeviceCopyHandler._staged_program`); fewer are recorded
+#: call by call, which costs less for them
+TABLE_PIECES = 4
 #: ``DeviceHandlerConfig.native_launch`` unless given (docs/performance.md, stepperf6)
 NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
 
@@ -300,6 +304,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 log.info("%s launches from Python: %s", self.name, exc)
         # what the launch code calls to enqueue work: the program, or the runtime
         self._ops: Any = runtime if self._native is None else self._native
+        self._rows: dict[Any, Any] = {}  # the native launch's op templates (_staged_program)
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []  # guarded by _events_lock
         self._events_lock = threading.Lock()
@@ -622,25 +627,35 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     ) -> None:
         """Copy ``count`` blocks of the group between the cache and slot rows: a
         staging buffer filled in order (``slot_ids`` None) or the tier itself."""
-        base, stride, size, offset, max_size = self._tables[m.group]
         self._ops.copy_blocks(
-            stream,
-            BlockCopy(
-                region_base=base,
-                region_stride=stride,
-                region_size=size,
-                slot_offset=offset,
-                max_region_size=max_size,
-                cache_ids=ids,
-                slot_ids=slot_ids,
-                count=count,
-                slot_base=slot_base,
-                slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
-                direction=self.direction,
-                cache_views=self._views[m.group],
-                slot_view=slot_view,
-                slot_offsets=self.layout.slot_offsets[m.group],
-            ),
+            stream, self._block_copy_args(m, ids, slot_ids, count, slot_base, slot_view)
+        )
+
+    def _block_copy_args(
+        self,
+        m: GroupMapping,
+        ids: torch.Tensor,
+        slot_ids: torch.Tensor | None,
+        count: int,
+        slot_base: int,
+        slot_view: torch.Tensor,
+    ) -> BlockCopy:
+        base, stride, size, offset, max_size = self._tables[m.group]
+        return BlockCopy(
+            region_base=base,
+            region_stride=stride,
+            region_size=size,
+            slot_offset=offset,
+            max_region_size=max_size,
+            cache_ids=ids,
+            slot_ids=slot_ids,
+            count=count,
+            slot_base=slot_base,
+            slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
+            direction=self.direction,
+            cache_views=self._views[m.group],
+            slot_view=slot_view,
+            slot_offsets=self.layout.slot_offsets[m.group],
         )
 
     def _enqueue_staged(self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
@@ -659,6 +674,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
         store = self._store
+        if (
+            self._native is not None
+            and sum(-(-int(m.cache_ids.shape[0]) // staging.rows) for m in plan.groups)
+            >= TABLE_PIECES
+        ):
+            self._staged_program(plan, sm, dmas, staging, self._native)
+            return
         record, wait, copy = rt.record, rt.wait_event, rt.memcpy_batch
         wait(sm, plan.ready)
         self._after_last_effect(dmas if store else (sm,))
@@ -738,6 +760,161 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._last_effect = [(end, stream)]
         else:
             self._last_effect = [(end, dmas[parity] if store else sm)]
+
+    def _staged_program(
+        self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any], staging: _Staging, program: Any
+    ) -> None:
+        """:meth:`_enqueue_staged`'s calls, in the same order with the same arguments,
+        laid out for the native launch with numpy: each piece's ops are one row of
+        a table (a wait for its buffer's last use, where it had one; the first half;
+        a record; a wait; the second half; a record), with no loop over pieces."""
+        store = self._store
+        program.wait_event(sm, plan.ready)
+        self._after_last_effect(dmas if store else (sm,))
+        tier_base = np.uint64(self._tier_base)
+        order = [self._tier_order(m, tier_base) for m in plan.groups]
+        ids = self._upload_ids(plan, sm, [cache_ids for cache_ids, _ in order])
+        rows_per = staging.rows
+        sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
+        per_group = [-(-n // rows_per) for n in sizes_n]
+        pieces = sum(per_group)
+        events = self._take_events(max(2 * pieces, 1))
+        plan.events.extend(events)
+        if pieces == 0:  # an empty job still takes its place in the order
+            stream = dmas[0] if store else sm
+            program.record(events[0], stream)
+            plan.checks.append(events[0])
+            self._last_effect = [(events[0], stream)]
+            return
+        nbuf = len(staging.buffers)
+        handles = program.handles(events)
+        g = np.arange(pieces)
+        buf = (staging.next + g) % nbuf
+        parity = (self._pieces + 1 + g) % 2
+        dma_h = np.where(parity == 1, dmas[1].cuda_stream, dmas[0].cuda_stream)
+        # the piece table: [wait 3 | first half | record 3 | wait 3 | second half | record 3]
+        launch_at, batch_at = (3, 29) if store else (18, 3)
+        table = np.empty((pieces, 41), dtype=np.int64)
+        table[:, batch_at : batch_at + 9] = self._batch_row(program)
+        table[:, batch_at + program.BATCH_STREAM] = dma_h
+        first, second = (sm.cuda_stream, dma_h) if store else (dma_h, sm.cuda_stream)
+        rec1 = 23 if store else 12
+        wait2, rec2 = rec1 + 3, 38
+        table[:, [0, wait2, rec1, rec2]] = (OP_WAIT, OP_WAIT, OP_RECORD, OP_RECORD)
+        table[:, 1] = first
+        table[:, rec1 + 1] = table[:, wait2 + 2] = handles[0 : 2 * pieces : 2]
+        table[:, rec1 + 2] = first
+        table[:, wait2 + 1] = second
+        table[:, rec2 + 1] = handles[1 : 2 * pieces : 2]
+        table[:, rec2 + 2] = second
+        # each piece waits for the last use of its buffer: a piece of this job, or
+        # the buffer's event from before (none before its first use)
+        head = min(nbuf, pieces)
+        table[head:, 2] = handles[1 : 2 * (pieces - head) : 2]
+        has_wait = np.ones(pieces, dtype=bool)
+        for i, b in enumerate(buf[:head].tolist()):
+            event = staging.free[b]
+            has_wait[i] = event is not None
+            table[i, 2] = 0 if event is None else event.cuda_event
+        addresses = np.array(staging.addresses, dtype=np.uint64)
+        at = 0
+        for m, group_ids, (_, tier_rows), n, k in zip(
+            plan.groups, ids, order, sizes_n, per_group, strict=True
+        ):
+            if k == 0:
+                continue
+            bufs = buf[at : at + k]
+            lo = np.arange(0, n, rows_per, dtype=np.int64)
+            counts = np.minimum(lo + rows_per, n) - lo
+            tier, rows, sizes, descs = self._piece_descriptors(
+                m.group, tier_rows, bufs, counts, staging, addresses
+            )
+            d, s, z = program.descriptors(*((tier, rows) if store else (rows, tier)), sizes)
+            offsets = np.zeros(k, dtype=np.int64)
+            np.cumsum(descs[:-1], out=offsets[1:])
+            piece = table[at : at + k]
+            piece[:, batch_at + program.BATCH_DST] = offsets + d
+            piece[:, batch_at + program.BATCH_SRC] = offsets + s
+            piece[:, batch_at + program.BATCH_SIZES] = offsets + z
+            piece[:, batch_at + program.BATCH_COUNT] = descs
+            launch = launch_at + np.array(
+                (program.LAUNCH_COUNT, program.LAUNCH_IDS, program.LAUNCH_SLOT_BASE)
+            )
+            piece[:, launch_at : launch_at + 20] = self._launch_row(
+                program, m, group_ids, sm, staging
+            )
+            piece[:, launch[0]] = counts
+            piece[:, launch[1]] = group_ids.data_ptr() + 8 * lo
+            piece[:, launch[2]] = addresses[bufs]
+            at += k
+        if has_wait.all():
+            program.extend(table.reshape(-1), 6 * pieces)
+        else:
+            keep = np.ones(table.shape, dtype=bool)
+            keep[:, :3] = has_wait[:, None]
+            program.extend(table[keep], 5 * pieces + int(has_wait.sum()))
+        # the state _enqueue_staged leaves
+        staging.next = int((staging.next + pieces) % nbuf)
+        self._pieces += pieces
+        for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
+            staging.free[int(buf[i])] = events[2 * i + 1]
+        plan.checks += events[: 2 * pieces]
+        last = int(parity[-1])
+        if store and pieces >= 2:  # the last piece of each parity: the last two pieces
+            ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
+            self._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
+        else:
+            self._last_effect = [(events[2 * pieces - 1], dmas[last] if store else sm)]
+
+    def _piece_descriptors(
+        self,
+        group: int,
+        tier_rows: Any,
+        bufs: Any,
+        counts: Any,
+        staging: _Staging,
+        addresses: Any,
+    ) -> tuple[Any, Any, Any, Any]:
+        """A group's staged pieces' DMA descriptors, all pieces at once: tier and
+        staging row addresses, sizes, and how many belong to each piece. The same
+        descriptors :meth:`_enqueue_staged` makes piece by piece."""
+        n = int(tier_rows.shape[0])
+        if counts.shape[0] == 1:  # one piece: merge_runs
+            rows = staging.row_addresses[int(bufs[0])][:n]
+            tier, rows, sizes = merge_runs(tier_rows, rows, self._used_sizes[group][:n])
+            return tier, rows, sizes, np.array([sizes.shape[0]], dtype=np.int64)
+        runs = self._runs(group, tier_rows, staging)
+        if runs is None:  # one descriptor per block, staging rows in order
+            within = np.arange(n, dtype=np.uint64) % np.uint64(staging.rows)
+            within *= np.uint64(self.layout.slot_bytes)
+            rows = addresses[np.repeat(bufs, counts)] + within
+            sizes = np.full(n, self.layout.group_bytes[group], dtype=np.uint64)
+            return tier_rows, rows, sizes, counts
+        tier, run_rows, sizes, cuts = runs
+        descs = np.diff(np.asarray(cuts[: counts.shape[0] + 1], dtype=np.int64))
+        rows = run_rows[0] - np.uint64(staging.addresses[0])
+        rows += addresses[np.repeat(bufs, descs)]
+        return tier, rows, sizes, descs
+
+    def _batch_row(self, program: Any) -> Any:
+        row = self._rows.get("batch")
+        if row is None:
+            row = self._rows["batch"] = program.batch_row(self.direction)
+        return row
+
+    def _launch_row(
+        self, program: Any, m: GroupMapping, ids: torch.Tensor, sm: Any, staging: _Staging
+    ) -> Any:
+        """The group's staged block-copy launch on ``sm``, made once per stream set
+        (a piece fills in its blocks, ids and buffer)."""
+        key = (m.group, sm.cuda_stream)
+        row = self._rows.get(key)
+        if row is None:
+            template = self._block_copy_args(
+                m, ids, None, 1, staging.addresses[0], staging.views[0]
+            )
+            row = self._rows[key] = program.launch_row(template, sm)
+        return row
 
     def _runs(self, group: int, tier_rows: Any, staging: _Staging) -> tuple[Any, ...] | None:
         """A group's runs of consecutive tier slots, cut at piece boundaries, planned

@@ -164,9 +164,11 @@ class LaunchProgram:
     A runtime subclass supplies the same enqueueing methods the handler calls on
     the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
     ``upload_ids``), each appending its op with :meth:`op` and its descriptors
-    with :meth:`descriptors`. The handler calls :meth:`begin`, its launch code,
-    then :meth:`run`; one handler's launches never overlap, so a program serves
-    one handler.
+    with :meth:`descriptors`, and the bulk forms a handler uses to plan many
+    pieces at once with numpy (:meth:`handles`, :meth:`launch_rows`,
+    :meth:`batch_rows`, appended with :meth:`extend`). The handler calls
+    :meth:`begin`, its launch code, then :meth:`run`; one handler's launches never
+    overlap, so a program serves one handler.
     """
 
     def __init__(
@@ -184,30 +186,40 @@ class LaunchProgram:
         self._entries = (ctypes.c_void_p * len(entries))(*entries)
         self._entries_at = ctypes.addressof(self._entries)
         self._error_name = error_name
-        self._fail = (ctypes.c_int64 * 3)()
+        self._fail = (ctypes.c_int64 * 4)()
         self._fail_at = ctypes.addressof(self._fail)
-        self.words: list[int] = []
+        self._words: list[int] = []  # the ops since the last bulk part
+        self._parts: list[Any] = []  # earlier ops: int64 arrays, in order
         self._ops = 0
         self._ndesc = 0
-        self._words = np.empty(0, dtype=np.int64)
-        self._words_at = 0
+        self._buffer = np.empty(0, dtype=np.int64)
+        self._buffer_at = 0
         self._desc = np.empty(0, dtype=np.uint64)
         self._desc_at = 0
-        self._variants: dict[int, int] = {}  # op index -> batch variant, for the error text
 
     def begin(self) -> None:
         """Start a new job's program (dropping whatever a failed launch left)."""
-        self.words.clear()
+        self._words.clear()
+        self._parts.clear()
         self._ops = 0
         self._ndesc = 0
-        self._variants.clear()
 
     def op(self, *words: int) -> None:
-        self.words.extend(words)
+        """Append one op: its code and operands."""
+        self._words.extend(words)
         self._ops += 1
 
-    def descriptors(self, dst: Any, src: Any, sizes: Any) -> int:
-        """Append a batch's descriptors; their offset (in words) in the descriptor array."""
+    def extend(self, words: Any, ops: int) -> None:
+        """Append ``ops`` ops already laid out as int64 ``words`` (the bulk forms)."""
+        if self._words:
+            self._parts.append(np.array(self._words, dtype=np.int64))
+            self._words.clear()
+        self._parts.append(words)
+        self._ops += ops
+
+    def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
+        """Append descriptors (one or many batches' worth, each column in batch
+        order); their columns' offsets (in words) in the descriptor array."""
         n = int(sizes.shape[0])
         at = self._ndesc
         need = at + 3 * n
@@ -221,36 +233,37 @@ class LaunchProgram:
         desc[at + n : at + 2 * n] = src
         desc[at + 2 * n : need] = sizes
         self._ndesc = need
-        return at
-
-    def note_variant(self, variant: int) -> None:
-        """The batch op just appended copies one descriptor per ``cuMemcpyAsync``
-        (variant 0), which names the call in its error."""
-        self._variants[self._ops - 1] = variant
+        return at, at + n, at + 2 * n
 
     def run(self) -> None:
         """Issue the recorded calls; raise :class:`TransferError` for the first that fails,
         named as the Python path names it."""
-        words = self.words
+        if self._parts:
+            if self._words:
+                self._parts.append(np.array(self._words, dtype=np.int64))
+                self._words.clear()
+            words: Any = np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+        else:
+            words = self._words
         n = len(words)
         if n == 0:
             return
-        if n > self._words.shape[0]:
-            self._words = np.empty(max(n, 2 * self._words.shape[0], 256), dtype=np.int64)
-            self._words_at = self._words.ctypes.data
-        self._words[:n] = words
+        if n > self._buffer.shape[0]:
+            self._buffer = np.empty(max(n, 2 * self._buffer.shape[0], 256), dtype=np.int64)
+            self._buffer_at = self._buffer.ctypes.data
+        self._buffer[:n] = words
         call = (
             self._held
             if self._ops <= HOLD_GIL_OPS and self._ndesc <= 3 * HOLD_GIL_DESCRIPTORS
             else self._released
         )
-        rc = call(self._words_at, n, self._desc_at, self._entries_at, self._fail_at)
+        rc = call(self._buffer_at, n, self._desc_at, self._entries_at, self._fail_at)
         if rc == 0:
             return
-        index, code, result = self._fail
+        _, code, result, variant = self._fail
         if rc < 0:
-            raise TransferError(f"the native launch program is malformed at word {index}")
+            raise TransferError(f"the native launch program is malformed at word {self._fail[0]}")
         what = CALL_NAMES.get(int(code), f"op {code}")
-        if code == OP_BATCH and self._variants.get(int(index)) == 0:
+        if code == OP_BATCH and variant == 0:
             what = "cuMemcpyAsync"
         raise TransferError(f"{what} failed: {self._error_name(int(result))}")

@@ -9,12 +9,11 @@
  *
  *   OP_WAIT    stream event              cuStreamWaitEvent(stream, event, 0)
  *   OP_RECORD  event stream              cuEventRecord(event, stream)
- *   OP_BATCH   stream offset count step attrs variant
- *              descriptors dst = desc[offset..], src = desc[offset + count..],
- *              sizes = desc[offset + 2 count..]; in driver calls of at most
- *              `step` descriptors (variant 13: the CUDA 13 cuMemcpyBatchAsync,
- *              12: the 12.8 one with failIdx), or variant 0: one cuMemcpyAsync
- *              per descriptor
+ *   OP_BATCH   stream dst src sizes count step attrs variant
+ *              `count` descriptors at desc[dst..], desc[src..], desc[sizes..] (word
+ *              offsets); in driver calls of at most `step` descriptors (variant
+ *              13: the CUDA 13 cuMemcpyBatchAsync, 12: the 12.8 one with
+ *              failIdx), or variant 0: one cuMemcpyAsync per descriptor
  *   OP_LAUNCH  function gx gy gz bx by bz shared stream nparams value...
  *              cuLaunchKernel; each parameter is read from its own 8-byte word
  *              (a narrower parameter from the word's first bytes: little endian)
@@ -22,8 +21,9 @@
  *
  * oe_launch_run returns 0 when every call succeeded. Otherwise it stops at the
  * first failing call and returns 1 with fail[0] = that op's index (0 for the
- * first op), fail[1] = its opcode and fail[2] = the driver's result; a program
- * it cannot read returns -1 with fail[0] = the word where reading stopped.
+ * first op), fail[1] = its opcode, fail[2] = the driver's result and fail[3] =
+ * a batch's variant (0 for other ops); a program it cannot read returns -1 with
+ * fail[0] = the word where reading stopped.
  */
 
 #include <stddef.h>
@@ -49,11 +49,10 @@ enum { E_RECORD = 0, E_WAIT = 1, E_BATCH = 2, E_MEMCPY = 3, E_LAUNCH = 4, E_HTOD
 
 static int batch(void *const *entries, const uint64_t *desc, const int64_t *w) {
     void *stream = P(w[0]);
-    const uint64_t *dst = desc + w[1];
-    int64_t count = w[2], step = w[3];
-    const uint64_t *src = dst + count, *sizes = dst + 2 * count;
-    void *attrs = P(w[4]);
-    int64_t variant = w[5];
+    const uint64_t *dst = desc + w[1], *src = desc + w[2], *sizes = desc + w[3];
+    int64_t count = w[4], step = w[5];
+    void *attrs = P(w[6]);
+    int64_t variant = w[7];
     if (variant == 0) {
         memcpy_fn copy = (memcpy_fn)entries[E_MEMCPY];
         for (int64_t i = 0; i < count; i++) {
@@ -98,10 +97,10 @@ int64_t oe_launch_run(const int64_t *prog, int64_t words, const uint64_t *desc,
             rc = ((record_fn)entries[E_RECORD])(P(w[0]), P(w[1]));
             break;
         case OP_BATCH:
-            used = 6;
-            if (left < used || w[2] < 0 || w[3] < 1) goto bad;
-            if (w[5] != 0 && w[5] != 12 && w[5] != 13) goto bad;
-            rc = w[2] ? batch(entries, desc, w) : 0;
+            used = 8;
+            if (left < used || w[4] < 0 || w[5] < 1) goto bad;
+            if (w[7] != 0 && w[7] != 12 && w[7] != 13) goto bad;
+            rc = w[4] ? batch(entries, desc, w) : 0;
             break;
         case OP_LAUNCH:
             if (left < 10 || w[9] < 0 || w[9] > MAX_PARAMS || left < 10 + w[9]) goto bad;
@@ -124,6 +123,7 @@ int64_t oe_launch_run(const int64_t *prog, int64_t words, const uint64_t *desc,
             fail[0] = op;
             fail[1] = code;
             fail[2] = rc;
+            fail[3] = code == OP_BATCH ? w[7] : 0;
             return 1;
         }
         at += 1 + used;
@@ -134,5 +134,6 @@ bad:
     fail[0] = at;
     fail[1] = 0;
     fail[2] = 0;
+    fail[3] = 0;
     return -1;
 }

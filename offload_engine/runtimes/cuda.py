@@ -533,6 +533,11 @@ class _CudaProgram(LaunchProgram):
     """The calls a handler makes on :class:`CudaRuntime` while launching a job,
     recorded as the same driver calls and issued in one native call."""
 
+    # the words of batch_row and launch_row that a piece fills in
+    BATCH_STREAM, BATCH_DST, BATCH_SRC, BATCH_SIZES, BATCH_COUNT = 1, 2, 3, 4, 5
+    # grid x; DriverBlockCopy.launch_args's parameters 4 (cache ids) and 6 (slot base)
+    LAUNCH_COUNT, LAUNCH_IDS, LAUNCH_SLOT_BASE = 2, 11 + 4, 11 + 6
+
     def __init__(self, runtime: CudaRuntime, entries: tuple[int, ...]) -> None:
         super().__init__(entries, runtime._driver.error_name)
         self._rt = runtime
@@ -550,15 +555,49 @@ class _CudaProgram(LaunchProgram):
         if n == 0:
             return 0
         handle = stream.cuda_stream
-        at = self.descriptors(dst, src, sizes)
+        d, s, z = self.descriptors(dst, src, sizes)
         rt = self._rt
         if not rt.batched or not handle:  # as CudaRuntime.memcpy_batch: one call each
-            self.op(OP_BATCH, handle, at, n, 1, 0, 0)
-            self.note_variant(0)
+            self.op(OP_BATCH, handle, d, s, z, n, 1, 0, 0)
             return n
         step = self._step
-        self.op(OP_BATCH, handle, at, n, step, rt._attr_addresses[kind], self._variant)
+        self.op(OP_BATCH, handle, d, s, z, n, step, rt._attr_addresses[kind], self._variant)
         return -(-n // step)
+
+    # -- bulk forms: many pieces' ops as rows, planned with numpy
+
+    @staticmethod
+    def handles(events: list[Any]) -> Any:
+        """The events' raw handles, as an int64 array."""
+        return np.array([e.cuda_event for e in events], dtype=np.int64)
+
+    @staticmethod
+    def stream_handle(stream: Any) -> int:
+        return int(stream.cuda_stream)
+
+    def batch_row(self, kind: Direction) -> Any:
+        """A batched copy op's words (:meth:`memcpy_batch`'s op) with its stream,
+        descriptor offsets and count left at 0 (columns ``BATCH_*``): a job's
+        pieces fill them in (on handler streams, never the legacy default stream)."""
+        rt = self._rt
+        if not rt.batched:
+            return np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
+        attrs = rt._attr_addresses[kind]
+        return np.array([OP_BATCH, 0, 0, 0, 0, 0, self._step, attrs, self._variant], np.int64)
+
+    def launch_row(self, template: BlockCopy, stream: Any) -> Any:
+        """``template``'s launch op (:meth:`copy_blocks`'s) on ``stream``, whose block
+        count, cache id address and slot base a job's pieces fill in (columns
+        ``LAUNCH_*``; slot ids: none)."""
+        direct = self._rt._direct
+        if direct is None:  # pragma: no cover - refused by native_program
+            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
+        args = direct.launch_args(template)
+        if args is None:  # pragma: no cover - a template copies blocks
+            raise ValueError("the template copies no blocks")
+        func, shape, values = args
+        words = [OP_LAUNCH, func, *shape, stream.cuda_stream, len(values), *values]
+        return np.array(words, dtype=np.int64)
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
         direct = self._rt._direct
