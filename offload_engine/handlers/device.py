@@ -602,9 +602,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             ids = self._upload_ids(plan, stream, arrays)
             for k, m in enumerate(plan.groups):
                 n = int(m.cache_ids.shape[0])
-                self._block_copy(
-                    stream, m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
+                copy = self._block_copy(
+                    m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
                 )
+                rt.copy_blocks(stream, copy)
         self._last_effect = [(self._mark(plan, stream), stream)]
 
     def _mark(self, plan: DevicePlan, stream: Any) -> Any:
@@ -617,22 +618,6 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def _block_copy(
         self,
-        stream: Any,
-        m: GroupMapping,
-        ids: torch.Tensor,
-        slot_ids: torch.Tensor | None,
-        count: int,
-        slot_base: int,
-        slot_view: torch.Tensor,
-    ) -> None:
-        """Copy ``count`` blocks of the group between the cache and slot rows: a
-        staging buffer filled in order (``slot_ids`` None) or the tier itself."""
-        self._ops.copy_blocks(
-            stream, self._block_copy_args(m, ids, slot_ids, count, slot_base, slot_view)
-        )
-
-    def _block_copy_args(
-        self,
         m: GroupMapping,
         ids: torch.Tensor,
         slot_ids: torch.Tensor | None,
@@ -640,6 +625,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         slot_base: int,
         slot_view: torch.Tensor,
     ) -> BlockCopy:
+        """A copy of ``count`` blocks of the group between the cache and slot rows: a
+        staging buffer filled in order (``slot_ids`` None) or the tier itself."""
         base, stride, size, offset, max_size = self._tables[m.group]
         return BlockCopy(
             region_base=base,
@@ -728,12 +715,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     sizes = run_bytes[c0:c1]
                 dst, src = (tier, rows) if store else (rows, tier)
                 piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
+                at_b = (staging.addresses[b], staging.views[b])  # the buffer's rows
                 if staging.free[b] is not None:
                     wait(first, staging.free[b])
                 if store:
-                    self._block_copy(
-                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
-                    )
+                    rt.copy_blocks(sm, self._block_copy(m, piece_ids, None, hi - lo, *at_b))
                 else:
                     copy(dma, dst, src, sizes, self.direction)
                 full, end = events[at], events[at + 1]
@@ -743,9 +729,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 if store:
                     copy(dma, dst, src, sizes, self.direction)
                 else:
-                    self._block_copy(
-                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
-                    )
+                    rt.copy_blocks(sm, self._block_copy(m, piece_ids, None, hi - lo, *at_b))
                 record(end, second)
                 checks += (full, end)
                 staging.free[b] = last[parity] = end
@@ -910,9 +894,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         key = (m.group, sm.cuda_stream)
         row = self._rows.get(key)
         if row is None:
-            template = self._block_copy_args(
-                m, ids, None, 1, staging.addresses[0], staging.views[0]
-            )
+            template = self._block_copy(m, ids, None, 1, staging.addresses[0], staging.views[0])
             row = self._rows[key] = program.launch_row(template, sm)
         return row
 
