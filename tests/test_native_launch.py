@@ -52,7 +52,7 @@ from offload_engine.testing import FakeRuntime, build_layout
 from offload_engine.tier import HostTier
 from offload_engine.vocabulary import Direction
 
-pytestmark = pytest.mark.skipif(
+needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None,
     reason="no C compiler ($CC or cc) to build the native launch",
 )
@@ -269,6 +269,7 @@ def run_jobs(engine: SyncOffloadingEngine, todo: list[Any]) -> list[Any]:
     return results
 
 
+@needs_cc
 @pytest.mark.parametrize(
     ("kind", "strategy", "rows", "buffers", "batched", "v12", "max_batch"),
     [
@@ -332,6 +333,7 @@ def test_native_program_makes_the_python_paths_calls(
         assert a == b, f"call {i}"
 
 
+@needs_cc
 def test_a_failing_call_fails_its_job_as_on_the_python_path_and_the_engine_serves_on() -> None:
     layout = build_layout("cross-layer", lambda s, d: torch.empty(s, dtype=d), num_blocks=16)
     tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 16)
@@ -351,6 +353,7 @@ def test_a_failing_call_fails_its_job_as_on_the_python_path_and_the_engine_serve
         assert errors[0].endswith(f"failed: CUDA_ERROR_{700 + nth}")
 
 
+@needs_cc
 def test_a_failing_per_descriptor_copy_is_named_as_on_the_python_path() -> None:
     layout = build_layout("flash-attention", lambda s, d: torch.empty(s, dtype=d), num_blocks=8)
     tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 8)
@@ -388,6 +391,7 @@ def test_without_a_compiler_auto_falls_back_and_true_is_refused(
     assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
 
 
+@needs_cc
 def test_a_failed_build_is_reported_and_leaves_no_partial_file(tmp_path: Path) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
@@ -413,6 +417,7 @@ def test_native_launch_option_is_checked() -> None:
     fake.close()
 
 
+@needs_cc
 def test_a_malformed_program_is_refused() -> None:
     found = _native.native_library()
     assert not isinstance(found, str), found
