@@ -78,10 +78,12 @@ def round_trip(
     *,
     staging_blocks: int = 2,
     launch: str = "loop",
+    native: bool | None = None,
 ) -> None:
     """Store random blocks (mid tier block, every group), load them elsewhere, compare
     bit for bit; destination blocks and tier start poisoned, and skipped slots stay so.
-    The cache side is on the runtime's medium (GPU or NPU)."""
+    The cache side is on the runtime's medium (GPU or NPU). ``native``: the
+    ``native_launch`` setting (None: the default)."""
     cache_blocks = npu_blocks if runtime.medium is Medium.NPU else gpu_blocks
     layout = build_layout(kind, empty, num_blocks=24, seed=len(kind) + factor)
     groups = len(layout.groups)
@@ -101,8 +103,11 @@ def round_trip(
         strategy=strategy,
         staging_bytes=2 * staging_blocks * layout.slot_bytes,
         **LAUNCH_MODES[launch],
+        **({} if native is None else {"native_launch": native}),
     )
     store, load = make_device_handlers(runtime, layout, tier, cfg)
+    if native is not None:
+        assert (store._native is not None) is native
     try:
         with SyncOffloadingEngine([store, load]) as engine:
             s = engine.submit(

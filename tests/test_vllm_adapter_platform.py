@@ -91,10 +91,15 @@ def test_a_device_platform_runs_real_copies_through_the_device_handler(
                 "staging_bytes": 4 * layout.slot_bytes,
                 "submitter_launch": polled,
                 "polled_completion": polled,
+                **({"native_launch": False} if polled else {}),
             }
         )
         handlers, tier = backend.build(layout, 4, config)
         assert [h.polled_completion for h in handlers] == [polled, polled]
+        # the key reaches the handler (unset: its default); the fake runtime has none
+        want = False if polled else "auto"
+        assert [h.config.native_launch for h in handlers] == [want, want]  # type: ignore[attr-defined]
+        assert all(h._native is None for h in handlers)  # type: ignore[attr-defined]
         try:
             assert [h.pair for h in handlers] == [
                 (Medium.GPU, Medium.CPU),

@@ -63,7 +63,12 @@ def timeline(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int) ->
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     gemm = torch.cuda.Stream()
-    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
+    python = (
+        {"native_launch": False}
+        if "native_launch" in DeviceHandlerConfig.__dataclass_fields__
+        else {}
+    )  # the runtime's calls are what is timed here
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8, **python)
     store, load = make_device_handlers(rt, layout, tier, cfg)
     with SyncOffloadingEngine([store, load]) as engine:
         for direction in ("load", "store"):
@@ -208,20 +213,33 @@ def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int)
 
         return timed
 
-    def instrument(on: bool) -> None:
+    def instrument(on: bool, handlers: tuple[Any, ...] = ()) -> None:
         for name in names:
             setattr(rt, name, wrap(reals[name], name) if on else reals[name])
         setattr(merge_owner, merge_name, wrap(real_merge, "merge") if on else real_merge)
+        for h in handlers:  # the native launch: its program's one call
+            program = getattr(h, "_native", None)
+            if program is not None:
+                if on:
+                    program.run = wrap(program.run, "native run")
+                else:
+                    vars(program).pop("run", None)
 
     jobs = 24
     # the default launch (a 512-block job goes to the launcher thread), then the same
-    # job launched by the submitting thread (inline_launch_blocks above 512)
-    for variant in ("launcher", "submitter"):
+    # job launched by the submitting thread (inline_launch_blocks above 512); on a tree
+    # with the native launch (stepperf6), each with it off and on
+    natives: tuple[Any, ...] = (
+        (False, True) if "native_launch" in DeviceHandlerConfig.__dataclass_fields__ else (None,)
+    )
+    for variant, native in [(v, n) for v in ("launcher", "submitter") for n in natives]:
+        extra = {} if native is None else {"native_launch": native}
         cfg = DeviceHandlerConfig(
             strategy=CopyStrategy.STAGED,
             max_inflight=8,
             inline_launch_blocks=1024 if variant == "submitter" else 64,
             submitter_launch=variant == "submitter",
+            **extra,
         )
         store, load = make_device_handlers(rt, layout, tier, cfg)
         with SyncOffloadingEngine([store, load]) as engine:
@@ -251,7 +269,7 @@ def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int)
                     ]
                 try:
                     for wrapped in (False, True):
-                        instrument(wrapped)
+                        instrument(wrapped, (handler,))
                         where["wrapped"] = wrapped
                         for label, how in cases:
                             samples.clear()
@@ -270,15 +288,16 @@ def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int)
                                     torch.cuda.synchronize()
                                     handler._recycle(p)
                             name = f"{label}, submitter" if variant == "submitter" else label
+                            name += {None: "", False: ", python", True: ", native"}[native]
                             print(
                                 f"  {direction:5} {'timed calls' if wrapped else 'plain':11} "
-                                f"{name:37}: _enqueue {statistics.median(samples):6.0f} us "
+                                f"{name:45}: _enqueue {statistics.median(samples):6.0f} us "
                                 f"(min {min(samples):5.0f}, thread {where['thread']})"
                                 f"{_breakdown(parts)}",
                                 flush=True,
                             )
                 finally:
-                    instrument(False)
+                    instrument(False, (handler,))
                     handler._enqueue = real_enqueue  # type: ignore[method-assign]
 
 
@@ -401,6 +420,10 @@ def main() -> int:
     for strategy in (CopyStrategy.STAGED, CopyStrategy.KERNEL):
         cfg = DeviceHandlerConfig(strategy=strategy, max_inflight=8)
         store, load = make_device_handlers(rt, layout, tier, cfg)
+        for h in (store, load):  # the native launch (stepperf6): its one call, timed
+            if getattr(h, "_native", None) is not None:
+                wrap(h._native, "run", "native run")
+        print(f"  {strategy.value}: native launch {getattr(store, '_native', None) is not None}")
         with SyncOffloadingEngine([store, load]) as engine:
             for per_job in (8, 512):
                 for handler, direction in ((store, "store"), (load, "load")):

@@ -52,6 +52,7 @@ class EngineOffloadingConfig:
     staging_bytes: int = DEFAULT_STAGING_BYTES
     submitter_launch: bool = False
     polled_completion: bool = False
+    native_launch: bool | Literal["auto"] | None = None  # None: DeviceHandlerConfig's default
     job_timeout_s: float | None = None
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     host_workers: int = 1
@@ -195,6 +196,10 @@ def parse_extra_config(
     # where a device job is launched and how its completion is found (DeviceHandlerConfig)
     submitter_launch = r.bool_("submitter_launch", False)
     polled_completion = r.bool_("polled_completion", False)
+    native_launch = r.extra.get("native_launch")
+    if not (native_launch is None or isinstance(native_launch, bool) or native_launch == "auto"):
+        r.bad("native_launch", "'auto', true or false")
+        native_launch = None
     timeout = r.float_("job_timeout_s", "a positive number of seconds (or null for none)")
     capacity = r.int_("queue_capacity", DEFAULT_QUEUE_CAPACITY, minimum=1, want="a positive int")
     workers = r.int_("host_workers", 1, minimum=1, want="a positive int")
@@ -222,6 +227,7 @@ def parse_extra_config(
         staging_bytes=staging or DEFAULT_STAGING_BYTES,
         submitter_launch=submitter_launch,
         polled_completion=polled_completion,
+        native_launch=native_launch,
         job_timeout_s=timeout,
         queue_capacity=capacity or DEFAULT_QUEUE_CAPACITY,
         host_workers=workers or 1,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -140,17 +140,15 @@ def build_device_handlers(
         runtime, layout, num_tier_blocks, factor=config.blocks_per_chunk, **where
     )
     try:
-        handlers = make_device_handlers(
-            runtime,
-            layout,
-            tier,
-            DeviceHandlerConfig(
-                strategy=CopyStrategy(config.strategy),
-                staging_bytes=config.staging_bytes,
-                submitter_launch=config.submitter_launch,
-                polled_completion=config.polled_completion,
-            ),
+        device_config = DeviceHandlerConfig(
+            strategy=CopyStrategy(config.strategy),
+            staging_bytes=config.staging_bytes,
+            submitter_launch=config.submitter_launch,
+            polled_completion=config.polled_completion,
         )
+        if config.native_launch is not None:  # None: the handler's default
+            device_config = replace(device_config, native_launch=config.native_launch)
+        handlers = make_device_handlers(runtime, layout, tier, device_config)
     except BaseException:
         tier.release()
         raise

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import collections
 import enum
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ from offload_engine._loop import ThreadSignal, join_threads
 from offload_engine.errors import (
     ConfigError,
     LayoutError,
+    RuntimeUnavailableError,
 )
 from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.layout import (
@@ -46,6 +48,7 @@ from offload_engine.layout import (
     chunk_descriptors,
     merge_runs,
 )
+from offload_engine.runtimes._native import OP_RECORD, OP_WAIT, LaunchProgram
 from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
@@ -55,6 +58,13 @@ from offload_engine.vocabulary import (
 )
 
 _STOP = object()
+log = logging.getLogger("offload_engine.device")
+#: with the native launch, a staged job of at least this many pieces is laid out as
+#: one numpy table (:meth:`DeviceCopyHandler._staged_program`); fewer are recorded
+#: call by call, which costs less for them
+TABLE_PIECES = 4
+#: ``DeviceHandlerConfig.native_launch`` unless given (docs/performance.md, stepperf6)
+NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
 
 
 class CopyStrategy(enum.Enum):
@@ -93,6 +103,11 @@ class DeviceHandlerConfig:
     reported there, without waking the watcher thread; the watcher reports
     only while someone waits (a ``wait``, close, a full queue, a deadline).
     With ``submitter_launch`` too, a small job wakes no other thread at all.
+    ``native_launch``: a job's driver calls are recorded and issued by one
+    native call that releases the GIL (:mod:`offload_engine.runtimes._native`;
+    CUDA with the NVRTC kernel and a C compiler). ``"auto"`` uses it where the
+    runtime has it and keeps the Python calls elsewhere (logged); ``True``
+    refuses a runtime without it; ``False`` always calls from Python.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -105,8 +120,13 @@ class DeviceHandlerConfig:
     inline_launch_blocks: int = 64
     submitter_launch: bool = False
     polled_completion: bool = False
+    native_launch: bool | Literal["auto"] = NATIVE_LAUNCH_DEFAULT
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.native_launch, bool) or self.native_launch == "auto"):
+            raise ConfigError(
+                f"native_launch must be 'auto', True or False, got {self.native_launch!r}"
+            )
         for key in ("submitter_launch", "polled_completion"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
@@ -270,6 +290,21 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             if min_region >= config.dma_min_chunk_bytes or rows < 1
             else CopyStrategy.STAGED
         )
+        # the native launch: a program that records the launch's calls (None: they go
+        # to the runtime one by one); native_note says why it is not used
+        self._native: LaunchProgram | None = None
+        self.native_note: str | None = None
+        if config.native_launch is not False:
+            try:
+                self._native = runtime.native_program()
+            except RuntimeUnavailableError as exc:
+                if config.native_launch is True:
+                    raise ConfigError(f"native_launch is True, but {exc}") from None
+                self.native_note = str(exc)
+                log.info("%s launches from Python: %s", self.name, exc)
+        # what the launch code calls to enqueue work: the program, or the runtime
+        self._ops: Any = runtime if self._native is None else self._native
+        self._rows: dict[Any, Any] = {}  # the native launch's op templates (_staged_program)
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []  # guarded by _events_lock
         self._events_lock = threading.Lock()
@@ -387,7 +422,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         for event, on in self._last_effect:
             for stream in streams:
                 if stream is not on:
-                    self.runtime.wait_event(stream, event)
+                    self._ops.wait_event(stream, event)
 
     def _recycle(self, plan: DevicePlan) -> None:
         # Safe to reuse once the job is done: a later wait on a recycled event
@@ -416,12 +451,12 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         host = buffer.host
         if len(arrays) == 1:
             host[:total] = arrays[0]
-            return [self.runtime.upload_ids(stream, buffer, total)]
+            return [self._ops.upload_ids(stream, buffer, total)]
         at = 0
         for a in arrays:
             host[at : at + a.shape[0]] = a
             at += int(a.shape[0])
-        device = self.runtime.upload_ids(stream, buffer, total)
+        device = self._ops.upload_ids(stream, buffer, total)
         out = []
         at = 0
         for a in arrays:
@@ -526,8 +561,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams. Jobs take effect in submission order:
-        each job's writes wait for the previous job's writes."""
-        rt = self.runtime
+        each job's writes wait for the previous job's writes. With the native launch,
+        the calls are recorded and then issued by one native call."""
+        native = self._native
+        if native is None:
+            self._enqueue_calls(plan)
+            return
+        native.begin()
+        self._enqueue_calls(plan)
+        native.run()
+
+    def _enqueue_calls(self, plan: DevicePlan) -> None:
+        """The job's calls, made on ``self._ops``: the runtime, or the native program."""
+        rt = self._ops
         sm, dmas = self._pool[self._seq % len(self._pool)]
         self._seq += 1
         if plan.strategy is CopyStrategy.STAGED:
@@ -556,50 +602,47 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             ids = self._upload_ids(plan, stream, arrays)
             for k, m in enumerate(plan.groups):
                 n = int(m.cache_ids.shape[0])
-                self._block_copy(
-                    stream, m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
+                copy = self._block_copy(
+                    m, ids[2 * k], ids[2 * k + 1], n, self._tier_base, self._tier_view
                 )
+                rt.copy_blocks(stream, copy)
         self._last_effect = [(self._mark(plan, stream), stream)]
 
     def _mark(self, plan: DevicePlan, stream: Any) -> Any:
         """Record a pooled event on ``stream`` that the watcher will check."""
         event = self._event()
-        self.runtime.record(event, stream)
+        self._ops.record(event, stream)
         plan.events.append(event)
         plan.checks.append(event)
         return event
 
     def _block_copy(
         self,
-        stream: Any,
         m: GroupMapping,
         ids: torch.Tensor,
         slot_ids: torch.Tensor | None,
         count: int,
         slot_base: int,
         slot_view: torch.Tensor,
-    ) -> None:
-        """Copy ``count`` blocks of the group between the cache and slot rows: a
+    ) -> BlockCopy:
+        """A copy of ``count`` blocks of the group between the cache and slot rows: a
         staging buffer filled in order (``slot_ids`` None) or the tier itself."""
         base, stride, size, offset, max_size = self._tables[m.group]
-        self.runtime.copy_blocks(
-            stream,
-            BlockCopy(
-                region_base=base,
-                region_stride=stride,
-                region_size=size,
-                slot_offset=offset,
-                max_region_size=max_size,
-                cache_ids=ids,
-                slot_ids=slot_ids,
-                count=count,
-                slot_base=slot_base,
-                slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
-                direction=self.direction,
-                cache_views=self._views[m.group],
-                slot_view=slot_view,
-                slot_offsets=self.layout.slot_offsets[m.group],
-            ),
+        return BlockCopy(
+            region_base=base,
+            region_stride=stride,
+            region_size=size,
+            slot_offset=offset,
+            max_region_size=max_size,
+            cache_ids=ids,
+            slot_ids=slot_ids,
+            count=count,
+            slot_base=slot_base,
+            slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
+            direction=self.direction,
+            cache_views=self._views[m.group],
+            slot_view=slot_view,
+            slot_offsets=self.layout.slot_offsets[m.group],
         )
 
     def _enqueue_staged(self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
@@ -613,11 +656,18 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         Every piece records events the watcher checks, since a device error
         surfaces at the next event recorded on its own stream.
         """
-        rt = self.runtime
+        rt = self._ops
         staging = self._staging
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
         store = self._store
+        if (
+            self._native is not None
+            and sum(-(-int(m.cache_ids.shape[0]) // staging.rows) for m in plan.groups)
+            >= TABLE_PIECES
+        ):
+            self._staged_program(plan, sm, dmas, staging, self._native)
+            return
         record, wait, copy = rt.record, rt.wait_event, rt.memcpy_batch
         wait(sm, plan.ready)
         self._after_last_effect(dmas if store else (sm,))
@@ -665,12 +715,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                     sizes = run_bytes[c0:c1]
                 dst, src = (tier, rows) if store else (rows, tier)
                 piece_ids = group_ids if lo == 0 and hi == n else group_ids[lo:hi]
+                at_b = (staging.addresses[b], staging.views[b])  # the buffer's rows
                 if staging.free[b] is not None:
                     wait(first, staging.free[b])
                 if store:
-                    self._block_copy(
-                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
-                    )
+                    rt.copy_blocks(sm, self._block_copy(m, piece_ids, None, hi - lo, *at_b))
                 else:
                     copy(dma, dst, src, sizes, self.direction)
                 full, end = events[at], events[at + 1]
@@ -680,9 +729,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 if store:
                     copy(dma, dst, src, sizes, self.direction)
                 else:
-                    self._block_copy(
-                        sm, m, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
-                    )
+                    rt.copy_blocks(sm, self._block_copy(m, piece_ids, None, hi - lo, *at_b))
                 record(end, second)
                 checks += (full, end)
                 staging.free[b] = last[parity] = end
@@ -697,6 +744,159 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._last_effect = [(end, stream)]
         else:
             self._last_effect = [(end, dmas[parity] if store else sm)]
+
+    def _staged_program(
+        self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any], staging: _Staging, program: Any
+    ) -> None:
+        """:meth:`_enqueue_staged`'s calls, in the same order with the same arguments,
+        laid out for the native launch with numpy: each piece's ops are one row of
+        a table (a wait for its buffer's last use, where it had one; the first half;
+        a record; a wait; the second half; a record), with no loop over pieces."""
+        store = self._store
+        program.wait_event(sm, plan.ready)
+        self._after_last_effect(dmas if store else (sm,))
+        tier_base = np.uint64(self._tier_base)
+        order = [self._tier_order(m, tier_base) for m in plan.groups]
+        ids = self._upload_ids(plan, sm, [cache_ids for cache_ids, _ in order])
+        rows_per = staging.rows
+        sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
+        per_group = [-(-n // rows_per) for n in sizes_n]
+        pieces = sum(per_group)
+        events = self._take_events(max(2 * pieces, 1))
+        plan.events.extend(events)
+        if pieces == 0:  # an empty job still takes its place in the order
+            stream = dmas[0] if store else sm
+            program.record(events[0], stream)
+            plan.checks.append(events[0])
+            self._last_effect = [(events[0], stream)]
+            return
+        nbuf = len(staging.buffers)
+        handles = program.handles(events)
+        g = np.arange(pieces)
+        buf = (staging.next + g) % nbuf
+        parity = (self._pieces + 1 + g) % 2
+        dma_h = np.where(parity == 1, dmas[1].cuda_stream, dmas[0].cuda_stream)
+        # the piece table: [wait 3 | first half | record 3 | wait 3 | second half | record 3]
+        launch_at, batch_at = (3, 29) if store else (18, 3)
+        table = np.empty((pieces, 41), dtype=np.int64)
+        table[:, batch_at : batch_at + 9] = self._batch_row(program)
+        table[:, batch_at + program.BATCH_STREAM] = dma_h
+        first, second = (sm.cuda_stream, dma_h) if store else (dma_h, sm.cuda_stream)
+        rec1 = 23 if store else 12
+        wait2, rec2 = rec1 + 3, 38
+        table[:, [0, wait2, rec1, rec2]] = (OP_WAIT, OP_WAIT, OP_RECORD, OP_RECORD)
+        table[:, 1] = first
+        table[:, rec1 + 1] = table[:, wait2 + 2] = handles[0 : 2 * pieces : 2]
+        table[:, rec1 + 2] = first
+        table[:, wait2 + 1] = second
+        table[:, rec2 + 1] = handles[1 : 2 * pieces : 2]
+        table[:, rec2 + 2] = second
+        # each piece waits for the last use of its buffer: a piece of this job, or
+        # the buffer's event from before (none before its first use)
+        head = min(nbuf, pieces)
+        table[head:, 2] = handles[1 : 2 * (pieces - head) : 2]
+        has_wait = np.ones(pieces, dtype=bool)
+        for i, b in enumerate(buf[:head].tolist()):
+            event = staging.free[b]
+            has_wait[i] = event is not None
+            table[i, 2] = 0 if event is None else event.cuda_event
+        addresses = np.array(staging.addresses, dtype=np.uint64)
+        at = 0
+        for m, group_ids, (_, tier_rows), n, k in zip(
+            plan.groups, ids, order, sizes_n, per_group, strict=True
+        ):
+            if k == 0:
+                continue
+            bufs = buf[at : at + k]
+            lo = np.arange(0, n, rows_per, dtype=np.int64)
+            counts = np.minimum(lo + rows_per, n) - lo
+            tier, rows, sizes, descs = self._piece_descriptors(
+                m.group, tier_rows, bufs, counts, staging, addresses
+            )
+            d, s, z = program.descriptors(*((tier, rows) if store else (rows, tier)), sizes)
+            offsets = np.zeros(k, dtype=np.int64)
+            np.cumsum(descs[:-1], out=offsets[1:])
+            piece = table[at : at + k]
+            piece[:, batch_at + program.BATCH_DST] = offsets + d
+            piece[:, batch_at + program.BATCH_SRC] = offsets + s
+            piece[:, batch_at + program.BATCH_SIZES] = offsets + z
+            piece[:, batch_at + program.BATCH_COUNT] = descs
+            launch = launch_at + np.array(
+                (program.LAUNCH_COUNT, program.LAUNCH_IDS, program.LAUNCH_SLOT_BASE)
+            )
+            piece[:, launch_at : launch_at + 20] = self._launch_row(
+                program, m, group_ids, sm, staging
+            )
+            piece[:, launch[0]] = counts
+            piece[:, launch[1]] = group_ids.data_ptr() + 8 * lo
+            piece[:, launch[2]] = addresses[bufs]
+            at += k
+        if has_wait.all():
+            program.extend(table.reshape(-1), 6 * pieces)
+        else:
+            keep = np.ones(table.shape, dtype=bool)
+            keep[:, :3] = has_wait[:, None]
+            program.extend(table[keep], 5 * pieces + int(has_wait.sum()))
+        # the state _enqueue_staged leaves
+        staging.next = int((staging.next + pieces) % nbuf)
+        self._pieces += pieces
+        for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
+            staging.free[int(buf[i])] = events[2 * i + 1]
+        plan.checks += events[: 2 * pieces]
+        last = int(parity[-1])
+        if store and pieces >= 2:  # the last piece of each parity: the last two pieces
+            ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
+            self._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
+        else:
+            self._last_effect = [(events[2 * pieces - 1], dmas[last] if store else sm)]
+
+    def _piece_descriptors(
+        self,
+        group: int,
+        tier_rows: Any,
+        bufs: Any,
+        counts: Any,
+        staging: _Staging,
+        addresses: Any,
+    ) -> tuple[Any, Any, Any, Any]:
+        """A group's staged pieces' DMA descriptors, all pieces at once: tier and
+        staging row addresses, sizes, and how many belong to each piece. The same
+        descriptors :meth:`_enqueue_staged` makes piece by piece."""
+        n = int(tier_rows.shape[0])
+        if counts.shape[0] == 1:  # one piece: merge_runs
+            rows = staging.row_addresses[int(bufs[0])][:n]
+            tier, rows, sizes = merge_runs(tier_rows, rows, self._used_sizes[group][:n])
+            return tier, rows, sizes, np.array([sizes.shape[0]], dtype=np.int64)
+        runs = self._runs(group, tier_rows, staging)
+        if runs is None:  # one descriptor per block, staging rows in order
+            within = np.arange(n, dtype=np.uint64) % np.uint64(staging.rows)
+            within *= np.uint64(self.layout.slot_bytes)
+            rows = addresses[np.repeat(bufs, counts)] + within
+            sizes = np.full(n, self.layout.group_bytes[group], dtype=np.uint64)
+            return tier_rows, rows, sizes, counts
+        tier, run_rows, sizes, cuts = runs
+        descs = np.diff(np.asarray(cuts[: counts.shape[0] + 1], dtype=np.int64))
+        rows = run_rows[0] - np.uint64(staging.addresses[0])
+        rows += addresses[np.repeat(bufs, descs)]
+        return tier, rows, sizes, descs
+
+    def _batch_row(self, program: Any) -> Any:
+        row = self._rows.get("batch")
+        if row is None:
+            row = self._rows["batch"] = program.batch_row(self.direction)
+        return row
+
+    def _launch_row(
+        self, program: Any, m: GroupMapping, ids: torch.Tensor, sm: Any, staging: _Staging
+    ) -> Any:
+        """The group's staged block-copy launch on ``sm``, made once per stream set
+        (a piece fills in its blocks, ids and buffer)."""
+        key = (m.group, sm.cuda_stream)
+        row = self._rows.get(key)
+        if row is None:
+            template = self._block_copy(m, ids, None, 1, staging.addresses[0], staging.views[0])
+            row = self._rows[key] = program.launch_row(template, sm)
+        return row
 
     def _runs(self, group: int, tier_rows: Any, staging: _Staging) -> tuple[Any, ...] | None:
         """A group's runs of consecutive tier slots, cut at piece boundaries, planned

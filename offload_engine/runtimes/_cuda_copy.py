@@ -91,25 +91,43 @@ class DriverBlockCopy:
             found = self._local.params = (values, array)
         return found  # type: ignore[no-any-return]
 
-    def __call__(self, copy: BlockCopy, stream: int) -> int:
-        """Enqueue ``copy`` on the raw stream handle ``stream``; the driver's result."""
+    @property
+    def launch_address(self) -> int:
+        """The address of the ``cuLaunchKernel`` entry point this launcher calls."""
+        return int(ctypes.cast(self._launch, ctypes.c_void_p).value or 0)
+
+    def launch_args(self, copy: BlockCopy) -> tuple[int, tuple[int, ...], list[int]] | None:
+        """``(function, (grid x, y, z, block x, y, z, shared bytes), parameter values)``
+        of ``copy``'s launch, or None for a copy of no blocks (nothing to launch)."""
         if copy.count == 0:
-            return 0
+            return None
         regions = int(copy.region_size.shape[0])
         tiles = -(-copy.max_region_size // TILE)
         if regions > _MAX_GRID_YZ or tiles > _MAX_GRID_YZ:
             raise ValueError(f"{regions} regions of up to {copy.max_region_size} bytes is too many")
-        values, array = self._params()
-        values[0].value = copy.region_base.data_ptr()
-        values[1].value = copy.region_stride.data_ptr()
-        values[2].value = copy.region_size.data_ptr()
-        values[3].value = copy.slot_offset.data_ptr()
-        values[4].value = copy.cache_ids.data_ptr()
-        values[5].value = 0 if copy.slot_ids is None else copy.slot_ids.data_ptr()
-        values[6].value = copy.slot_base
-        values[7].value = copy.slot_bytes
-        values[8].value = 1 if copy.direction is Direction.STORE else 0
-        rc: int = self._launch(
-            self._func, copy.count, regions, tiles, THREADS, 1, 1, 0, stream, array, None
-        )
+        values = [
+            copy.region_base.data_ptr(),
+            copy.region_stride.data_ptr(),
+            copy.region_size.data_ptr(),
+            copy.slot_offset.data_ptr(),
+            copy.cache_ids.data_ptr(),
+            0 if copy.slot_ids is None else copy.slot_ids.data_ptr(),
+            copy.slot_base,
+            copy.slot_bytes,
+            1 if copy.direction is Direction.STORE else 0,
+        ]
+        func = self._func
+        handle = int(getattr(func, "value", func) or 0)
+        return handle, (copy.count, regions, tiles, THREADS, 1, 1, 0), values
+
+    def __call__(self, copy: BlockCopy, stream: int) -> int:
+        """Enqueue ``copy`` on the raw stream handle ``stream``; the driver's result."""
+        args = self.launch_args(copy)
+        if args is None:
+            return 0
+        _, shape, values = args
+        params, array = self._params()
+        for param, value in zip(params, values, strict=True):
+            param.value = value
+        rc: int = self._launch(self._func, *shape, stream, array, None)
         return rc

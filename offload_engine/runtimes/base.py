@@ -25,6 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from offload_engine.errors import RuntimeUnavailableError
+from offload_engine.runtimes._native import LaunchProgram
 from offload_engine.vocabulary import Direction, Medium
 
 U64 = npt.NDArray[np.uint64]
@@ -190,6 +192,15 @@ class DeviceRuntime(abc.ABC):
         whose block copies go on the current stream makes ``stream`` current there,
         so no launch switches streams. The default does nothing."""
         return contextlib.nullcontext()
+
+    def native_program(self) -> LaunchProgram:
+        """A recorder for a job's launch that issues its calls in one native call
+        (``DeviceHandlerConfig.native_launch``; see :mod:`offload_engine.runtimes._native`):
+        it has this runtime's enqueueing methods (``record``, ``wait_event``,
+        ``memcpy_batch``, ``copy_blocks``, ``upload_ids``). Raises
+        :class:`RuntimeUnavailableError` saying why where there is none (the default:
+        the NPU and fake runtimes launch from Python)."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime launches its jobs from Python")
 
     def record_current(self, event: Any) -> None:
         """Record ``event`` on the calling thread's current stream (the compute stream)."""

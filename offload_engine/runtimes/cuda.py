@@ -39,6 +39,14 @@ import torch
 
 from offload_engine.errors import RuntimeUnavailableError, TransferError
 from offload_engine.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.runtimes._native import (
+    OP_BATCH,
+    OP_HTOD,
+    OP_LAUNCH,
+    OP_RECORD,
+    OP_WAIT,
+    LaunchProgram,
+)
 from offload_engine.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
@@ -109,6 +117,7 @@ class _Driver:
         self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
         self.event_query = held.cuEventQuery
         self.event_query.argtypes = (_P,)
+        self.batch_address = 0  # the batched copy's entry point, for the native launch
         try:
             from cuda.bindings import driver as drv
         except ImportError:
@@ -139,11 +148,13 @@ class _Driver:
         if int(version) >= 13000:
             ptr = resolve(b"cuMemcpyBatchAsync", 13000)
             if ptr is not None:
+                self.batch_address = ptr
                 self.batch = _BATCH_V13(ptr)
                 self.batch_hold = _BATCH_V13_HOLD(ptr)
         elif int(version) >= 12080:
             ptr = resolve(b"cuMemcpyBatchAsync", 12080)
             if ptr is not None:
+                self.batch_address = ptr
                 self.batch = _BATCH_V12(ptr)
                 self.batch_hold = _BATCH_V12_HOLD(ptr)
                 self.batch_has_fail_idx = True
@@ -151,6 +162,11 @@ class _Driver:
             self.notes.append(
                 f"driver {version} has no cuMemcpyBatchAsync: copies go one cuMemcpyAsync each"
             )
+
+
+def _address(fn: Any) -> int:
+    """A ctypes function pointer's address."""
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
 _DIRECT: dict[int, DriverBlockCopy | None] = {}
@@ -212,22 +228,42 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         )
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.max_batch = max_batch
-        self._driver = _Driver()
-        self.batched = batched and self._driver.batch is not None
-        self._kernel: Callable[[BlockCopy], None] | None = None
+        driver = _Driver()
+        kernel: Callable[[BlockCopy], None] | None = None
         if use_triton:
             try:
                 from offload_engine.runtimes._triton_copy import launch_block_copy
             except ImportError as exc:
-                self._driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
+                driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
             else:
-                self._kernel = launch_block_copy
+                kernel = launch_block_copy
         # the same copy as a CUDA C kernel launched straight through the driver (a few
         # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
-        self._direct: DriverBlockCopy | None = (
-            _direct_copy(self.device.index or 0, self._driver.notes) if use_nvrtc else None
+        direct = _direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
+        self._init_calls(driver, kernel, direct, max_batch=max_batch, batched=batched)
+        # the calling thread's current stream as a raw handle, without torch.cuda's
+        # device-index parsing (the call Triton's launcher makes); None if torch lacks it
+        self._current_raw: Callable[[int], int] | None = getattr(
+            torch._C, "_cuda_getCurrentRawStream", None
         )
+
+    def _init_calls(
+        self,
+        driver: Any,
+        kernel: Callable[[BlockCopy], None] | None,
+        direct: DriverBlockCopy | None,
+        *,
+        max_batch: int,
+        batched: bool,
+    ) -> None:
+        """Everything the enqueueing calls use: the driver entry points (``driver``: a
+        :class:`_Driver`, or in tests an object with the same attributes), the block
+        copy kernels and the batched copies' attributes."""
+        self.max_batch = max_batch
+        self._driver = driver
+        self.batched = batched and driver.batch is not None
+        self._kernel = kernel
+        self._direct = direct
         self._local = threading.local()
         self._attrs: dict[Direction, _MemcpyAttributes] = {}
         index = self.device.index or 0
@@ -242,11 +278,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         self._attr_addresses = {k: ctypes.addressof(a) for k, a in self._attrs.items()}
         self._index = index
         self._idle: torch.cuda.Stream | None = None
-        # the calling thread's current stream as a raw handle, without torch.cuda's
-        # device-index parsing (the call Triton's launcher makes); None if torch lacks it
-        self._current_raw: Callable[[int], int] | None = getattr(
-            torch._C, "_cuda_getCurrentRawStream", None
-        )
+        self._native_note: str | None = None
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -375,9 +407,14 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
         # one driver call from the buffer's pinned memory: no allocation, no torch op
         self._bind_thread()
-        _, host_at, device_at, views = buffer.keep
+        _, host_at, device_at, _ = buffer.keep
         rc = self._driver.memcpy_htod(device_at, host_at, 8 * count, stream.cuda_stream)
         self._check(rc, "cuMemcpyHtoDAsync")
+        return self._id_view(buffer, count)
+
+    @staticmethod
+    def _id_view(buffer: IdBuffer, count: int) -> torch.Tensor:
+        views = buffer.keep[3]
         view: torch.Tensor | None = views.get(count)
         if view is None:
             view = views[count] = buffer.device.narrow(0, 0, count)
@@ -463,3 +500,119 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 self._kernel(copy)
             else:
                 torch_block_copy(copy)
+
+    # ------------------------------------------------------------ native launch
+
+    def native_program(self) -> LaunchProgram:
+        if self._direct is None:
+            raise RuntimeUnavailableError(
+                "the native launch needs the NVRTC block-copy kernel (the Triton one is "
+                "launched from Python)"
+            )
+        if self.batched and not self._driver.batch_address:
+            raise RuntimeUnavailableError("the batched copy's entry point is unknown")
+        d = self._driver
+        entries = (
+            _address(d.event_record),
+            _address(d.stream_wait_event),
+            d.batch_address,
+            _address(d.memcpy),
+            self._direct.launch_address,
+            _address(d.memcpy_htod),
+        )
+        try:
+            return _CudaProgram(self, entries)
+        except OSError as exc:
+            if self._native_note is None:  # noted once: every handler asks
+                self._native_note = f"native launch unavailable ({exc}): launches call from Python"
+                self._driver.notes.append(self._native_note)
+            raise RuntimeUnavailableError(str(exc)) from None
+
+
+class _CudaProgram(LaunchProgram):
+    """The calls a handler makes on :class:`CudaRuntime` while launching a job,
+    recorded as the same driver calls and issued in one native call."""
+
+    # the words of batch_row and launch_row that a piece fills in
+    BATCH_STREAM, BATCH_DST, BATCH_SRC, BATCH_SIZES, BATCH_COUNT = 1, 2, 3, 4, 5
+    # grid x; DriverBlockCopy.launch_args's parameters 4 (cache ids) and 6 (slot base)
+    LAUNCH_COUNT, LAUNCH_IDS, LAUNCH_SLOT_BASE = 2, 11 + 4, 11 + 6
+
+    def __init__(self, runtime: CudaRuntime, entries: tuple[int, ...]) -> None:
+        super().__init__(entries, runtime._driver.error_name)
+        self._rt = runtime
+        self._variant = 12 if runtime._driver.batch_has_fail_idx else 13
+        self._step = min(runtime.max_batch, CALL_DESCRIPTORS)
+
+    def record(self, event: Any, stream: Any) -> None:
+        self.op(OP_RECORD, event.cuda_event, stream.cuda_stream)
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        self.op(OP_WAIT, stream.cuda_stream, event.cuda_event)
+
+    def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
+        n = int(sizes.shape[0])
+        if n == 0:
+            return 0
+        handle = stream.cuda_stream
+        d, s, z = self.descriptors(dst, src, sizes)
+        rt = self._rt
+        if not rt.batched or not handle:  # as CudaRuntime.memcpy_batch: one call each
+            self.op(OP_BATCH, handle, d, s, z, n, 1, 0, 0)
+            return n
+        step = self._step
+        self.op(OP_BATCH, handle, d, s, z, n, step, rt._attr_addresses[kind], self._variant)
+        return -(-n // step)
+
+    # -- bulk forms: many pieces' ops as rows, planned with numpy
+
+    @staticmethod
+    def handles(events: list[Any]) -> Any:
+        """The events' raw handles, as an int64 array."""
+        return np.array([e.cuda_event for e in events], dtype=np.int64)
+
+    @staticmethod
+    def stream_handle(stream: Any) -> int:
+        return int(stream.cuda_stream)
+
+    def batch_row(self, kind: Direction) -> Any:
+        """A batched copy op's words (:meth:`memcpy_batch`'s op) with its stream,
+        descriptor offsets and count left at 0 (columns ``BATCH_*``): a job's
+        pieces fill them in (on handler streams, never the legacy default stream)."""
+        rt = self._rt
+        if not rt.batched:
+            return np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
+        attrs = rt._attr_addresses[kind]
+        return np.array([OP_BATCH, 0, 0, 0, 0, 0, self._step, attrs, self._variant], np.int64)
+
+    def launch_row(self, template: BlockCopy, stream: Any) -> Any:
+        """``template``'s launch op (:meth:`copy_blocks`'s) on ``stream``, whose block
+        count, cache id address and slot base a job's pieces fill in (columns
+        ``LAUNCH_*``; slot ids: none)."""
+        direct = self._rt._direct
+        if direct is None:  # pragma: no cover - refused by native_program
+            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
+        args = direct.launch_args(template)
+        if args is None:  # pragma: no cover - a template copies blocks
+            raise ValueError("the template copies no blocks")
+        func, shape, values = args
+        words = [OP_LAUNCH, func, *shape, stream.cuda_stream, len(values), *values]
+        return np.array(words, dtype=np.int64)
+
+    def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
+        direct = self._rt._direct
+        if direct is None:  # pragma: no cover - refused by native_program
+            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
+        args = direct.launch_args(copy)
+        if args is not None:
+            func, shape, values = args
+            self.op(OP_LAUNCH, func, *shape, stream.cuda_stream, len(values), *values)
+
+    def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
+        _, host_at, device_at, _ = buffer.keep
+        self.op(OP_HTOD, device_at, host_at, 8 * count, stream.cuda_stream)
+        return self._rt._id_view(buffer, count)
+
+    def run(self) -> None:
+        self._rt._bind_thread()  # the calls need the device's context on this thread
+        super().run()

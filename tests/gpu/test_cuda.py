@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -48,6 +49,33 @@ def test_round_trip_on_the_gpu(
     cuda: object, kind: str, strategy: CopyStrategy, factor: int
 ) -> None:
     round_trip(cuda, gpu_empty, kind, strategy, factor)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("factor", [1, 4])
+@pytest.mark.parametrize("native", [True, False])
+def test_round_trip_with_the_native_launch_on_and_off(
+    cuda: object, kind: str, strategy: CopyStrategy, factor: int, native: bool
+) -> None:
+    round_trip(cuda, gpu_empty, kind, strategy, factor, native=native)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("launch", ["submitter", "launcher", "submitter-polled"])
+def test_native_launch_round_trip_in_every_launching_thread(cuda: object, launch: str) -> None:
+    for strategy in (CopyStrategy.STAGED, CopyStrategy.KERNEL, CopyStrategy.DMA):
+        round_trip(cuda, gpu_empty, "groups", strategy, 1, launch=launch, native=True)  # type: ignore[arg-type]
+    round_trip(
+        cuda, gpu_empty, "cross-layer", CopyStrategy.STAGED, 2, staging_blocks=3, native=True
+    )  # type: ignore[arg-type]
+
+
+def test_native_launch_without_the_batched_api() -> None:
+    from offload_engine.runtimes.cuda import CudaRuntime
+
+    runtime = CudaRuntime(batched=False)
+    for strategy in (CopyStrategy.DMA, CopyStrategy.STAGED):
+        round_trip(runtime, gpu_empty, "flash-attention", strategy, 1, native=True)
 
 
 @pytest.mark.parametrize("strategy", [CopyStrategy.DMA, CopyStrategy.STAGED, CopyStrategy.KERNEL])
@@ -134,34 +162,55 @@ def test_legacy_default_stream_falls_back_to_single_copies(cuda: object) -> None
         release()
 
 
-def test_a_refused_copy_fails_its_job_and_the_next_job_runs(cuda: object) -> None:
+@pytest.mark.parametrize("native", [False, True])
+def test_a_refused_copy_fails_its_job_and_the_next_job_runs(cuda: object, native: bool) -> None:
     from offload_engine import TransferError
 
     layout = build_layout("flash-attention", gpu_empty, num_blocks=8)
     tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
-    store, _ = make_device_handlers(
-        cuda, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.DMA)
-    )  # type: ignore[arg-type]
-    with SyncOffloadingEngine([store]) as engine:
-        real = cuda.memcpy_batch  # type: ignore[attr-defined]
-        calls = {"n": 0}
+    for strategy in (CopyStrategy.DMA, CopyStrategy.STAGED):
+        store, _ = make_device_handlers(
+            cuda,  # type: ignore[arg-type]
+            layout,
+            tier,
+            DeviceHandlerConfig(strategy=strategy, native_launch=native),
+        )
+        # the calls go to the runtime, or with the native launch to its program
+        issuer: Any = store._native if native else cuda
+        with SyncOffloadingEngine([store]) as engine:
+            real = issuer.memcpy_batch
+            calls = {"n": 0}
 
-        def bogus_once(stream, dst, src, sizes, kind):  # type: ignore[no-untyped-def]
-            calls["n"] += 1
-            if calls["n"] == 1:  # a null source: the driver refuses the batch
-                src = np.zeros_like(src)
-            return real(stream, dst, src, sizes, kind)
+            def bogus_once(stream, dst, src, sizes, kind, calls=calls, real=real):  # type: ignore[no-untyped-def]
+                calls["n"] += 1
+                if calls["n"] == 1:  # a null source: the driver refuses the batch
+                    src = np.zeros_like(src)
+                return real(stream, dst, src, sizes, kind)
 
-        cuda.memcpy_batch = bogus_once  # type: ignore[attr-defined]
-        try:
-            bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
-            good = engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))
-            r_bad, r_good = engine.wait([bad, good])
-        finally:
-            del cuda.memcpy_batch  # type: ignore[attr-defined]
-    assert not r_bad.success and isinstance(r_bad.error, TransferError)
-    assert r_good.success
-    assert tier.memory[2].numpy().tobytes() == cache_block_bytes(layout, 2)
+            issuer.memcpy_batch = bogus_once
+            try:
+                bad = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
+                good = engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))
+                r_bad, r_good = engine.wait([bad, good])
+            finally:
+                del issuer.memcpy_batch
+        assert not r_bad.success and isinstance(r_bad.error, TransferError)
+        assert "cuMemcpyBatchAsync failed" in str(r_bad.error), r_bad.error
+        assert r_good.success, r_good.error
+        assert tier.memory[2].numpy().tobytes() == cache_block_bytes(layout, 2)
+        tier.memory.zero_()
+    tier.release()
+
+
+def test_the_native_launch_is_on_by_default_where_it_builds(cuda: object) -> None:
+    from offload_engine.handlers.device import NATIVE_LAUNCH_DEFAULT
+
+    layout = build_layout("mla", gpu_empty, num_blocks=4)
+    tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
+    store, _ = make_device_handlers(cuda, layout, tier)  # type: ignore[arg-type]
+    assert (store._native is not None) is (NATIVE_LAUNCH_DEFAULT is not False), store.native_note
+    store, _ = make_device_handlers(cuda, layout, tier, DeviceHandlerConfig(native_launch=True))  # type: ignore[arg-type]
+    assert store._native is not None
     tier.release()
 
 

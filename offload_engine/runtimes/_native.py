@@ -1,0 +1,269 @@
+"""A device job's launch issued by native code: one foreign call per job, without the GIL.
+
+A CUDA job's launch is a few dozen driver calls (event waits and records,
+batched copies, kernel launches, the id upload). Made one by one through
+``ctypes`` each pays Python's and ctypes' overhead and holds the GIL, and
+while the engine's other threads run each costs about twice as much
+(docs/performance.md, stepperf5). With ``native_launch`` the handler's launch
+code runs unchanged against a :class:`LaunchProgram` instead of the runtime:
+each call appends an op to a flat int64 program (descriptors go to one uint64
+array), and :meth:`LaunchProgram.run` hands the whole program to
+``_native_launch.c``, which makes the same driver calls in the same order,
+through ``ctypes.CDLL`` (the GIL is released for the call). A short program
+(:data:`HOLD_GIL_OPS`) is run holding the GIL instead, as the Python path does
+for microsecond calls: handing the GIL over costs more than such a call.
+
+The C file ships in the package and is compiled on first use with the system
+C compiler (``$CC`` or ``cc``) into a per-user cache
+(``$OFFLOAD_ENGINE_CACHE_DIR`` or ``$XDG_CACHE_HOME/offload-engine``, else
+``~/.cache/offload-engine``), named by the source's hash and published with an
+atomic rename, so concurrent first uses are safe and an edited source is
+rebuilt. Where no compiler exists or the build fails, :func:`native_library`
+says why and the handler keeps the Python path (``native_launch="auto"``) or
+refuses (``native_launch=True``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from offload_engine.errors import TransferError
+
+SOURCE = Path(__file__).with_name("_native_launch.c")
+
+OP_WAIT, OP_RECORD, OP_BATCH, OP_LAUNCH, OP_HTOD = 1, 2, 3, 4, 5
+#: the driver entry points a program calls, in the order of the table handed to C
+ENTRY_NAMES = (
+    "cuEventRecord",
+    "cuStreamWaitEvent",
+    "cuMemcpyBatchAsync",
+    "cuMemcpyAsync",
+    "cuLaunchKernel",
+    "cuMemcpyHtoDAsync",
+)
+#: what each opcode calls, for the error text (a batch of variant 0 is cuMemcpyAsync)
+CALL_NAMES = {
+    OP_WAIT: "cuStreamWaitEvent",
+    OP_RECORD: "cuEventRecord",
+    OP_BATCH: "cuMemcpyBatchAsync",
+    OP_LAUNCH: "cuLaunchKernel",
+    OP_HTOD: "cuMemcpyHtoDAsync",
+}
+#: a program of at most this many ops and :data:`HOLD_GIL_DESCRIPTORS` descriptors
+#: runs holding the GIL (it returns in microseconds; see the module doc)
+HOLD_GIL_OPS = 12
+HOLD_GIL_DESCRIPTORS = 64
+
+_LIB: dict[str, tuple[Any, Any] | str] = {}  # "lib": the loaded library or why not
+_LIB_LOCK = threading.Lock()
+
+
+def cache_dir() -> Path:
+    """Where the compiled library is kept (see the module doc)."""
+    explicit = os.environ.get("OFFLOAD_ENGINE_CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "offload-engine"
+
+
+def build_library(source: Path = SOURCE, directory: Path | None = None) -> Path:
+    """The shared library built from ``source``: compiled once per source hash and
+    machine into ``directory`` (default :func:`cache_dir`), then reused (a library
+    built elsewhere for the same machine may be placed there under its name).
+
+    Raises ``OSError`` (no compiler, unwritable cache) or
+    ``subprocess.CalledProcessError`` (the compiler failed)."""
+    text = source.read_bytes()
+    key = hashlib.sha256(text + f"\0{platform.machine()}".encode()).hexdigest()[:20]
+    directory = cache_dir() if directory is None else directory
+    target = directory / f"native_launch-{key}.so"
+    if target.exists():
+        return target
+    cc = os.environ.get("CC") or "cc"
+    compiler = shutil.which(cc)
+    if compiler is None:
+        raise FileNotFoundError(f"no C compiler ({cc!r} is not on PATH)")
+    directory.mkdir(parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, "-O2", "-shared", "-fPIC", "-o", partial, str(source)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(partial, target)  # atomic: a concurrent build publishes the same bytes
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def native_library() -> tuple[Any, Any] | str:
+    """``(released, held)``: the library's entry point called without and with the
+    GIL, built and loaded once per process; or why it is unavailable."""
+    with _LIB_LOCK:
+        found = _LIB.get("lib")
+        if found is None:
+            found = _LIB["lib"] = _load()
+        return found
+
+
+def _load() -> tuple[Any, Any] | str:
+    if sys.byteorder != "little":
+        return "the native launch passes kernel parameters as little-endian words"
+    try:
+        path = build_library()
+    except subprocess.CalledProcessError as exc:
+        stderr = exc.stderr.decode(errors="replace").strip() if exc.stderr else ""
+        return f"compiling {SOURCE.name} failed: {stderr[-500:] or exc}"
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"cannot build {SOURCE.name}: {exc}"
+    try:
+        entry = []
+        for loader in (ctypes.CDLL, ctypes.PyDLL):
+            fn = loader(str(path)).oe_launch_run
+            fn.argtypes = (
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+            )
+            fn.restype = ctypes.c_int64
+            entry.append(fn)
+    except OSError as exc:
+        return f"cannot load {path}: {exc}"
+    return entry[0], entry[1]
+
+
+def reset_library() -> None:
+    """Forget the loaded library, so the next :func:`native_library` builds again
+    (tests of the build and its fallback)."""
+    with _LIB_LOCK:
+        _LIB.clear()
+
+
+class LaunchProgram:
+    """One job's driver calls, recorded as a program and issued by one native call.
+
+    A runtime subclass supplies the same enqueueing methods the handler calls on
+    the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
+    ``upload_ids``), each appending its op with :meth:`op` and its descriptors
+    with :meth:`descriptors`, and the bulk forms a handler uses to plan many
+    pieces at once with numpy (:meth:`handles`, :meth:`launch_rows`,
+    :meth:`batch_rows`, appended with :meth:`extend`). The handler calls
+    :meth:`begin`, its launch code, then :meth:`run`; one handler's launches never
+    overlap, so a program serves one handler.
+    """
+
+    def __init__(
+        self,
+        entries: tuple[int, ...],
+        error_name: Any,
+        library: tuple[Any, Any] | None = None,
+    ) -> None:
+        if len(entries) != len(ENTRY_NAMES):
+            raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
+        found = native_library() if library is None else library
+        if isinstance(found, str):
+            raise OSError(found)
+        self._released, self._held = found
+        self._entries = (ctypes.c_void_p * len(entries))(*entries)
+        self._entries_at = ctypes.addressof(self._entries)
+        self._error_name = error_name
+        self._fail = (ctypes.c_int64 * 4)()
+        self._fail_at = ctypes.addressof(self._fail)
+        self._words: list[int] = []  # the ops since the last bulk part
+        self._parts: list[Any] = []  # earlier ops: int64 arrays, in order
+        self._ops = 0
+        self._ndesc = 0
+        self._buffer = np.empty(0, dtype=np.int64)
+        self._buffer_at = 0
+        self._desc = np.empty(0, dtype=np.uint64)
+        self._desc_at = 0
+
+    def begin(self) -> None:
+        """Start a new job's program (dropping whatever a failed launch left)."""
+        self._words.clear()
+        self._parts.clear()
+        self._ops = 0
+        self._ndesc = 0
+
+    def op(self, *words: int) -> None:
+        """Append one op: its code and operands."""
+        self._words.extend(words)
+        self._ops += 1
+
+    def extend(self, words: Any, ops: int) -> None:
+        """Append ``ops`` ops already laid out as int64 ``words`` (the bulk forms)."""
+        if self._words:
+            self._parts.append(np.array(self._words, dtype=np.int64))
+            self._words.clear()
+        self._parts.append(words)
+        self._ops += ops
+
+    def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
+        """Append descriptors (one or many batches' worth, each column in batch
+        order); their columns' offsets (in words) in the descriptor array."""
+        n = int(sizes.shape[0])
+        at = self._ndesc
+        need = at + 3 * n
+        if need > self._desc.shape[0]:
+            grown = np.empty(max(need, 2 * self._desc.shape[0], 1024), dtype=np.uint64)
+            grown[:at] = self._desc[:at]
+            self._desc = grown
+            self._desc_at = grown.ctypes.data
+        desc = self._desc
+        desc[at : at + n] = dst
+        desc[at + n : at + 2 * n] = src
+        desc[at + 2 * n : need] = sizes
+        self._ndesc = need
+        return at, at + n, at + 2 * n
+
+    def run(self) -> None:
+        """Issue the recorded calls; raise :class:`TransferError` for the first that fails,
+        named as the Python path names it."""
+        if self._parts:
+            if self._words:
+                self._parts.append(np.array(self._words, dtype=np.int64))
+                self._words.clear()
+            words: Any = np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
+        else:
+            words = self._words
+        n = len(words)
+        if n == 0:
+            return
+        if n > self._buffer.shape[0]:
+            self._buffer = np.empty(max(n, 2 * self._buffer.shape[0], 256), dtype=np.int64)
+            self._buffer_at = self._buffer.ctypes.data
+        self._buffer[:n] = words
+        call = (
+            self._held
+            if self._ops <= HOLD_GIL_OPS and self._ndesc <= 3 * HOLD_GIL_DESCRIPTORS
+            else self._released
+        )
+        rc = call(self._buffer_at, n, self._desc_at, self._entries_at, self._fail_at)
+        if rc == 0:
+            return
+        _, code, result, variant = self._fail
+        if rc < 0:
+            raise TransferError(f"the native launch program is malformed at word {self._fail[0]}")
+        what = CALL_NAMES.get(int(code), f"op {code}")
+        if code == OP_BATCH and variant == 0:
+            what = "cuMemcpyAsync"
+        raise TransferError(f"{what} failed: {self._error_name(int(result))}")

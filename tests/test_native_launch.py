@@ -1,0 +1,430 @@
+"""The native launch (``native_launch``): a job's driver calls issued by one C call.
+
+No GPU here: :class:`DriverlessCuda` is :class:`CudaRuntime` with its driver
+entry points replaced by ``ctypes`` callbacks that record every call (reading
+the descriptor arrays, attributes, kernel parameters and uploaded ids they
+point at). The Python path calls them through ``ctypes`` as it calls the
+driver; the native path hands their addresses to the compiled
+``_native_launch.c``, which calls them from C. Device memory is a shared arena
+handed out in the same order to every runtime, so two handlers built alike see
+the same addresses and their call logs must be equal, call for call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from offload_engine import (
+    ConfigError,
+    SyncOffloadingEngine,
+    TransferError,
+    TransferSpec,
+    cpu_blocks,
+    gpu_blocks,
+)
+from offload_engine.handlers import device
+from offload_engine.handlers.device import (
+    CopyStrategy,
+    DeviceCopyHandler,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.layout import KVLayout
+from offload_engine.runtimes import _native
+from offload_engine.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.runtimes.base import IdBuffer
+from offload_engine.runtimes.cuda import CudaRuntime, _MemcpyAttributes
+from offload_engine.testing import FakeRuntime, build_layout
+from offload_engine.tier import HostTier
+from offload_engine.vocabulary import Direction
+
+needs_cc = pytest.mark.skipif(
+    shutil.which(os.environ.get("CC") or "cc") is None,
+    reason="no C compiler ($CC or cc) to build the native launch",
+)
+
+_P, _Z, _U, _I = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint, ctypes.c_int
+_RECORD = ctypes.CFUNCTYPE(_I, _P, _P)
+_WAIT = ctypes.CFUNCTYPE(_I, _P, _P, _U)
+_BATCH13 = ctypes.CFUNCTYPE(_I, _P, _P, _P, _Z, _P, _P, _Z, _P)
+_BATCH12 = ctypes.CFUNCTYPE(_I, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
+_MEMCPY = ctypes.CFUNCTYPE(_I, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
+_LAUNCH = ctypes.CFUNCTYPE(_I, _P, _U, _U, _U, _U, _U, _U, _U, _P, _P, _P)
+_HTOD = ctypes.CFUNCTYPE(_I, ctypes.c_uint64, _P, _Z, _P)
+
+ARENA = torch.zeros(48 << 20, dtype=torch.uint8)  # "device memory", shared by every runtime
+
+
+def _words(address: int | None, count: int) -> list[int]:
+    return list((ctypes.c_uint64 * count).from_address(address or 0)) if count else []
+
+
+class Driver:
+    """Driver entry points that record their calls; ``fail(kind, nth, rc)`` makes
+    the ``nth`` next call of ``kind`` return ``rc``."""
+
+    def __init__(self, *, v12: bool = False) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.notes: list[str] = []
+        self._faults: dict[str, list[int]] = {}  # kind -> [calls to let pass, rc]
+        self.batch_has_fail_idx = v12
+
+        def batch(*a: Any) -> int:
+            d, s, z, n, attrs, idx, nattrs = a[:7]
+            got = _MemcpyAttributes.from_address(attrs)
+            fields = (got.srcAccessOrder, got.srcLocHint.type, got.srcLocHint.id)
+            fields += (got.dstLocHint.type, got.dstLocHint.id, got.flags)
+            extra = (a[7] is not None,) if v12 else ()  # failIdx given
+            entry = (_words(d, n), _words(s, n), _words(z, n), fields, _words(idx, 1), nattrs)
+            return self._note("batch", *entry, *extra, a[-1] or 0)
+
+        def launch(f: Any, *a: Any) -> int:
+            params, extra = a[-2:]
+            slots = (ctypes.c_void_p * 9).from_address(params)
+            values = [ctypes.c_int64.from_address(p).value for p in slots[:8]]
+            values.append(ctypes.c_int.from_address(slots[8]).value)
+            return self._note("launch", f, *a[:7], a[7] or 0, values, extra)
+
+        def htod(dst: int, src: Any, n: int, stream: Any) -> int:
+            ids = list((ctypes.c_int64 * (n // 8)).from_address(src))
+            return self._note("htod", dst, src, n, ids, stream or 0)
+
+        self.event_record = _RECORD(lambda e, s: self._note("record", e or 0, s or 0))
+        self.stream_wait_event = _WAIT(lambda s, e, f: self._note("wait", s or 0, e or 0, f))
+        self.batch = (_BATCH12 if v12 else _BATCH13)(batch)
+        self.batch_hold = self.batch
+        self.batch_address = ctypes.cast(self.batch, ctypes.c_void_p).value
+        self.memcpy = _MEMCPY(lambda d, s, n, st: self._note("memcpy", d, s, n, st or 0))
+        self.memcpy_htod = _HTOD(htod)
+        self.launch = _LAUNCH(launch)
+
+    def error_name(self, rc: int) -> str:
+        return f"CUDA_ERROR_{rc}"
+
+    def fail(self, kind: str, nth: int, rc: int) -> None:
+        self._faults[kind] = [nth, rc]
+
+    def _note(self, kind: str, *args: Any) -> int:
+        self.calls.append((kind, *args))
+        fault = self._faults.get(kind)
+        if fault is not None:
+            if fault[0] == 0:
+                del self._faults[kind]
+                return fault[1]
+            fault[0] -= 1
+        return 0
+
+
+class DriverlessCuda(CudaRuntime):
+    """:class:`CudaRuntime`'s enqueueing code over a :class:`Driver`: streams and
+    events are bare handles, device memory comes from :data:`ARENA` in order."""
+
+    def __init__(self, driver: Driver, *, batched: bool = True, max_batch: int = 4096) -> None:
+        self.device = torch.device("cpu")
+        direct = object.__new__(DriverBlockCopy)
+        direct._func = ctypes.c_void_p(0xF00D)
+        direct._launch = driver.launch
+        direct._local = threading.local()
+        self._init_calls(driver, None, direct, max_batch=max_batch, batched=batched)
+        self._current_raw = None
+        self._at = 0
+        self._handles = iter(range(0x1000, 1 << 40, 0x10))
+        self.compute = SimpleNamespace(cuda_stream=0xC0)
+
+    def _take(self, nbytes: int) -> torch.Tensor:
+        at = self._at
+        self._at = at + (nbytes + 255) // 256 * 256
+        if self._at > ARENA.numel():
+            raise MemoryError("the test arena is full")
+        return ARENA[at : at + nbytes]
+
+    def _bind_thread(self) -> None:
+        pass
+
+    def new_stream(self, priority: int = 0) -> Any:
+        return SimpleNamespace(cuda_stream=next(self._handles))
+
+    def current_stream(self) -> Any:
+        return self.compute
+
+    def new_event(self) -> Any:
+        return SimpleNamespace(cuda_event=next(self._handles))
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def record_current(self, event: Any) -> None:
+        self.record(event, self.compute)
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return self._take(nbytes)
+
+    def pin_host(self, tensor: torch.Tensor) -> Callable[[], None]:
+        return lambda: None
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def upload(self, stream: Any, values: Any) -> torch.Tensor:
+        out = self._take(8 * len(values)).view(torch.int64)
+        out.copy_(torch.from_numpy(np.asarray(values, dtype=np.int64)))
+        return out
+
+    def new_id_buffer(self, capacity: int) -> IdBuffer:
+        host = self._take(8 * capacity).view(torch.int64)
+        device = self._take(8 * capacity).view(torch.int64)
+        keep = (host, host.data_ptr(), device.data_ptr(), {})
+        return IdBuffer(host.numpy(), device, keep=keep)
+
+    def launcher_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+@pytest.fixture(autouse=True)
+def fresh_library(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every test builds into (or finds in) one cache of its own session."""
+    cache = tmp_path_factory.getbasetemp() / "native-cache"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OFFLOAD_ENGINE_CACHE_DIR", str(cache))
+        _native.reset_library()
+        yield
+    _native.reset_library()
+
+
+def handlers(
+    layout: KVLayout,
+    tier: HostTier,
+    native: bool,
+    *,
+    rows: int,
+    v12: bool = False,
+    buffers: int = 2,
+    **kw: Any,
+) -> tuple[Driver, DeviceCopyHandler, DeviceCopyHandler]:
+    driver = Driver(v12=v12)
+    strategy = kw.pop("strategy", CopyStrategy.STAGED)
+    runtime = DriverlessCuda(driver, **kw)
+    cfg = DeviceHandlerConfig(
+        strategy=strategy,
+        staging_bytes=buffers * rows * layout.slot_bytes,
+        staging_buffers=buffers,
+        native_launch=native,
+        max_inflight=4,
+    )
+    store, load = make_device_handlers(runtime, layout, tier, cfg)
+    assert (store._native is not None) is native
+    return driver, store, load
+
+
+def jobs(
+    rng: np.random.Generator, n_cache: int, n_slots: int, count: int, groups: int = 1
+) -> Iterator[Any]:
+    """``count`` (store?, cache ids, slots, blocks per group) jobs: random slots, or an
+    allocator's runs (consecutive slots, ascending or handed back last-in first-out)."""
+    for _ in range(count):
+        per = int(rng.integers(0, min(n_cache, n_slots) // groups + 1))
+        n = per * groups
+        cache = rng.choice(n_cache, size=n, replace=False).tolist()
+        if rng.random() < 0.5:
+            slots = rng.choice(n_slots, size=n, replace=False).tolist()
+        else:
+            start = int(rng.integers(0, n_slots - n + 1))
+            slots = list(range(start, start + n))
+            if rng.random() < 0.5:
+                slots.reverse()
+        yield rng.random() < 0.5, cache, slots, (per,) * groups
+
+
+def run_jobs(engine: SyncOffloadingEngine, todo: list[Any]) -> list[Any]:
+    results = []
+    for store, ids, slots, *sizes in todo:
+        cache = gpu_blocks(ids, group_sizes=sizes[0]) if sizes else gpu_blocks(ids)
+        spec = (
+            TransferSpec(cache, cpu_blocks(slots))
+            if store
+            else TransferSpec(cpu_blocks(slots), cache)
+        )
+        [r] = engine.wait([engine.submit(spec)])
+        results.append(r)
+    return results
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("kind", "strategy", "rows", "buffers", "batched", "v12", "max_batch"),
+    [
+        ("cross-layer", CopyStrategy.STAGED, 3, 2, True, False, 4096),
+        ("cross-layer", CopyStrategy.STAGED, 8, 2, True, True, 4096),
+        ("cross-layer", CopyStrategy.STAGED, 2, 3, True, False, 4096),
+        ("groups", CopyStrategy.STAGED, 2, 2, True, False, 4096),
+        ("groups", CopyStrategy.STAGED, 5, 4, True, False, 4096),
+        ("flash-attention", CopyStrategy.STAGED, 5, 2, False, False, 4096),
+        ("mla", CopyStrategy.STAGED, 4, 3, True, False, 2),
+        ("flash-attention", CopyStrategy.DMA, 4, 2, True, False, 3),
+        ("separate-kv", CopyStrategy.KERNEL, 4, 2, True, False, 4096),
+    ],
+)
+@pytest.mark.parametrize("table", [1, device.TABLE_PIECES])
+def test_native_program_makes_the_python_paths_calls(
+    monkeypatch: pytest.MonkeyPatch,
+    table: int,
+    kind: str,
+    strategy: CopyStrategy,
+    rows: int,
+    buffers: int,
+    batched: bool,
+    v12: bool,
+    max_batch: int,
+) -> None:
+    """Random jobs (stores and loads, random and allocator slots, several pieces)
+    make the same driver calls, arguments and order on both paths; ``table``: the
+    fewest pieces a staged job lays out as one table (1: every job)."""
+    monkeypatch.setattr(device, "TABLE_PIECES", table)
+    layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=24)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 40)
+    groups = len(layout.groups)
+    todo = list(jobs(np.random.default_rng(len(kind) + rows), 24, 40, 40, groups))
+    logs = []
+    for native in (False, True):
+        driver, store, load = handlers(
+            layout,
+            tier,
+            native,
+            rows=rows,
+            buffers=buffers,
+            v12=v12,
+            batched=batched,
+            max_batch=max_batch,
+            strategy=strategy,
+        )
+        with SyncOffloadingEngine([store, load]) as engine:
+            results = run_jobs(engine, todo)
+            assert all(r.success for r in results), [r.error for r in results if not r.success][:1]
+        logs.append(driver.calls)
+    python, native_calls = logs
+    kinds = {c[0] for c in python}
+    assert {"record", "wait"} <= kinds
+    if strategy is not CopyStrategy.DMA:
+        assert {"launch", "htod"} <= kinds
+    if strategy is not CopyStrategy.KERNEL:
+        assert ("batch" if batched else "memcpy") in kinds
+    assert len(python) == len(native_calls)
+    for i, (a, b) in enumerate(zip(python, native_calls, strict=True)):
+        assert a == b, f"call {i}"
+
+
+@needs_cc
+def test_a_failing_call_fails_its_job_as_on_the_python_path_and_the_engine_serves_on() -> None:
+    layout = build_layout("cross-layer", lambda s, d: torch.empty(s, dtype=d), num_blocks=16)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 16)
+    todo = [(True, [1, 2, 3, 4, 5], [9, 8, 7, 3, 1]), (False, [6, 7], [9, 8])] * 2
+    for kind, nth in (("batch", 1), ("launch", 0), ("record", 2), ("wait", 1), ("htod", 0)):
+        errors = []
+        for native in (False, True):
+            driver, store, load = handlers(layout, tier, native, rows=2)
+            with SyncOffloadingEngine([store, load]) as engine:
+                driver.fail(kind, nth, 700 + nth)
+                results = run_jobs(engine, todo)
+            bad = results[0]
+            assert not bad.success and isinstance(bad.error, TransferError)
+            assert all(r.success for r in results[1:])
+            errors.append(str(bad.error))
+        assert errors[0] == errors[1]
+        assert errors[0].endswith(f"failed: CUDA_ERROR_{700 + nth}")
+
+
+@needs_cc
+def test_a_failing_per_descriptor_copy_is_named_as_on_the_python_path() -> None:
+    layout = build_layout("flash-attention", lambda s, d: torch.empty(s, dtype=d), num_blocks=8)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 8)
+    driver, store, _ = handlers(layout, tier, True, rows=2, batched=False)
+    with SyncOffloadingEngine([store]) as engine:
+        driver.fail("memcpy", 1, 1)
+        [bad, good] = run_jobs(engine, [(True, [1, 2, 3], [4, 5, 6])] * 2)
+    assert str(bad.error) == "cuMemcpyAsync failed: CUDA_ERROR_1"
+    assert good.success
+
+
+def test_without_a_compiler_auto_falls_back_and_true_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("OFFLOAD_ENGINE_CACHE_DIR", str(tmp_path))
+    _native.reset_library()
+    layout = build_layout("cross-layer", lambda s, d: torch.empty(s, dtype=d), num_blocks=8)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 8)
+    runtime = DriverlessCuda(Driver())
+    store = DeviceCopyHandler(
+        runtime, layout, tier, direction=Direction.STORE, config=DeviceHandlerConfig()
+    )
+    assert store._native is None and store._ops is runtime
+    assert store.native_note is not None and "no-such-compiler-here" in store.native_note
+    assert any("native launch unavailable" in n for n in runtime.notes)
+    with pytest.raises(ConfigError, match=r"native_launch is True, but .*no C compiler"):
+        DeviceCopyHandler(
+            runtime,
+            layout,
+            tier,
+            direction=Direction.STORE,
+            config=DeviceHandlerConfig(native_launch=True),
+        )
+    assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
+
+
+@needs_cc
+def test_a_failed_build_is_reported_and_leaves_no_partial_file(tmp_path: Path) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    with pytest.raises(subprocess.CalledProcessError):
+        _native.build_library(broken, tmp_path / "cache")
+    assert list((tmp_path / "cache").iterdir()) == []
+    good = _native.build_library(directory=tmp_path / "cache")
+    assert good.exists() and _native.build_library(directory=tmp_path / "cache") == good
+
+
+def test_native_launch_option_is_checked() -> None:
+    for bad in ("yes", 1, None, "AUTO"):
+        with pytest.raises(ConfigError, match="native_launch"):
+            DeviceHandlerConfig(native_launch=bad)  # type: ignore[arg-type]
+    fake = FakeRuntime(inline=True)
+    layout = build_layout("cross-layer", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 8)
+    with pytest.raises(ConfigError, match="fake runtime launches its jobs from Python"):
+        make_device_handlers(fake, layout, tier, DeviceHandlerConfig(native_launch=True))
+    store, _ = make_device_handlers(fake, layout, tier, DeviceHandlerConfig(native_launch="auto"))
+    assert store._native is None and store.native_note is not None
+    tier.release()
+    fake.close()
+
+
+@needs_cc
+def test_a_malformed_program_is_refused() -> None:
+    found = _native.native_library()
+    assert not isinstance(found, str), found
+    released, _ = found
+    fail = (ctypes.c_int64 * 3)()
+    entries = (ctypes.c_void_p * 6)()
+    for words in ([9], [1, 5], [3, 0, 0, 1, 0, 0, 7], [4] + [0] * 9 + [40]):
+        prog = (ctypes.c_int64 * len(words))(*words)
+        assert released(ctypes.addressof(prog), len(words), None, entries, fail) == -1
+    assert released(None, 0, None, entries, fail) == 0
