@@ -35,7 +35,6 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.handlers import device
 from offload_engine.handlers.device import (
     CopyStrategy,
     DeviceCopyHandler,
@@ -284,10 +283,7 @@ def run_jobs(engine: SyncOffloadingEngine, todo: list[Any]) -> list[Any]:
         ("separate-kv", CopyStrategy.KERNEL, 4, 2, True, False, 4096),
     ],
 )
-@pytest.mark.parametrize("table", [1, device.TABLE_PIECES])
 def test_native_program_makes_the_python_paths_calls(
-    monkeypatch: pytest.MonkeyPatch,
-    table: int,
     kind: str,
     strategy: CopyStrategy,
     rows: int,
@@ -297,9 +293,8 @@ def test_native_program_makes_the_python_paths_calls(
     max_batch: int,
 ) -> None:
     """Random jobs (stores and loads, random and allocator slots, several pieces)
-    make the same driver calls, arguments and order on both paths; ``table``: the
-    fewest pieces a staged job lays out as one table (1: every job)."""
-    monkeypatch.setattr(device, "TABLE_PIECES", table)
+    make the same driver calls, arguments and order on both paths (a staged job's
+    pieces planned by the native library on one, call by call on the other)."""
     layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=24)
     tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 40)
     groups = len(layout.groups)
@@ -330,6 +325,77 @@ def test_native_program_makes_the_python_paths_calls(
         assert ("batch" if batched else "memcpy") in kinds
     assert len(python) == len(native_calls)
     for i, (a, b) in enumerate(zip(python, native_calls, strict=True)):
+        assert a == b, f"call {i}"
+
+
+@needs_cc
+def test_native_staged_planning_of_large_jobs() -> None:
+    """Jobs of hundreds of blocks (many pieces, the planner's sort over many runs of
+    its merges) make the same calls on both paths."""
+    layout = build_layout("cross-layer", lambda s, d: torch.empty(s, dtype=d), num_blocks=600)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 1200)
+    rng = np.random.default_rng(7)
+    todo = []
+    for k in range(8):
+        n = int(rng.integers(300, 601))
+        cache = [int(x) for x in rng.choice(600, size=n, replace=False)]
+        if k % 2:  # runs of consecutive slots in shuffled order, as an allocator's reuse
+            runs = np.split(np.arange(n) + int(rng.integers(0, 1200 - n)), np.arange(40, n, 40))
+            order = rng.permutation(len(runs))
+            slots = np.concatenate([runs[i][:: int(rng.choice([1, -1]))] for i in order])
+        else:
+            slots = rng.choice(1200, size=n, replace=False)
+        todo.append((k % 4 < 2, cache, [int(x) for x in slots]))
+    logs = []
+    for native in (False, True):
+        driver, store, load = handlers(layout, tier, native, rows=64, buffers=3)
+        with SyncOffloadingEngine([store, load]) as engine:
+            assert all(r.success for r in run_jobs(engine, todo))
+        logs.append(driver.calls)
+    assert len(logs[0]) == len(logs[1])
+    for i, (a, b) in enumerate(zip(*logs, strict=True)):
+        assert a == b, f"call {i}"
+
+
+@needs_cc
+@pytest.mark.parametrize(("kind", "rows"), [("cross-layer", 3), ("groups", 2), ("mla", 5)])
+def test_native_staged_planning_on_a_tier_of_several_slots_per_block(kind: str, rows: int) -> None:
+    """Blocks of a job that starts mid tier block (factor 4: several cache blocks per
+    tier block, the first slots skipped) are planned alike on both paths."""
+    layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=24)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 12, factor=4)
+    groups = len(layout.groups)
+    rng = np.random.default_rng(rows)
+    todo = []
+    for _ in range(30):
+        n = int(rng.integers(1, 24 // groups + 1))
+        start = int(rng.integers(0, 4))
+        per_group = -(-(n + start) // 4)
+        cache = [int(x) for x in rng.choice(24, size=n * groups, replace=False)]
+        tier_ids = rng.choice(12, size=per_group * groups, replace=False)
+        if rng.random() < 0.5:  # an allocator's run, maybe handed back last-in first-out
+            first = int(rng.integers(0, 12 - per_group * groups + 1))
+            tier_ids = np.arange(first, first + per_group * groups)[:: int(rng.choice([1, -1]))]
+        todo.append((rng.random() < 0.5, cache, [int(x) for x in tier_ids], n, start))
+    logs = []
+    for native in (False, True):
+        driver, store, load = handlers(layout, tier, native, rows=rows)
+        with SyncOffloadingEngine([store, load]) as engine:
+            for is_store, cache, tier_ids, n, start in todo:
+                blocks = gpu_blocks(
+                    cache, group_sizes=(n,) * groups, block_indices=(start,) * groups
+                )
+                spec = (
+                    TransferSpec(blocks, cpu_blocks(tier_ids))
+                    if is_store
+                    else TransferSpec(cpu_blocks(tier_ids), blocks)
+                )
+                [r] = engine.wait([engine.submit(spec)])
+                assert r.success, r.error
+        logs.append(driver.calls)
+    assert {"launch", "batch", "htod"} <= {c[0] for c in logs[0]}
+    assert len(logs[0]) == len(logs[1])
+    for i, (a, b) in enumerate(zip(*logs, strict=True)):
         assert a == b, f"call {i}"
 
 
@@ -421,7 +487,7 @@ def test_native_launch_option_is_checked() -> None:
 def test_a_malformed_program_is_refused() -> None:
     found = _native.native_library()
     assert not isinstance(found, str), found
-    released, _ = found
+    released = found[0]
     fail = (ctypes.c_int64 * 3)()
     entries = (ctypes.c_void_p * 6)()
     for words in ([9], [1, 5], [3, 0, 0, 1, 0, 0, 7], [4] + [0] * 9 + [40]):

@@ -48,7 +48,7 @@ from offload_engine.layout import (
     chunk_descriptors,
     merge_runs,
 )
-from offload_engine.runtimes._native import OP_RECORD, OP_WAIT, LaunchProgram
+from offload_engine.runtimes._native import LaunchProgram
 from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
 from offload_engine.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
@@ -59,10 +59,6 @@ from offload_engine.vocabulary import (
 
 _STOP = object()
 log = logging.getLogger("offload_engine.device")
-#: with the native launch, a staged job of at least this many pieces is laid out as
-#: one numpy table (:meth:`DeviceCopyHandler._staged_program`); fewer are recorded
-#: call by call, which costs less for them
-TABLE_PIECES = 4
 #: ``DeviceHandlerConfig.native_launch`` unless given (docs/performance.md, stepperf6)
 NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
 
@@ -179,6 +175,8 @@ class _Staging:
         offsets = np.arange(rows, dtype=np.uint64) * np.uint64(slot_bytes)
         self.row_addresses = [np.uint64(b.data_ptr()) + offsets for b in self.buffers]
         self.addresses = [b.data_ptr() for b in self.buffers]
+        self._address_array = np.array(self.addresses, dtype=np.int64)  # for the native planner
+        self.addresses_at = self._address_array.ctypes.data
         self.views = [b.view(-1, slot_bytes) for b in self.buffers]
 
     def take(self) -> int:
@@ -304,7 +302,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 log.info("%s launches from Python: %s", self.name, exc)
         # what the launch code calls to enqueue work: the program, or the runtime
         self._ops: Any = runtime if self._native is None else self._native
-        self._rows: dict[Any, Any] = {}  # the native launch's op templates (_staged_program)
+        self._rows: dict[Any, Any] = {}  # the native launch's op templates (_staged_native)
+        # a staged job's tier slots, for the native planner (which makes them addresses)
+        self._slots = np.empty(1024, dtype=np.int64)
+        self._slots_at = self._slots.ctypes.data
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []  # guarded by _events_lock
         self._events_lock = threading.Lock()
@@ -435,10 +436,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 self._id_buffers.append(plan.ids)
         plan.ids = None
 
-    def _upload_ids(self, plan: DevicePlan, stream: Any, arrays: list[Any]) -> list[torch.Tensor]:
-        """Put the job's id arrays on the device with one upload, from a buffer the
-        handler reuses once the job is done (no allocation per job)."""
-        total = sum(int(a.shape[0]) for a in arrays)
+    def _id_buffer(self, plan: DevicePlan, total: int) -> IdBuffer:
+        """A reused id buffer for ``total`` ids (no allocation per job), the plan's
+        until the job is done."""
         buffer = None
         with self._events_lock:
             for i, candidate in enumerate(self._id_buffers):
@@ -448,6 +448,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if buffer is None:
             buffer = self.runtime.new_id_buffer(max(64, 1 << max(total - 1, 0).bit_length()))
         plan.ids = buffer
+        return buffer
+
+    def _upload_ids(self, plan: DevicePlan, stream: Any, arrays: list[Any]) -> list[torch.Tensor]:
+        """Put the job's id arrays on the device with one upload, from a buffer the
+        handler reuses once the job is done (no allocation per job)."""
+        total = sum(int(a.shape[0]) for a in arrays)
+        buffer = self._id_buffer(plan, total)
         host = buffer.host
         if len(arrays) == 1:
             host[:total] = arrays[0]
@@ -661,12 +668,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if staging is None:  # pragma: no cover - guarded at construction
             raise ConfigError("no staging memory")
         store = self._store
-        if (
-            self._native is not None
-            and sum(-(-int(m.cache_ids.shape[0]) // staging.rows) for m in plan.groups)
-            >= TABLE_PIECES
-        ):
-            self._staged_program(plan, sm, dmas, staging, self._native)
+        if self._native is not None:
+            self._staged_native(plan, sm, dmas, staging, self._native)
             return
         record, wait, copy = rt.record, rt.wait_event, rt.memcpy_batch
         wait(sm, plan.ready)
@@ -745,23 +748,33 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         else:
             self._last_effect = [(end, dmas[parity] if store else sm)]
 
-    def _staged_program(
+    def _staged_native(
         self, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any], staging: _Staging, program: Any
     ) -> None:
         """:meth:`_enqueue_staged`'s calls, in the same order with the same arguments,
-        laid out for the native launch with numpy: each piece's ops are one row of
-        a table (a wait for its buffer's last use, where it had one; the first half;
-        a record; a wait; the second half; a record), with no loop over pieces."""
+        with the pieces planned by the native library (``oe_staged_build``): Python
+        only gathers the job's cache ids (into the id buffer) and tier slots, and
+        keeps the handler's state."""
         store = self._store
         program.wait_event(sm, plan.ready)
         self._after_last_effect(dmas if store else (sm,))
-        tier_base = np.uint64(self._tier_base)
-        order = [self._tier_order(m, tier_base) for m in plan.groups]
-        ids = self._upload_ids(plan, sm, [cache_ids for cache_ids, _ in order])
+        groups = plan.groups
+        sizes_n = [int(m.cache_ids.shape[0]) for m in groups]
+        total = sum(sizes_n)
         rows_per = staging.rows
-        sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
-        per_group = [-(-n // rows_per) for n in sizes_n]
-        pieces = sum(per_group)
+        pieces = sum(-(-n // rows_per) for n in sizes_n)
+        buffer = self._id_buffer(plan, total)
+        host = buffer.host
+        slots = self._slots
+        if total > slots.shape[0]:
+            slots = self._slots = np.empty(2 * total, dtype=np.int64)
+            self._slots_at = slots.ctypes.data
+        at = 0
+        for m, n in zip(groups, sizes_n, strict=True):
+            host[at : at + n] = m.cache_ids
+            slots[at : at + n] = m.slots
+            at += n
+        ids_device = program.upload_ids_at(sm, buffer, total)
         events = self._take_events(max(2 * pieces, 1))
         plan.events.extend(events)
         if pieces == 0:  # an empty job still takes its place in the order
@@ -771,132 +784,72 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._last_effect = [(events[0], stream)]
             return
         nbuf = len(staging.buffers)
-        handles = program.handles(events)
-        g = np.arange(pieces)
-        buf = (staging.next + g) % nbuf
-        parity = (self._pieces + 1 + g) % 2
-        dma_h = np.where(parity == 1, dmas[1].cuda_stream, dmas[0].cuda_stream)
-        # the piece table: [wait 3 | first half | record 3 | wait 3 | second half | record 3]
-        launch_at, batch_at = (3, 29) if store else (18, 3)
-        table = np.empty((pieces, 41), dtype=np.int64)
-        table[:, batch_at : batch_at + 9] = self._batch_row(program)
-        table[:, batch_at + program.BATCH_STREAM] = dma_h
-        first, second = (sm.cuda_stream, dma_h) if store else (dma_h, sm.cuda_stream)
-        rec1 = 23 if store else 12
-        wait2, rec2 = rec1 + 3, 38
-        table[:, [0, wait2, rec1, rec2]] = (OP_WAIT, OP_WAIT, OP_RECORD, OP_RECORD)
-        table[:, 1] = first
-        table[:, rec1 + 1] = table[:, wait2 + 2] = handles[0 : 2 * pieces : 2]
-        table[:, rec1 + 2] = first
-        table[:, wait2 + 1] = second
-        table[:, rec2 + 1] = handles[1 : 2 * pieces : 2]
-        table[:, rec2 + 2] = second
-        # each piece waits for the last use of its buffer: a piece of this job, or
-        # the buffer's event from before (none before its first use)
-        head = min(nbuf, pieces)
-        table[head:, 2] = handles[1 : 2 * (pieces - head) : 2]
-        has_wait = np.ones(pieces, dtype=bool)
-        for i, b in enumerate(buf[:head].tolist()):
-            event = staging.free[b]
-            has_wait[i] = event is not None
-            table[i, 2] = 0 if event is None else event.cuda_event
-        addresses = np.array(staging.addresses, dtype=np.uint64)
-        at = 0
-        for m, group_ids, (_, tier_rows), n, k in zip(
-            plan.groups, ids, order, sizes_n, per_group, strict=True
-        ):
-            if k == 0:
-                continue
-            bufs = buf[at : at + k]
-            lo = np.arange(0, n, rows_per, dtype=np.int64)
-            counts = np.minimum(lo + rows_per, n) - lo
-            tier, rows, sizes, descs = self._piece_descriptors(
-                m.group, tier_rows, bufs, counts, staging, addresses
-            )
-            d, s, z = program.descriptors(*((tier, rows) if store else (rows, tier)), sizes)
-            offsets = np.zeros(k, dtype=np.int64)
-            np.cumsum(descs[:-1], out=offsets[1:])
-            piece = table[at : at + k]
-            piece[:, batch_at + program.BATCH_DST] = offsets + d
-            piece[:, batch_at + program.BATCH_SRC] = offsets + s
-            piece[:, batch_at + program.BATCH_SIZES] = offsets + z
-            piece[:, batch_at + program.BATCH_COUNT] = descs
-            launch = launch_at + np.array(
-                (program.LAUNCH_COUNT, program.LAUNCH_IDS, program.LAUNCH_SLOT_BASE)
-            )
-            piece[:, launch_at : launch_at + 20] = self._launch_row(
-                program, m, group_ids, sm, staging
-            )
-            piece[:, launch[0]] = counts
-            piece[:, launch[1]] = group_ids.data_ptr() + 8 * lo
-            piece[:, launch[2]] = addresses[bufs]
-            at += k
-        if has_wait.all():
-            program.extend(table.reshape(-1), 6 * pieces)
-        else:
-            keep = np.ones(table.shape, dtype=bool)
-            keep[:, :3] = has_wait[:, None]
-            program.extend(table[keep], 5 * pieces + int(has_wait.sum()))
+        header = [
+            store,
+            sm.cuda_stream,
+            dmas[0].cuda_stream,
+            dmas[1].cuda_stream,
+            nbuf,
+            rows_per,
+            self.layout.slot_bytes,
+            staging.next,
+            self._pieces,
+            len(groups),
+            self._batch_row(program)[1],
+            staging.addresses_at,
+            0,  # 12 to 14: the program's buffers, filled in by build_staged
+            0,
+            0,
+            self._slots_at,
+            program.host_ids_at(buffer),
+            ids_device,
+            self._tier_base,
+            self.tier.slot_bytes,
+            self.tier.factor,
+            self.tier.block_stride,
+            *[0 if e is None else e.cuda_event for e in staging.free],
+        ]
+        for m, n in zip(groups, sizes_n, strict=True):
+            header += (n, self.layout.group_bytes[m.group], self._launch_row(program, m, sm)[1])
+        header += [e.cuda_event for e in events]
+        program.build_staged(header, 41 * pieces, 3 * total)
         # the state _enqueue_staged leaves
-        staging.next = int((staging.next + pieces) % nbuf)
+        first = staging.next
+        staging.next = (first + pieces) % nbuf
         self._pieces += pieces
         for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
-            staging.free[int(buf[i])] = events[2 * i + 1]
-        plan.checks += events[: 2 * pieces]
-        last = int(parity[-1])
+            staging.free[(first + i) % nbuf] = events[2 * i + 1]
+        plan.checks += events
+        last = self._pieces % 2
         if store and pieces >= 2:  # the last piece of each parity: the last two pieces
             ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
             self._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
         else:
             self._last_effect = [(events[2 * pieces - 1], dmas[last] if store else sm)]
 
-    def _piece_descriptors(
-        self,
-        group: int,
-        tier_rows: Any,
-        bufs: Any,
-        counts: Any,
-        staging: _Staging,
-        addresses: Any,
-    ) -> tuple[Any, Any, Any, Any]:
-        """A group's staged pieces' DMA descriptors, all pieces at once: tier and
-        staging row addresses, sizes, and how many belong to each piece. The same
-        descriptors :meth:`_enqueue_staged` makes piece by piece."""
-        n = int(tier_rows.shape[0])
-        if counts.shape[0] == 1:  # one piece: merge_runs
-            rows = staging.row_addresses[int(bufs[0])][:n]
-            tier, rows, sizes = merge_runs(tier_rows, rows, self._used_sizes[group][:n])
-            return tier, rows, sizes, np.array([sizes.shape[0]], dtype=np.int64)
-        runs = self._runs(group, tier_rows, staging)
-        if runs is None:  # one descriptor per block, staging rows in order
-            within = np.arange(n, dtype=np.uint64) % np.uint64(staging.rows)
-            within *= np.uint64(self.layout.slot_bytes)
-            rows = addresses[np.repeat(bufs, counts)] + within
-            sizes = np.full(n, self.layout.group_bytes[group], dtype=np.uint64)
-            return tier_rows, rows, sizes, counts
-        tier, run_rows, sizes, cuts = runs
-        descs = np.diff(np.asarray(cuts[: counts.shape[0] + 1], dtype=np.int64))
-        rows = run_rows[0] - np.uint64(staging.addresses[0])
-        rows += addresses[np.repeat(bufs, descs)]
-        return tier, rows, sizes, descs
-
-    def _batch_row(self, program: Any) -> Any:
+    def _batch_row(self, program: Any) -> tuple[Any, int]:
+        """The staged DMA's batched copy op, and its address (a piece fills in its
+        stream, descriptors and count)."""
         row = self._rows.get("batch")
         if row is None:
-            row = self._rows["batch"] = program.batch_row(self.direction)
-        return row
+            words = program.batch_row(self.direction)
+            row = self._rows["batch"] = (words, words.ctypes.data)
+        return row  # type: ignore[no-any-return]
 
-    def _launch_row(
-        self, program: Any, m: GroupMapping, ids: torch.Tensor, sm: Any, staging: _Staging
-    ) -> Any:
-        """The group's staged block-copy launch on ``sm``, made once per stream set
-        (a piece fills in its blocks, ids and buffer)."""
+    def _launch_row(self, program: Any, m: GroupMapping, sm: Any) -> tuple[Any, int]:
+        """The group's staged block-copy launch on ``sm``, made once per stream set,
+        and its address (a piece fills in its blocks, ids and buffer)."""
         key = (m.group, sm.cuda_stream)
         row = self._rows.get(key)
         if row is None:
+            staging = self._staging
+            if staging is None:  # pragma: no cover - only staged jobs ask
+                raise ConfigError("no staging memory")
+            ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
             template = self._block_copy(m, ids, None, 1, staging.addresses[0], staging.views[0])
-            row = self._rows[key] = program.launch_row(template, sm)
-        return row
+            words = program.launch_row(template, sm)
+            row = self._rows[key] = (words, words.ctypes.data)
+        return row  # type: ignore[no-any-return]
 
     def _runs(self, group: int, tier_rows: Any, staging: _Staging) -> tuple[Any, ...] | None:
         """A group's runs of consecutive tier slots, cut at piece boundaries, planned

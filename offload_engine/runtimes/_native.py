@@ -66,7 +66,7 @@ CALL_NAMES = {
 HOLD_GIL_OPS = 12
 HOLD_GIL_DESCRIPTORS = 64
 
-_LIB: dict[str, tuple[Any, Any] | str] = {}  # "lib": the loaded library or why not
+_LIB: dict[str, tuple[Any, Any, Any] | str] = {}  # "lib": the loaded library or why not
 _LIB_LOCK = threading.Lock()
 
 
@@ -113,9 +113,10 @@ def build_library(source: Path = SOURCE, directory: Path | None = None) -> Path:
     return target
 
 
-def native_library() -> tuple[Any, Any] | str:
-    """``(released, held)``: the library's entry point called without and with the
-    GIL, built and loaded once per process; or why it is unavailable."""
+def native_library() -> tuple[Any, Any, Any] | str:
+    """``(released, held, build)``: the library's launch entry point called without
+    and with the GIL, and its staged planner (``oe_staged_build``), built and
+    loaded once per process; or why it is unavailable."""
     with _LIB_LOCK:
         found = _LIB.get("lib")
         if found is None:
@@ -123,7 +124,7 @@ def native_library() -> tuple[Any, Any] | str:
         return found
 
 
-def _load() -> tuple[Any, Any] | str:
+def _load() -> tuple[Any, Any, Any] | str:
     if sys.byteorder != "little":
         return "the native launch passes kernel parameters as little-endian words"
     try:
@@ -146,9 +147,13 @@ def _load() -> tuple[Any, Any] | str:
             )
             fn.restype = ctypes.c_int64
             entry.append(fn)
-    except OSError as exc:
+        # the staged planner returns in microseconds: called holding the GIL
+        build = ctypes.PyDLL(str(path)).oe_staged_build
+        build.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
+        build.restype = ctypes.c_int64
+    except (OSError, AttributeError) as exc:
         return f"cannot load {path}: {exc}"
-    return entry[0], entry[1]
+    return entry[0], entry[1], build
 
 
 def reset_library() -> None:
@@ -164,43 +169,46 @@ class LaunchProgram:
     A runtime subclass supplies the same enqueueing methods the handler calls on
     the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
     ``upload_ids``), each appending its op with :meth:`op` and its descriptors
-    with :meth:`descriptors`, and the bulk forms a handler uses to plan many
-    pieces at once with numpy (:meth:`handles`, :meth:`launch_rows`,
-    :meth:`batch_rows`, appended with :meth:`extend`). The handler calls
-    :meth:`begin`, its launch code, then :meth:`run`; one handler's launches never
-    overlap, so a program serves one handler.
+    with :meth:`descriptors`; a staged job's pieces are planned and appended by
+    the C library itself (:meth:`build_staged`). The handler calls :meth:`begin`,
+    its launch code, then :meth:`run`; one handler's launches never overlap, so a
+    program serves one handler.
     """
 
     def __init__(
         self,
         entries: tuple[int, ...],
         error_name: Any,
-        library: tuple[Any, Any] | None = None,
+        library: tuple[Any, Any, Any] | None = None,
     ) -> None:
         if len(entries) != len(ENTRY_NAMES):
             raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
         found = native_library() if library is None else library
         if isinstance(found, str):
             raise OSError(found)
-        self._released, self._held = found
+        self._released, self._held, self._build = found
         self._entries = (ctypes.c_void_p * len(entries))(*entries)
         self._entries_at = ctypes.addressof(self._entries)
         self._error_name = error_name
         self._fail = (ctypes.c_int64 * 4)()
         self._fail_at = ctypes.addressof(self._fail)
-        self._words: list[int] = []  # the ops since the last bulk part
-        self._parts: list[Any] = []  # earlier ops: int64 arrays, in order
+        self._words: list[int] = []  # ops recorded since the last flush to the buffer
+        self._n = 0  # words in the buffer
         self._ops = 0
         self._ndesc = 0
-        self._buffer = np.empty(0, dtype=np.int64)
-        self._buffer_at = 0
-        self._desc = np.empty(0, dtype=np.uint64)
-        self._desc_at = 0
+        self._buffer = np.empty(256, dtype=np.int64)
+        self._buffer_at = self._buffer.ctypes.data
+        self._desc = np.empty(1024, dtype=np.uint64)
+        self._desc_at = self._desc.ctypes.data
+        self._out = (ctypes.c_int64 * 3)()  # oe_staged_build's counts
+        self._out_at = ctypes.addressof(self._out)
+        self._header: Any = (ctypes.c_int64 * 64)()
+        self._header_at = ctypes.addressof(self._header)
 
     def begin(self) -> None:
         """Start a new job's program (dropping whatever a failed launch left)."""
         self._words.clear()
-        self._parts.clear()
+        self._n = 0
         self._ops = 0
         self._ndesc = 0
 
@@ -209,49 +217,69 @@ class LaunchProgram:
         self._words.extend(words)
         self._ops += 1
 
-    def extend(self, words: Any, ops: int) -> None:
-        """Append ``ops`` ops already laid out as int64 ``words`` (the bulk forms)."""
-        if self._words:
-            self._parts.append(np.array(self._words, dtype=np.int64))
-            self._words.clear()
-        self._parts.append(words)
-        self._ops += ops
+    def _reserve(self, words: int) -> None:
+        """Room for ``words`` more words in the buffer (the recorded ops flushed first)."""
+        pending = self._words
+        need = self._n + len(pending) + words
+        if need > self._buffer.shape[0]:
+            grown = np.empty(max(need, 2 * self._buffer.shape[0]), dtype=np.int64)
+            grown[: self._n] = self._buffer[: self._n]
+            self._buffer = grown
+            self._buffer_at = grown.ctypes.data
+        if pending:
+            n = self._n
+            self._buffer[n : n + len(pending)] = pending
+            self._n = n + len(pending)
+            pending.clear()
 
-    def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
-        """Append descriptors (one or many batches' worth, each column in batch
-        order); their columns' offsets (in words) in the descriptor array."""
-        n = int(sizes.shape[0])
-        at = self._ndesc
-        need = at + 3 * n
+    def _reserve_descriptors(self, words: int) -> None:
+        need = self._ndesc + words
         if need > self._desc.shape[0]:
-            grown = np.empty(max(need, 2 * self._desc.shape[0], 1024), dtype=np.uint64)
-            grown[:at] = self._desc[:at]
+            grown = np.empty(max(need, 2 * self._desc.shape[0]), dtype=np.uint64)
+            grown[: self._ndesc] = self._desc[: self._ndesc]
             self._desc = grown
             self._desc_at = grown.ctypes.data
+
+    def build_staged(self, header: list[int], words: int, descriptors: int) -> None:
+        """Append a staged job's pieces, planned by ``oe_staged_build``
+        (``_native_launch.c`` describes ``header``, whose words 12 to 14 this
+        fills in): at most ``words`` words and ``descriptors`` descriptor words."""
+        self._reserve(words)
+        self._reserve_descriptors(descriptors)
+        header[12] = self._buffer_at + 8 * self._n
+        header[13] = self._desc_at
+        header[14] = self._ndesc
+        if len(header) > len(self._header):
+            self._header = (ctypes.c_int64 * (2 * len(header)))()
+            self._header_at = ctypes.addressof(self._header)
+        self._header[: len(header)] = header
+        if self._build(self._header_at, self._out_at):
+            raise MemoryError("the staged launch's planner could not allocate memory")
+        out = self._out
+        self._n += out[0]
+        self._ops += out[1]
+        self._ndesc = out[2]
+
+    def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
+        """Append one batch's descriptors; their columns' offsets (in words) in the
+        descriptor array."""
+        n = int(sizes.shape[0])
+        at = self._ndesc
+        self._reserve_descriptors(3 * n)
         desc = self._desc
         desc[at : at + n] = dst
         desc[at + n : at + 2 * n] = src
-        desc[at + 2 * n : need] = sizes
-        self._ndesc = need
+        desc[at + 2 * n : at + 3 * n] = sizes
+        self._ndesc = at + 3 * n
         return at, at + n, at + 2 * n
 
     def run(self) -> None:
         """Issue the recorded calls; raise :class:`TransferError` for the first that fails,
         named as the Python path names it."""
-        if self._parts:
-            if self._words:
-                self._parts.append(np.array(self._words, dtype=np.int64))
-                self._words.clear()
-            words: Any = np.concatenate(self._parts) if len(self._parts) > 1 else self._parts[0]
-        else:
-            words = self._words
-        n = len(words)
+        self._reserve(0)
+        n = self._n
         if n == 0:
             return
-        if n > self._buffer.shape[0]:
-            self._buffer = np.empty(max(n, 2 * self._buffer.shape[0], 256), dtype=np.int64)
-            self._buffer_at = self._buffer.ctypes.data
-        self._buffer[:n] = words
         call = (
             self._held
             if self._ops <= HOLD_GIL_OPS and self._ndesc <= 3 * HOLD_GIL_DESCRIPTORS

@@ -24,10 +24,16 @@
  * first op), fail[1] = its opcode, fail[2] = the driver's result and fail[3] =
  * a batch's variant (0 for other ops); a program it cannot read returns -1 with
  * fail[0] = the word where reading stopped.
+ *
+ * oe_staged_build writes a staged job's pieces as program words and descriptors
+ * (the handler's per-job planning, which in Python cost more than the calls);
+ * its header is described above the function.
  */
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef int (*record_fn)(void *event, void *stream);
 typedef int (*wait_fn)(void *stream, void *event, unsigned int flags);
@@ -136,4 +142,207 @@ bad:
     fail[2] = 0;
     fail[3] = 0;
     return -1;
+}
+
+/*
+ * A staged job's pieces, planned here rather than in Python: the same ops, in the
+ * same order with the same operands, that DeviceCopyHandler._enqueue_staged makes
+ * call by call. Header words (int64):
+ *
+ *   0 store (1) or load (0)    1 SM stream    2, 3 the DMA streams (by parity)
+ *   4 nbuf (staging buffers)   5 rows per buffer   6 a staging row's bytes
+ *   7 the buffer the first piece takes   8 pieces staged before this job
+ *   9 groups   10 the batch op template (9 words)   11 the buffers' addresses
+ *   12 where to write the words   13 the descriptor array   14 its first free word
+ *   15 the groups' tier slots (int64, group after group; replaced by their tier
+ *   addresses, sorted)   16 the groups' cache ids in the id buffer's host memory
+ *   (sorted with them)   17 those ids' device address
+ *   18 the tier's address   19 its slot bytes   20 slots per tier block (factor)
+ *   21 a tier block's stride: slot s is at (s / factor) * stride + (s % factor) *
+ *   slot bytes from the tier's start
+ *   22.. nbuf words: each buffer's last event (0: none), then per group (n, bytes
+ *   per block, its launch op template), then two events per piece.
+ *
+ * Each group's blocks are sorted by tier address (stable) and cut into pieces of
+ * `rows` blocks; within a piece, blocks whose tier rows continue each other (and
+ * whose staging rows do: a group that fills a row) merge into one descriptor.
+ * A piece is: [wait first <- buffer's last event] first half, record, wait,
+ * second half, record; a store gathers (launch) then DMAs, a load the reverse.
+ * out = (words written, ops, the descriptor array's first free word). Returns 0,
+ * or -1 if memory for the sort could not be had.
+ */
+
+#define RUN 16
+
+static int sort_rows(uint64_t *tier, int64_t *ids, int64_t n) {
+    int64_t i;
+    for (i = 1; i < n; i++)
+        if (tier[i] <= tier[i - 1]) break;
+    if (i >= n) return 0; /* strictly ascending: as given */
+    uint64_t *t2 = malloc((size_t)n * sizeof *t2);
+    int64_t *i2 = malloc((size_t)n * sizeof *i2);
+    if (!t2 || !i2) {
+        free(t2);
+        free(i2);
+        return -1;
+    }
+    /* stable, as numpy's argsort(kind="stable"): insertion sort of runs of RUN,
+       then bottom-up merges */
+    for (int64_t lo = 0; lo < n; lo += RUN) {
+        const int64_t hi = lo + RUN < n ? lo + RUN : n;
+        for (int64_t j = lo + 1; j < hi; j++) {
+            const uint64_t t = tier[j];
+            const int64_t v = ids[j];
+            int64_t k = j;
+            for (; k > lo && tier[k - 1] > t; k--) {
+                tier[k] = tier[k - 1];
+                ids[k] = ids[k - 1];
+            }
+            tier[k] = t;
+            ids[k] = v;
+        }
+    }
+    uint64_t *ts = tier, *td = t2;
+    int64_t *is = ids, *id = i2;
+    for (int64_t width = RUN; width < n; width *= 2) {
+        for (int64_t lo = 0; lo < n; lo += 2 * width) {
+            int64_t mid = lo + width < n ? lo + width : n;
+            int64_t hi = lo + 2 * width < n ? lo + 2 * width : n;
+            int64_t a = lo, b = mid, k = lo;
+            while (a < mid && b < hi) {
+                if (ts[b] < ts[a]) {
+                    td[k] = ts[b];
+                    id[k++] = is[b++];
+                } else {
+                    td[k] = ts[a];
+                    id[k++] = is[a++];
+                }
+            }
+            while (a < mid) {
+                td[k] = ts[a];
+                id[k++] = is[a++];
+            }
+            while (b < hi) {
+                td[k] = ts[b];
+                id[k++] = is[b++];
+            }
+        }
+        uint64_t *tt = ts;
+        ts = td;
+        td = tt;
+        int64_t *it = is;
+        is = id;
+        id = it;
+    }
+    if (ts != tier) {
+        memcpy(tier, ts, (size_t)n * sizeof *tier);
+        memcpy(ids, is, (size_t)n * sizeof *ids);
+    }
+    free(t2);
+    free(i2);
+    return 0;
+}
+
+int64_t oe_staged_build(const int64_t *h, int64_t *out) {
+    const int64_t store = h[0], sm = h[1], nbuf = h[4], rows = h[5], pitch = h[6];
+    const int64_t next = h[7], before = h[8], ngroups = h[9];
+    const int64_t *batch_tpl = (const int64_t *)(intptr_t)h[10];
+    const int64_t *buffers = (const int64_t *)(intptr_t)h[11];
+    int64_t *w = (int64_t *)(intptr_t)h[12];
+    uint64_t *desc = (uint64_t *)(intptr_t)h[13];
+    int64_t nd = h[14];
+    uint64_t *tier = (uint64_t *)(intptr_t)h[15];
+    int64_t *ids = (int64_t *)(intptr_t)h[16];
+    const int64_t ids_device = h[17];
+    const uint64_t tier_base = (uint64_t)h[18], slot_bytes = (uint64_t)h[19];
+    const uint64_t factor = (uint64_t)h[20], block_stride = (uint64_t)h[21];
+    const int64_t *free_in = h + 22, *groups = free_in + nbuf, *events = groups + 3 * ngroups;
+    int64_t *last = malloc((size_t)(nbuf > 0 ? nbuf : 1) * sizeof *last);
+    if (!last) return -1;
+    memcpy(last, free_in, (size_t)nbuf * sizeof *last);
+    int64_t nw = 0, ops = 0, piece = 0, at = 0;
+    for (int64_t g = 0; g < ngroups; g++) {
+        const int64_t n = groups[3 * g], size = groups[3 * g + 1];
+        const int64_t *launch_tpl = (const int64_t *)(intptr_t)groups[3 * g + 2];
+        const int64_t launch_words = 11 + launch_tpl[10];
+        const int merge = size == pitch;
+        for (int64_t i = at; i < at + n; i++) { /* slots to tier addresses, in place */
+            const uint64_t slot = tier[i];
+            tier[i] = tier_base + slot / factor * block_stride + slot % factor * slot_bytes;
+        }
+        if (sort_rows(tier + at, ids + at, n)) {
+            free(last);
+            return -1;
+        }
+        for (int64_t lo = 0; lo < n; lo += rows, piece++) {
+            const int64_t hi = lo + rows < n ? lo + rows : n, count = hi - lo;
+            const int64_t b = (next + piece) % nbuf;
+            const int64_t dma = h[2 + (before + 1 + piece) % 2];
+            const int64_t first = store ? sm : dma, second = store ? dma : sm;
+            const int64_t full = events[2 * piece], end = events[2 * piece + 1];
+            const uint64_t row0 = (uint64_t)buffers[b];
+            /* descriptors: columns of `count` words each (fewer used after merging) */
+            uint64_t *dst = desc + nd, *src = dst + count, *sizes = src + count;
+            uint64_t *tier_col = store ? dst : src, *row_col = store ? src : dst;
+            int64_t k = 0;
+            for (int64_t i = lo; i < hi; i++) {
+                const uint64_t t = tier[at + i];
+                if (k && merge && tier[at + i - 1] + (uint64_t)size == t) {
+                    sizes[k - 1] += (uint64_t)size;
+                    continue;
+                }
+                tier_col[k] = t;
+                row_col[k] = row0 + (uint64_t)((i - lo) * pitch);
+                sizes[k++] = (uint64_t)size;
+            }
+            if (k < count) { /* close the gaps merging left */
+                memmove(dst + k, src, (size_t)k * sizeof *src);
+                memmove(dst + 2 * k, sizes, (size_t)k * sizeof *sizes);
+            }
+            int64_t batch[9];
+            memcpy(batch, batch_tpl, sizeof batch);
+            batch[1] = dma;
+            batch[2] = nd;
+            batch[3] = nd + k;
+            batch[4] = nd + 2 * k;
+            batch[5] = k;
+            nd += 3 * k;
+            if (last[b]) {
+                w[nw++] = OP_WAIT;
+                w[nw++] = first;
+                w[nw++] = last[b];
+                ops++;
+            }
+            for (int half = 0; half < 2; half++) {
+                const int launch = (half == 0) == (store != 0);
+                if (launch) {
+                    int64_t *op = w + nw;
+                    memcpy(op, launch_tpl, (size_t)launch_words * sizeof *op);
+                    op[2] = count;
+                    op[15] = ids_device + 8 * (at + lo);
+                    op[17] = (int64_t)row0;
+                    nw += launch_words;
+                } else {
+                    memcpy(w + nw, batch, sizeof batch);
+                    nw += 9;
+                }
+                w[nw++] = OP_RECORD;
+                w[nw++] = half == 0 ? full : end;
+                w[nw++] = half == 0 ? first : second;
+                if (half == 0) {
+                    w[nw++] = OP_WAIT;
+                    w[nw++] = second;
+                    w[nw++] = full;
+                }
+            }
+            ops += 5;
+            last[b] = end;
+        }
+        at += n;
+    }
+    free(last);
+    out[0] = nw;
+    out[1] = ops;
+    out[2] = nd;
+    return 0;
 }

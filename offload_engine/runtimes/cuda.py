@@ -533,10 +533,9 @@ class _CudaProgram(LaunchProgram):
     """The calls a handler makes on :class:`CudaRuntime` while launching a job,
     recorded as the same driver calls and issued in one native call."""
 
-    # the words of batch_row and launch_row that a piece fills in
-    BATCH_STREAM, BATCH_DST, BATCH_SRC, BATCH_SIZES, BATCH_COUNT = 1, 2, 3, 4, 5
-    # grid x; DriverBlockCopy.launch_args's parameters 4 (cache ids) and 6 (slot base)
-    LAUNCH_COUNT, LAUNCH_IDS, LAUNCH_SLOT_BASE = 2, 11 + 4, 11 + 6
+    # oe_staged_build fills in these words of batch_row (stream, descriptor columns,
+    # count: 1 to 5) and launch_row (grid x: 2, and DriverBlockCopy.launch_args's
+    # parameters 4 and 6, the cache ids and the slot base: 11 + 4 and 11 + 6)
 
     def __init__(self, runtime: CudaRuntime, entries: tuple[int, ...]) -> None:
         super().__init__(entries, runtime._driver.error_name)
@@ -564,16 +563,7 @@ class _CudaProgram(LaunchProgram):
         self.op(OP_BATCH, handle, d, s, z, n, step, rt._attr_addresses[kind], self._variant)
         return -(-n // step)
 
-    # -- bulk forms: many pieces' ops as rows, planned with numpy
-
-    @staticmethod
-    def handles(events: list[Any]) -> Any:
-        """The events' raw handles, as an int64 array."""
-        return np.array([e.cuda_event for e in events], dtype=np.int64)
-
-    @staticmethod
-    def stream_handle(stream: Any) -> int:
-        return int(stream.cuda_stream)
+    # -- the staged planner's templates and addresses (DeviceCopyHandler._staged_native)
 
     def batch_row(self, kind: Direction) -> Any:
         """A batched copy op's words (:meth:`memcpy_batch`'s op) with its stream,
@@ -609,9 +599,19 @@ class _CudaProgram(LaunchProgram):
             self.op(OP_LAUNCH, func, *shape, stream.cuda_stream, len(values), *values)
 
     def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
+        self.upload_ids_at(stream, buffer, count)
+        return self._rt._id_view(buffer, count)
+
+    def upload_ids_at(self, stream: Any, buffer: IdBuffer, count: int) -> int:
+        """:meth:`upload_ids`'s op; the ids' device address."""
         _, host_at, device_at, _ = buffer.keep
         self.op(OP_HTOD, device_at, host_at, 8 * count, stream.cuda_stream)
-        return self._rt._id_view(buffer, count)
+        return int(device_at)
+
+    @staticmethod
+    def host_ids_at(buffer: IdBuffer) -> int:
+        """The address of the id buffer's host memory."""
+        return int(buffer.keep[1])
 
     def run(self) -> None:
         self._rt._bind_thread()  # the calls need the device's context on this thread

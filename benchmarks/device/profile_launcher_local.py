@@ -1,0 +1,216 @@
+"""The launcher's Python per job, without a GPU (issue 14, stepperf7).
+
+    PYTHONPATH=$PWD python benchmarks/device/profile_launcher_local.py [--jobs 300] [--profile]
+
+:class:`CudaRuntime`'s launch code and the native launch program run over a
+driver whose every entry point is one C function that returns 0 (compiled here
+with ``cc``), so what is timed is the handler's own Python (planning, recording
+the program, the ctypes call) and nothing of a driver. The layout is
+``bench_cuda.py``'s shape at a smaller scale (32 layers, K and V, flash-attention,
+one group, one staging row per block; 64 staging rows per buffer as 16-token
+Llama-3-8B blocks get from the default 256 MiB), so 8 blocks are one piece and
+512 blocks eight, as on the H100. Prints the median thread CPU of ``prepare``
+and ``_enqueue`` called directly, per strategy, direction, job size and slot
+kind (random or allocator); ``--profile`` adds a cProfile of ``_enqueue``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import ctypes
+import pstats
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import torch
+
+from offload_engine import KVLayout, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.bench.slots import allocator_slots
+from offload_engine.handlers import device
+from offload_engine.handlers.device import (
+    CopyStrategy,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.runtimes.base import IdBuffer
+from offload_engine.runtimes.cuda import CudaRuntime
+
+ROWS = 64  # staging rows per buffer (256 MiB / 2 buffers / 2 MiB blocks)
+NB = 1536
+
+
+def noop_function() -> int:
+    """The address of a C function that returns 0, whatever its arguments."""
+    cc = shutil.which("cc")
+    if cc is None:
+        raise SystemExit("needs a C compiler (cc)")
+    folder = Path(tempfile.mkdtemp(prefix="oe-noop-"))
+    (folder / "noop.c").write_text("int oe_noop(void) { return 0; }\n")
+    lib = folder / "noop.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", lib, folder / "noop.c"], check=True)
+    fn = ctypes.CDLL(str(lib)).oe_noop
+    noop_function.keep = fn  # type: ignore[attr-defined]
+    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
+
+
+class NoopCuda(CudaRuntime):
+    """CudaRuntime's enqueueing over driver entry points that do nothing; streams and
+    events are bare handles, device memory is host memory."""
+
+    def __init__(self) -> None:
+        at = noop_function()
+        p, u, z, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_int
+
+        def fn(*argtypes: Any) -> Any:
+            return ctypes.CFUNCTYPE(i, *argtypes)(at)
+
+        batch = fn(p, p, p, z, p, p, z, p)
+        driver = SimpleNamespace(
+            notes=[],
+            batch=batch,
+            batch_hold=batch,
+            batch_address=at,
+            batch_has_fail_idx=False,
+            event_record=fn(p, p),
+            stream_wait_event=fn(p, p, u),
+            memcpy=fn(ctypes.c_uint64, ctypes.c_uint64, z, p),
+            memcpy_htod=fn(ctypes.c_uint64, p, z, p),
+            error_name=str,
+        )
+        self.device = torch.device("cpu")
+        direct = object.__new__(DriverBlockCopy)
+        direct._func = ctypes.c_void_p(0xF00D)
+        direct._launch = fn(p, u, u, u, u, u, u, u, p, p, p)
+        direct._local = threading.local()
+        self._init_calls(driver, None, direct, max_batch=4096, batched=True)
+        self._current_raw = None
+        self._handles = iter(range(0x1000, 1 << 40, 0x10))
+        self.compute = SimpleNamespace(cuda_stream=0xC0)
+
+    def _bind_thread(self) -> None:
+        pass
+
+    def new_stream(self, priority: int = 0) -> Any:
+        return SimpleNamespace(cuda_stream=next(self._handles))
+
+    def current_stream(self) -> Any:
+        return self.compute
+
+    def new_event(self) -> Any:
+        return SimpleNamespace(cuda_event=next(self._handles))
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def record_current(self, event: Any) -> None:
+        self.record(event, self.compute)
+
+    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
+        return tensor.device.type == "cpu"
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def pin_host(self, tensor: torch.Tensor) -> Any:
+        return lambda: None
+
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        return True
+
+    def upload(self, stream: Any, values: Any) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+
+    def new_id_buffer(self, capacity: int) -> IdBuffer:
+        host = torch.empty(capacity, dtype=torch.int64)
+        device = torch.empty(capacity, dtype=torch.int64)
+        keep = (host, host.data_ptr(), device.data_ptr(), {})
+        return IdBuffer(host.numpy(), device, keep=keep)
+
+    def launcher_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--jobs", type=int, default=300)
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--sizes", default="8,512")
+    parser.add_argument("--native", choices=("on", "off"), default="on")
+    args = parser.parse_args()
+    rt = NoopCuda()
+    layers = [torch.empty(2, NB, 1, 1, 64, dtype=torch.float32) for _ in range(32)]
+    layout = KVLayout.flash_attention(layers)
+    tier = pinned_host_tier(rt, layout, NB)
+    rng = np.random.default_rng(0)
+    cfg = DeviceHandlerConfig(
+        strategy=CopyStrategy.STAGED,
+        staging_bytes=2 * ROWS * layout.slot_bytes,
+        native_launch=args.native == "on",
+        max_inflight=8,
+    )
+    store, load = make_device_handlers(rt, layout, tier, cfg)
+    ctx = SimpleNamespace(call_soon=lambda *a: None)
+    for h in (store, load):
+        h.start(ctx)  # type: ignore[arg-type]
+    print(f"python {sys.version.split()[0]}, numpy {np.__version__}, native {args.native}")
+    for per_job in (int(s) for s in args.sizes.split(",")):
+        for slots in ("random", "allocator"):
+            tiers = allocator_slots(NB, per_job, args.jobs) if slots == "allocator" else None
+            for handler, direction in ((store, "store"), (load, "load")):
+                specs = []
+                for j in range(args.jobs):
+                    c = rng.choice(NB, size=per_job, replace=False)
+                    t = tiers[j] if tiers else rng.choice(NB, size=per_job, replace=False)
+                    specs.append(
+                        TransferSpec(gpu_blocks(c), cpu_blocks(t))
+                        if direction == "store"
+                        else TransferSpec(cpu_blocks(t), gpu_blocks(c))
+                    )
+                prep, enq = [], []
+                prof = cProfile.Profile() if args.profile else None
+                for x in specs:
+                    t0 = time.thread_time_ns()
+                    p = handler.prepare(x)
+                    t1 = time.thread_time_ns()
+                    if prof is not None:
+                        prof.enable()
+                    handler._enqueue(p)
+                    if prof is not None:
+                        prof.disable()
+                    t2 = time.thread_time_ns()
+                    prep.append((t1 - t0) / 1e3)
+                    enq.append((t2 - t1) / 1e3)
+                    handler._recycle(p)
+                print(
+                    f"  staged {direction:5} {per_job:3} {slots:9}: prepare "
+                    f"{statistics.median(prep):6.1f} us, enqueue {statistics.median(enq):6.1f} us",
+                    flush=True,
+                )
+                if prof is not None:
+                    pstats.Stats(prof).sort_stats("tottime").print_stats(14)
+    for h in (store, load):
+        h._launch_q.put(device._STOP)
+        for t in h._threads:
+            t.join()
+    tier.release()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
