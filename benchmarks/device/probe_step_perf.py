@@ -220,10 +220,14 @@ def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int)
         for h in handlers:  # the native launch: its program's one call
             program = getattr(h, "_native", None)
             if program is not None:
-                if on:
-                    program.run = wrap(program.run, "native run")
-                else:
-                    vars(program).pop("run", None)
+                # stepperf7: a staged job's pieces planned by the library, one call
+                calls = [n for n in ("run", "build_staged") if hasattr(program, n)]
+                for call in calls:
+                    if on:
+                        label = "native run" if call == "run" else "native plan"
+                        setattr(program, call, wrap(getattr(program, call), label))
+                    else:
+                        vars(program).pop(call, None)
 
     jobs = 24
     # the default launch (a 512-block job goes to the launcher thread), then the same
@@ -423,6 +427,8 @@ def main() -> int:
         for h in (store, load):  # the native launch (stepperf6): its one call, timed
             if getattr(h, "_native", None) is not None:
                 wrap(h._native, "run", "native run")
+                if hasattr(h._native, "build_staged"):  # stepperf7: the planner's call
+                    wrap(h._native, "build_staged", "native plan")
         print(f"  {strategy.value}: native launch {getattr(store, '_native', None) is not None}")
         with SyncOffloadingEngine([store, load]) as engine:
             for per_job in (8, 512):

@@ -784,33 +784,22 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._last_effect = [(events[0], stream)]
             return
         nbuf = len(staging.buffers)
+        fixed, group_words = self._planner_words(program, sm, dmas, staging)
         header = [
-            store,
-            sm.cuda_stream,
-            dmas[0].cuda_stream,
-            dmas[1].cuda_stream,
-            nbuf,
-            rows_per,
-            self.layout.slot_bytes,
-            staging.next,
-            self._pieces,
-            len(groups),
-            self._batch_row(program)[1],
-            staging.addresses_at,
-            0,  # 12 to 14: the program's buffers, filled in by build_staged
+            *fixed,
+            0,  # 13 to 15: the program's buffers, filled in by build_staged
             0,
             0,
             self._slots_at,
             program.host_ids_at(buffer),
             ids_device,
-            self._tier_base,
-            self.tier.slot_bytes,
-            self.tier.factor,
-            self.tier.block_stride,
+            staging.next,
+            self._pieces,
+            len(groups),
             *[0 if e is None else e.cuda_event for e in staging.free],
         ]
         for m, n in zip(groups, sizes_n, strict=True):
-            header += (n, self.layout.group_bytes[m.group], self._launch_row(program, m, sm)[1])
+            header += (n, *group_words[m.group])
         header += [e.cuda_event for e in events]
         program.build_staged(header, 41 * pieces, 3 * total)
         # the state _enqueue_staged leaves
@@ -827,29 +816,46 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         else:
             self._last_effect = [(events[2 * pieces - 1], dmas[last] if store else sm)]
 
-    def _batch_row(self, program: Any) -> tuple[Any, int]:
-        """The staged DMA's batched copy op, and its address (a piece fills in its
-        stream, descriptors and count)."""
-        row = self._rows.get("batch")
-        if row is None:
-            words = program.batch_row(self.direction)
-            row = self._rows["batch"] = (words, words.ctypes.data)
-        return row  # type: ignore[no-any-return]
-
-    def _launch_row(self, program: Any, m: GroupMapping, sm: Any) -> tuple[Any, int]:
-        """The group's staged block-copy launch on ``sm``, made once per stream set,
-        and its address (a piece fills in its blocks, ids and buffer)."""
-        key = (m.group, sm.cuda_stream)
-        row = self._rows.get(key)
-        if row is None:
-            staging = self._staging
-            if staging is None:  # pragma: no cover - only staged jobs ask
-                raise ConfigError("no staging memory")
-            ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
-            template = self._block_copy(m, ids, None, 1, staging.addresses[0], staging.views[0])
+    def _planner_words(
+        self, program: Any, sm: Any, dmas: tuple[Any, Any], staging: _Staging
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """What ``oe_staged_build``'s header holds for a stream set whatever the job
+        (its words 0 to 12), and per group its bytes per block and the address of
+        its launch op template; made once per stream set."""
+        found = self._rows.get(id(sm))
+        if found is not None:
+            return found  # type: ignore[no-any-return]
+        batch = program.batch_row(self.direction)
+        tier = self.tier
+        fixed = [
+            self._store,
+            sm.cuda_stream,
+            dmas[0].cuda_stream,
+            dmas[1].cuda_stream,
+            len(staging.buffers),
+            staging.rows,
+            self.layout.slot_bytes,
+            batch.ctypes.data,
+            staging.addresses_at,
+            self._tier_base,
+            tier.slot_bytes,
+            tier.factor,
+            tier.block_stride,
+        ]
+        groups = []
+        templates = [batch]  # kept alive with their addresses
+        ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
+        for g in range(len(self.layout.groups)):
+            mapping = GroupMapping(g, np.zeros(1, np.int64), np.zeros(1, np.int64))
+            template = self._block_copy(
+                mapping, ids, None, 1, staging.addresses[0], staging.views[0]
+            )
             words = program.launch_row(template, sm)
-            row = self._rows[key] = (words, words.ctypes.data)
-        return row  # type: ignore[no-any-return]
+            templates.append(words)
+            groups.append((self.layout.group_bytes[g], words.ctypes.data))
+        found = self._rows[id(sm)] = (fixed, groups)
+        self._rows[id(sm), "templates"] = templates
+        return found
 
     def _runs(self, group: int, tier_rows: Any, staging: _Staging) -> tuple[Any, ...] | None:
         """A group's runs of consecutive tier slots, cut at piece boundaries, planned

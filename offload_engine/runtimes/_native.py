@@ -242,13 +242,13 @@ class LaunchProgram:
 
     def build_staged(self, header: list[int], words: int, descriptors: int) -> None:
         """Append a staged job's pieces, planned by ``oe_staged_build``
-        (``_native_launch.c`` describes ``header``, whose words 12 to 14 this
+        (``_native_launch.c`` describes ``header``, whose words 13 to 15 this
         fills in): at most ``words`` words and ``descriptors`` descriptor words."""
         self._reserve(words)
         self._reserve_descriptors(descriptors)
-        header[12] = self._buffer_at + 8 * self._n
-        header[13] = self._desc_at
-        header[14] = self._ndesc
+        header[13] = self._buffer_at + 8 * self._n
+        header[14] = self._desc_at
+        header[15] = self._ndesc
         if len(header) > len(self._header):
             self._header = (ctypes.c_int64 * (2 * len(header)))()
             self._header_at = ctypes.addressof(self._header)

@@ -147,19 +147,22 @@ bad:
 /*
  * A staged job's pieces, planned here rather than in Python: the same ops, in the
  * same order with the same operands, that DeviceCopyHandler._enqueue_staged makes
- * call by call. Header words (int64):
+ * call by call. Header words (int64), first those of a stream set whatever the job:
  *
  *   0 store (1) or load (0)    1 SM stream    2, 3 the DMA streams (by parity)
  *   4 nbuf (staging buffers)   5 rows per buffer   6 a staging row's bytes
- *   7 the buffer the first piece takes   8 pieces staged before this job
- *   9 groups   10 the batch op template (9 words)   11 the buffers' addresses
- *   12 where to write the words   13 the descriptor array   14 its first free word
- *   15 the groups' tier slots (int64, group after group; replaced by their tier
- *   addresses, sorted)   16 the groups' cache ids in the id buffer's host memory
- *   (sorted with them)   17 those ids' device address
- *   18 the tier's address   19 its slot bytes   20 slots per tier block (factor)
- *   21 a tier block's stride: slot s is at (s / factor) * stride + (s % factor) *
+ *   7 the batch op template (9 words)   8 the buffers' addresses
+ *   9 the tier's address   10 its slot bytes   11 slots per tier block (factor)
+ *   12 a tier block's stride: slot s is at (s / factor) * stride + (s % factor) *
  *   slot bytes from the tier's start
+ *
+ * then the job's:
+ *
+ *   13 where to write the words   14 the descriptor array   15 its first free word
+ *   16 the groups' tier slots (int64, group after group; replaced by their tier
+ *   addresses, sorted)   17 the groups' cache ids in the id buffer's host memory
+ *   (sorted with them)   18 those ids' device address   19 the buffer the first
+ *   piece takes   20 pieces staged before this job   21 groups
  *   22.. nbuf words: each buffer's last event (0: none), then per group (n, bytes
  *   per block, its launch op template), then two events per piece.
  *
@@ -245,17 +248,16 @@ static int sort_rows(uint64_t *tier, int64_t *ids, int64_t n) {
 
 int64_t oe_staged_build(const int64_t *h, int64_t *out) {
     const int64_t store = h[0], sm = h[1], nbuf = h[4], rows = h[5], pitch = h[6];
-    const int64_t next = h[7], before = h[8], ngroups = h[9];
-    const int64_t *batch_tpl = (const int64_t *)(intptr_t)h[10];
-    const int64_t *buffers = (const int64_t *)(intptr_t)h[11];
-    int64_t *w = (int64_t *)(intptr_t)h[12];
-    uint64_t *desc = (uint64_t *)(intptr_t)h[13];
-    int64_t nd = h[14];
-    uint64_t *tier = (uint64_t *)(intptr_t)h[15];
-    int64_t *ids = (int64_t *)(intptr_t)h[16];
-    const int64_t ids_device = h[17];
-    const uint64_t tier_base = (uint64_t)h[18], slot_bytes = (uint64_t)h[19];
-    const uint64_t factor = (uint64_t)h[20], block_stride = (uint64_t)h[21];
+    const int64_t *batch_tpl = (const int64_t *)(intptr_t)h[7];
+    const int64_t *buffers = (const int64_t *)(intptr_t)h[8];
+    const uint64_t tier_base = (uint64_t)h[9], slot_bytes = (uint64_t)h[10];
+    const uint64_t factor = (uint64_t)h[11], block_stride = (uint64_t)h[12];
+    int64_t *w = (int64_t *)(intptr_t)h[13];
+    uint64_t *desc = (uint64_t *)(intptr_t)h[14];
+    int64_t nd = h[15];
+    uint64_t *tier = (uint64_t *)(intptr_t)h[16];
+    int64_t *ids = (int64_t *)(intptr_t)h[17];
+    const int64_t ids_device = h[18], next = h[19], before = h[20], ngroups = h[21];
     const int64_t *free_in = h + 22, *groups = free_in + nbuf, *events = groups + 3 * ngroups;
     int64_t *last = malloc((size_t)(nbuf > 0 ? nbuf : 1) * sizeof *last);
     if (!last) return -1;
