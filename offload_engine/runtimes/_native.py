@@ -11,7 +11,10 @@ array), and :meth:`LaunchProgram.run` hands the whole program to
 ``_native_launch.c``, which makes the same driver calls in the same order,
 through ``ctypes.CDLL`` (the GIL is released for the call). A short program
 (:data:`HOLD_GIL_OPS`) is run holding the GIL instead, as the Python path does
-for microsecond calls: handing the GIL over costs more than such a call.
+for microsecond calls: handing the GIL over costs more than such a call. A
+staged job's pieces are planned by the library as well
+(:meth:`LaunchProgram.build_staged`, ``oe_staged_build``), since in Python that
+planning cost more than the calls it makes.
 
 The C file ships in the package and is compiled on first use with the system
 C compiler (``$CC`` or ``cc``) into a per-user cache
