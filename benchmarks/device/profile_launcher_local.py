@@ -17,7 +17,6 @@ kind (random or allocator); ``--profile`` adds a cProfile of ``_enqueue``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import cProfile
 import ctypes
 import pstats
@@ -26,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -44,8 +42,6 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes._cuda_copy import DriverBlockCopy
-from offload_engine.runtimes.base import IdBuffer
 from offload_engine.runtimes.cuda import CudaRuntime
 
 ROWS = 64  # staging rows per buffer (256 MiB / 2 buffers / 2 MiB blocks)
@@ -66,84 +62,32 @@ def noop_function() -> int:
     return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
 
 
-class NoopCuda(CudaRuntime):
-    """CudaRuntime's enqueueing over driver entry points that do nothing; streams and
-    events are bare handles, device memory is host memory."""
+def noop_runtime() -> CudaRuntime:
+    """``tests/test_native_launch.py``'s driverless CUDA runtime over entry points
+    that do nothing (its own driver records every call, from Python)."""
+    from tests.test_native_launch import DriverlessCuda
 
-    def __init__(self) -> None:
-        at = noop_function()
-        p, u, z, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_int
+    at = noop_function()
+    p, u, z, i = ctypes.c_void_p, ctypes.c_uint, ctypes.c_size_t, ctypes.c_int
 
-        def fn(*argtypes: Any) -> Any:
-            return ctypes.CFUNCTYPE(i, *argtypes)(at)
+    def fn(*argtypes: Any) -> Any:
+        return ctypes.CFUNCTYPE(i, *argtypes)(at)
 
-        batch = fn(p, p, p, z, p, p, z, p)
-        driver = SimpleNamespace(
-            notes=[],
-            batch=batch,
-            batch_hold=batch,
-            batch_address=at,
-            batch_has_fail_idx=False,
-            event_record=fn(p, p),
-            stream_wait_event=fn(p, p, u),
-            memcpy=fn(ctypes.c_uint64, ctypes.c_uint64, z, p),
-            memcpy_htod=fn(ctypes.c_uint64, p, z, p),
-            error_name=str,
-        )
-        self.device = torch.device("cpu")
-        direct = object.__new__(DriverBlockCopy)
-        direct._func = ctypes.c_void_p(0xF00D)
-        direct._launch = fn(p, u, u, u, u, u, u, u, p, p, p)
-        direct._local = threading.local()
-        self._init_calls(driver, None, direct, max_batch=4096, batched=True)
-        self._current_raw = None
-        self._handles = iter(range(0x1000, 1 << 40, 0x10))
-        self.compute = SimpleNamespace(cuda_stream=0xC0)
-
-    def _bind_thread(self) -> None:
-        pass
-
-    def new_stream(self, priority: int = 0) -> Any:
-        return SimpleNamespace(cuda_stream=next(self._handles))
-
-    def current_stream(self) -> Any:
-        return self.compute
-
-    def new_event(self) -> Any:
-        return SimpleNamespace(cuda_event=next(self._handles))
-
-    def synchronize(self, event: Any) -> None:
-        pass
-
-    def query(self, event: Any) -> bool:
-        return True
-
-    def record_current(self, event: Any) -> None:
-        self.record(event, self.compute)
-
-    def is_device_tensor(self, tensor: torch.Tensor) -> bool:
-        return tensor.device.type == "cpu"
-
-    def alloc_device(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def pin_host(self, tensor: torch.Tensor) -> Any:
-        return lambda: None
-
-    def is_pinned(self, tensor: torch.Tensor) -> bool:
-        return True
-
-    def upload(self, stream: Any, values: Any) -> torch.Tensor:
-        return torch.from_numpy(np.array(values, dtype=np.int64))
-
-    def new_id_buffer(self, capacity: int) -> IdBuffer:
-        host = torch.empty(capacity, dtype=torch.int64)
-        device = torch.empty(capacity, dtype=torch.int64)
-        keep = (host, host.data_ptr(), device.data_ptr(), {})
-        return IdBuffer(host.numpy(), device, keep=keep)
-
-    def launcher_context(self, stream: Any) -> contextlib.AbstractContextManager[Any]:
-        return contextlib.nullcontext()
+    batch = fn(p, p, p, z, p, p, z, p)
+    driver = SimpleNamespace(
+        notes=[],
+        batch=batch,
+        batch_hold=batch,
+        batch_address=at,
+        batch_has_fail_idx=False,
+        event_record=fn(p, p),
+        stream_wait_event=fn(p, p, u),
+        memcpy=fn(ctypes.c_uint64, ctypes.c_uint64, z, p),
+        memcpy_htod=fn(ctypes.c_uint64, p, z, p),
+        launch=fn(p, u, u, u, u, u, u, u, p, p, p),
+        error_name=str,
+    )
+    return DriverlessCuda(driver)  # type: ignore[arg-type]
 
 
 def main() -> int:
@@ -153,7 +97,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="8,512")
     parser.add_argument("--native", choices=("on", "off"), default="on")
     args = parser.parse_args()
-    rt = NoopCuda()
+    rt = noop_runtime()
     layers = [torch.empty(2, NB, 1, 1, 64, dtype=torch.float32) for _ in range(32)]
     layout = KVLayout.flash_attention(layers)
     tier = pinned_host_tier(rt, layout, NB)
