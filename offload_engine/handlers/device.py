@@ -784,7 +784,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._last_effect = [(events[0], stream)]
             return
         nbuf = len(staging.buffers)
-        fixed, group_words = self._planner_words(program, sm, dmas, staging)
+        fixed, group_words, piece_words = self._planner_words(program, sm, dmas, staging)
         header = [
             *fixed,
             0,  # 13 to 15: the program's buffers, filled in by build_staged
@@ -801,7 +801,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         for m, n in zip(groups, sizes_n, strict=True):
             header += (n, *group_words[m.group])
         header += [e.cuda_event for e in events]
-        program.build_staged(header, 41 * pieces, 3 * total)
+        program.build_staged(header, piece_words * pieces, 3 * total)
         # the state _enqueue_staged leaves
         first = staging.next
         staging.next = (first + pieces) % nbuf
@@ -818,10 +818,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def _planner_words(
         self, program: Any, sm: Any, dmas: tuple[Any, Any], staging: _Staging
-    ) -> tuple[list[int], list[tuple[int, int]]]:
+    ) -> tuple[list[int], list[tuple[int, int]], int]:
         """What ``oe_staged_build``'s header holds for a stream set whatever the job
-        (its words 0 to 12), and per group its bytes per block and the address of
-        its launch op template; made once per stream set."""
+        (its words 0 to 12), per group its bytes per block and the address of its
+        launch op template, and the most words a piece's ops take; made once per
+        stream set."""
         found = self._rows.get(id(sm))
         if found is not None:
             return found  # type: ignore[no-any-return]
@@ -853,7 +854,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             words = program.launch_row(template, sm)
             templates.append(words)
             groups.append((self.layout.group_bytes[g], words.ctypes.data))
-        found = self._rows[id(sm)] = (fixed, groups)
+        # a piece: at most two waits and two records (3 words each), a batch, a launch
+        piece_words = 4 * 3 + len(batch) + max(len(t) for t in templates[1:])
+        found = self._rows[id(sm)] = (fixed, groups, piece_words)
         self._rows[id(sm), "templates"] = templates
         return found
 
