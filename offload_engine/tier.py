@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -304,6 +305,38 @@ class TierTransfer:
     nbytes: int
 
 
+#: ``check(cache_ids, tier_ids, num_cache_blocks, num_tier_blocks, store)``: whether
+#: the common job passes (:class:`offload_engine.runtimes._native.PairCheck`)
+PairChecker: TypeAlias = Callable[[BlockIds, BlockIds, int, int, bool], bool]
+
+#: up to this many ids the common job's checks run on Python lists
+_LIST_CHECK_IDS = 64
+
+
+def _common_job_passes(
+    cache_ids: BlockIds,
+    tier_ids: BlockIds,
+    num_cache: int,
+    num_tier: int,
+    store: bool,
+    check: PairChecker | None,
+) -> bool:
+    """Whether a job of one KV group at factor 1 (``cache_ids[i]`` pairs with
+    ``tier_ids[i]``, equal lengths) has every id in range and distinct destinations.
+    ``False`` also means "not decided here": the general path then checks again and
+    raises what it finds. Small jobs are checked on lists, larger ones by ``check``
+    (one foreign call) where given; a numpy call costs tens of microseconds in a
+    thread that has been idle, so the general path's five are avoided."""
+    n = cache_ids.shape[0]
+    if n <= _LIST_CHECK_IDS:
+        cache, blocks = cache_ids.tolist(), tier_ids.tolist()
+        dst = blocks if store else cache
+        return max(cache) < num_cache and max(blocks) < num_tier and len(set(dst)) == n
+    if check is None:
+        return False
+    return check(cache_ids, tier_ids, num_cache, num_tier, store)
+
+
 def map_transfer(
     spec: TransferSpec,
     layout: KVLayout,
@@ -311,10 +344,13 @@ def map_transfer(
     *,
     who: str,
     expect: Direction | None = None,
+    check: PairChecker | None = None,
 ) -> TierTransfer:
     """Check that ``spec`` moves blocks between the KV cache and the tier (the
     ``expect``-ed way, if given), and pair every cache block with its tier slot.
     A job that writes one destination twice is refused (:func:`check_destinations`).
+    ``check`` checks the common job of more than 64 blocks in one call (the native
+    library's); without it, numpy does.
 
     Raises :class:`InvalidTransferError`, :class:`BlockCountMismatchError`,
     :class:`InvalidBlockIdsError` or, for a released tier, :class:`LayoutError`.
@@ -331,6 +367,24 @@ def map_transfer(
         raise InvalidTransferError(f"{who} needs CacheBlocks and TierBlocks, got {spec!r}")
     if tier.released:
         raise LayoutError(f"{who}: the host tier has been released")
+    cache_ids, tier_ids = cache.block_ids, blocks.block_ids
+    n = cache_ids.shape[0]
+    if (
+        tier.factor == 1
+        and len(cache.group_sizes) == 1 == len(layout.groups)
+        and 0 < n == tier_ids.shape[0]
+        and _common_job_passes(
+            cache_ids,
+            tier_ids,
+            layout.num_blocks,
+            tier.num_blocks,
+            direction is Direction.STORE,
+            check,
+        )
+    ):
+        return TierTransfer(
+            direction, [GroupMapping(0, cache_ids, tier_ids)], n * layout.group_bytes[0]
+        )
     groups = map_blocks(
         cache,
         blocks,

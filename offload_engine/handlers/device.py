@@ -302,6 +302,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 log.info("%s launches from Python: %s", self.name, exc)
         # what the launch code calls to enqueue work: the program, or the runtime
         self._ops: Any = runtime if self._native is None else self._native
+        # what prepare needs per job, fixed here: the strategy, what a launch costs per
+        # block of each group (dma: a descriptor per region), the name errors give, and
+        # a large common job's checks in one native call (map_transfer)
+        self._strategy = config.strategy if config.strategy is not CopyStrategy.AUTO else self._auto
+        self._unit_regions = (
+            self._regions if self._strategy is CopyStrategy.DMA else [1] * len(self._regions)
+        )
+        self._who = self.name
+        self._check = None if self._native is None else self._native.check_pairs
         self._rows: dict[Any, Any] = {}  # the native launch's op templates (_staged_native)
         # a staged job's tier slots, for the native planner (which makes them addresses)
         self._slots = np.empty(1024, dtype=np.int64)
@@ -474,17 +483,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ submit
 
     def prepare(self, spec: TransferSpec) -> DevicePlan:
-        job = map_transfer(spec, self.layout, self.tier, who=self.name, expect=self.direction)
-        strategy = (
-            self.config.strategy if self.config.strategy is not CopyStrategy.AUTO else self._auto
+        # runs in the caller's thread, often after it sat idle: every step here is
+        # cold code, so the fixed facts come from __init__ (docs/performance.md, stepperf8)
+        job = map_transfer(
+            spec, self.layout, self.tier, who=self._who, expect=self.direction, check=self._check
         )
         ready = self._event()
         self.runtime.record_current(ready)
-        if strategy is CopyStrategy.DMA:  # one descriptor per block region, each ~1 us
-            units = sum(int(m.cache_ids.shape[0]) * self._regions[m.group] for m in job.groups)
+        groups = job.groups
+        if len(groups) == 1:
+            units = groups[0].cache_ids.shape[0] * self._unit_regions[0]
         else:
-            units = sum(int(m.cache_ids.shape[0]) for m in job.groups)
-        return DevicePlan(job.groups, job.nbytes, strategy, ready, [ready], units=units)
+            units = sum(m.cache_ids.shape[0] * self._unit_regions[m.group] for m in groups)
+        return DevicePlan(groups, job.nbytes, self._strategy, ready, [ready], units=units)
 
     # ------------------------------------------------------------ launch
 

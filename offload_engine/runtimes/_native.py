@@ -69,7 +69,7 @@ CALL_NAMES = {
 HOLD_GIL_OPS = 12
 HOLD_GIL_DESCRIPTORS = 64
 
-_LIB: dict[str, tuple[Any, Any, Any] | str] = {}  # "lib": the loaded library or why not
+_LIB: dict[str, tuple[Any, Any, Any, Any] | str] = {}  # "lib": the loaded library or why not
 _LIB_LOCK = threading.Lock()
 
 
@@ -116,10 +116,11 @@ def build_library(source: Path = SOURCE, directory: Path | None = None) -> Path:
     return target
 
 
-def native_library() -> tuple[Any, Any, Any] | str:
-    """``(released, held, build)``: the library's launch entry point called without
-    and with the GIL, and its staged planner (``oe_staged_build``), built and
-    loaded once per process; or why it is unavailable."""
+def native_library() -> tuple[Any, Any, Any, Any] | str:
+    """``(released, held, build, check)``: the library's launch entry point called
+    without and with the GIL, its staged planner (``oe_staged_build``) and a
+    submit's checks of the common job (``oe_check_pairs``, see :func:`check_pairs`),
+    built and loaded once per process; or why it is unavailable."""
     with _LIB_LOCK:
         found = _LIB.get("lib")
         if found is None:
@@ -127,7 +128,7 @@ def native_library() -> tuple[Any, Any, Any] | str:
         return found
 
 
-def _load() -> tuple[Any, Any, Any] | str:
+def _load() -> tuple[Any, Any, Any, Any] | str:
     if sys.byteorder != "little":
         return "the native launch passes kernel parameters as little-endian words"
     try:
@@ -154,9 +155,12 @@ def _load() -> tuple[Any, Any, Any] | str:
         build = ctypes.PyDLL(str(path)).oe_staged_build
         build.argtypes = (ctypes.c_void_p, ctypes.c_void_p)
         build.restype = ctypes.c_int64
+        check = ctypes.PyDLL(str(path)).oe_check_pairs
+        check.argtypes = (ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int64,) * 4
+        check.restype = ctypes.c_int64
     except (OSError, AttributeError) as exc:
         return f"cannot load {path}: {exc}"
-    return entry[0], entry[1], build
+    return entry[0], entry[1], build, check
 
 
 def reset_library() -> None:
@@ -164,6 +168,38 @@ def reset_library() -> None:
     (tests of the build and its fallback)."""
     with _LIB_LOCK:
         _LIB.clear()
+
+
+class PairCheck:
+    """A submit's checks of the common job (one KV group, one slot per tier block) in
+    one foreign call (``oe_check_pairs``): every id in range, destinations distinct.
+    At a few hundred ids this replaces five numpy calls, each of which costs tens of
+    microseconds in a thread that has been idle (docs/performance.md, stepperf8)."""
+
+    def __init__(self, fn: Any) -> None:
+        self._fn = fn
+
+    def __call__(
+        self,
+        cache_ids: np.ndarray[Any, Any],
+        tier_ids: np.ndarray[Any, Any],
+        num_cache: int,
+        num_tier: int,
+        dst_tier: bool,
+    ) -> bool:
+        """Whether the job passes; ``False`` also when the library could not tell
+        (the caller's general path then decides, and names what is wrong)."""
+        n = int(cache_ids.shape[0])
+        array = ctypes.c_int64 * n  # a copy of the ids: no pointer into numpy's memory
+        found = self._fn(
+            array.from_buffer_copy(cache_ids),
+            array.from_buffer_copy(tier_ids),
+            n,
+            num_cache,
+            num_tier,
+            dst_tier,
+        )
+        return found == 0
 
 
 class LaunchProgram:
@@ -182,14 +218,15 @@ class LaunchProgram:
         self,
         entries: tuple[int, ...],
         error_name: Any,
-        library: tuple[Any, Any, Any] | None = None,
+        library: tuple[Any, Any, Any, Any] | None = None,
     ) -> None:
         if len(entries) != len(ENTRY_NAMES):
             raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
         found = native_library() if library is None else library
         if isinstance(found, str):
             raise OSError(found)
-        self._released, self._held, self._build = found
+        self._released, self._held, self._build, check = found
+        self.check_pairs = PairCheck(check)
         self._entries = (ctypes.c_void_p * len(entries))(*entries)
         self._entries_at = ctypes.addressof(self._entries)
         self._error_name = error_name

@@ -348,3 +348,48 @@ int64_t oe_staged_build(const int64_t *h, int64_t *out) {
     out[2] = nd;
     return 0;
 }
+
+/*
+ * oe_check_pairs: a submit's checks of the common job (one KV group, one slot per
+ * tier block) in one pass, so that a submit makes one foreign call instead of a
+ * handful of numpy calls (each costs tens of microseconds when the caller's thread
+ * has been idle). cache[i] pairs with tier[i], i < n. Returns 0 when every cache id
+ * is in [0, ncache), every tier id in [0, ntier) and the destinations (tier ids if
+ * dst_tier, else cache ids) are distinct; 1 when they are not (the caller's general
+ * path then finds what is wrong and says so); -1 if memory could not be had.
+ */
+int64_t oe_check_pairs(const int64_t *cache, const int64_t *tier, int64_t n, int64_t ncache,
+                       int64_t ntier, int64_t dst_tier) {
+    int64_t i;
+    for (i = 0; i < n; i++)
+        if (cache[i] < 0 || cache[i] >= ncache || tier[i] < 0 || tier[i] >= ntier) return 1;
+    const int64_t *dst = dst_tier ? tier : cache;
+    /* open addressing, at most half full; ids are >= 0, so -1 marks an empty slot */
+    uint64_t cap = 16;
+    while (cap < 2 * (uint64_t)n) cap <<= 1;
+    int64_t local[2048];
+    int64_t *table = local;
+    if (cap > sizeof local / sizeof local[0]) {
+        table = malloc(cap * sizeof *table);
+        if (!table) return -1;
+    }
+    memset(table, 0xff, cap * sizeof *table);
+    int64_t rc = 0;
+    for (i = 0; i < n && !rc; i++) {
+        const int64_t v = dst[i];
+        uint64_t h = ((uint64_t)v * 0x9E3779B97F4A7C15ull) >> 17;
+        for (;; h++) {
+            h &= cap - 1;
+            if (table[h] < 0) {
+                table[h] = v;
+                break;
+            }
+            if (table[h] == v) {
+                rc = 1;
+                break;
+            }
+        }
+    }
+    if (table != local) free(table);
+    return rc;
+}
