@@ -23,7 +23,7 @@ from offload_engine.errors import EngineBrokenError
 class LoopBridge:
     """Captures the running loop; lets any thread schedule work on it."""
 
-    __slots__ = ("_call", "_ident", "backend", "thread")
+    __slots__ = ("_call", "backend", "thread")
 
     def __init__(self) -> None:
         token = anyio.lowlevel.current_token()
@@ -31,7 +31,6 @@ class LoopBridge:
         # The thread object, not its ident: once the loop's thread has exited, a new
         # thread may get the same ident, and must not pass for the loop's thread.
         self.thread = threading.current_thread()
-        self._ident = self.thread.ident
         if isinstance(native, asyncio.AbstractEventLoop):
             self.backend = "asyncio"
             self._call: Callable[..., object] = native.call_soon_threadsafe
@@ -40,9 +39,7 @@ class LoopBridge:
             self._call = native.run_sync_soon  # type: ignore[attr-defined]
 
     def in_loop_thread(self) -> bool:
-        # the ident first (one C call; every submit asks this from another thread),
-        # the thread object only where the idents match
-        return threading.get_ident() == self._ident and threading.current_thread() is self.thread
+        return threading.current_thread() is self.thread
 
     def call_soon(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop soon. Safe from any thread; never blocks."""
