@@ -329,7 +329,8 @@ def _common_job_passes(
     thread that has been idle, so the general path's five are avoided."""
     n = cache_ids.shape[0]
     if n <= _LIST_CHECK_IDS:
-        cache, blocks = cache_ids.tolist(), tier_ids.tolist()
+        cache: list[int] = cache_ids.tolist()
+        blocks: list[int] = tier_ids.tolist()
         dst = blocks if store else cache
         return max(cache) < num_cache and max(blocks) < num_tier and len(set(dst)) == n
     if check is None:

@@ -181,17 +181,17 @@ class PairCheck:
 
     def __call__(
         self,
-        cache_ids: np.ndarray[Any, Any],
-        tier_ids: np.ndarray[Any, Any],
+        cache_ids: Any,
+        tier_ids: Any,
         num_cache: int,
         num_tier: int,
         dst_tier: bool,
     ) -> bool:
         """Whether the job passes; ``False`` also when the library could not tell
         (the caller's general path then decides, and names what is wrong)."""
-        n = int(cache_ids.shape[0])
+        n = cache_ids.shape[0]
         array = ctypes.c_int64 * n  # a copy of the ids: no pointer into numpy's memory
-        found = self._fn(
+        found: int = self._fn(
             array.from_buffer_copy(cache_ids),
             array.from_buffer_copy(tier_ids),
             n,
