@@ -90,6 +90,23 @@ def noop_runtime() -> CudaRuntime:
     return DriverlessCuda(driver)  # type: ignore[arg-type]
 
 
+def staged_handlers(*, native: bool = True) -> tuple[Any, Any, Any]:
+    """The tier and the staged store and load handlers (not started) of the shape
+    above, over :func:`noop_runtime`."""
+    rt = noop_runtime()
+    layers = [torch.empty(2, NB, 1, 1, 64, dtype=torch.float32) for _ in range(32)]
+    layout = KVLayout.flash_attention(layers)
+    tier = pinned_host_tier(rt, layout, NB)
+    cfg = DeviceHandlerConfig(
+        strategy=CopyStrategy.STAGED,
+        staging_bytes=2 * ROWS * layout.slot_bytes,
+        native_launch=native,
+        max_inflight=8,
+    )
+    store, load = make_device_handlers(rt, layout, tier, cfg)
+    return tier, store, load
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--jobs", type=int, default=300)
@@ -97,18 +114,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="8,512")
     parser.add_argument("--native", choices=("on", "off"), default="on")
     args = parser.parse_args()
-    rt = noop_runtime()
-    layers = [torch.empty(2, NB, 1, 1, 64, dtype=torch.float32) for _ in range(32)]
-    layout = KVLayout.flash_attention(layers)
-    tier = pinned_host_tier(rt, layout, NB)
+    tier, store, load = staged_handlers(native=args.native == "on")
     rng = np.random.default_rng(0)
-    cfg = DeviceHandlerConfig(
-        strategy=CopyStrategy.STAGED,
-        staging_bytes=2 * ROWS * layout.slot_bytes,
-        native_launch=args.native == "on",
-        max_inflight=8,
-    )
-    store, load = make_device_handlers(rt, layout, tier, cfg)
     ctx = SimpleNamespace(call_soon=lambda *a: None)
     for h in (store, load):
         h.start(ctx)  # type: ignore[arg-type]

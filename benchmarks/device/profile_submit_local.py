@@ -31,17 +31,10 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
-from benchmarks.device.profile_launcher_local import NB, ROWS, noop_runtime
-from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from benchmarks.device.profile_launcher_local import NB, staged_handlers
+from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.handlers import device
-from offload_engine.handlers.device import (
-    CopyStrategy,
-    DeviceHandlerConfig,
-    make_device_handlers,
-    pinned_host_tier,
-)
 
 
 def _python_work() -> None:
@@ -77,15 +70,9 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--sizes", default="8,64,512")
     args = parser.parse_args()
-    rt = noop_runtime()
-    layers = [torch.empty(2, NB, 1, 1, 64, dtype=torch.float32) for _ in range(32)]
-    layout = KVLayout.flash_attention(layers)
-    tier = pinned_host_tier(rt, layout, NB)
+    tier, store, load = staged_handlers()
+    rt = store.runtime
     rng = np.random.default_rng(0)
-    cfg = DeviceHandlerConfig(
-        strategy=CopyStrategy.STAGED, staging_bytes=2 * ROWS * layout.slot_bytes, max_inflight=8
-    )
-    store, load = make_device_handlers(rt, layout, tier, cfg)
     half = NB // 2
     print(f"python {sys.version.split()[0]}, numpy {np.__version__}")
     with SyncOffloadingEngine([store, load], capacity=100_000) as engine:
