@@ -13,7 +13,10 @@ Pass 1: store, load, and store + load at once, per strategy, with the ratio to
 a contiguous pinned copy of the same size measured in the same run (one
 direction, and both directions at once).
 Pass 2: the same 512-block store and load while a bf16 GEMM loop runs on
-another stream: transfer ratio to the ceiling and the GEMM's slowdown.
+another stream: transfer ratio to the ceiling and the GEMM's slowdown, beside
+the same bytes as one contiguous pinned copy under the same GEMM (the floor;
+``--gemm-variants``), with one or two rounds of jobs in flight
+(``--gemm-inflight``).
 Pass 3: CPU microseconds per job in submit (the caller's thread) and in launch
 (the handler's launcher thread: descriptors and driver calls), measured as
 thread CPU time.
@@ -109,6 +112,7 @@ def contiguous_ceiling(runtime: CudaRuntime, nbytes: int, reps: int = 5) -> dict
 
 class Bench:
     streams: int | None = None
+    max_inflight: int = 8  # the value every recorded run used (the config's default is 16)
 
     def __init__(self, runtime: CudaRuntime, tokens: int, num_blocks: int) -> None:
         self.runtime = runtime
@@ -133,7 +137,7 @@ class Bench:
             strategy=strategy,
             staging_bytes=staging,
             staging_buffers=buffers,
-            max_inflight=8,
+            max_inflight=self.max_inflight,
             streams=self.streams,
             **LAUNCH_MODES[launch],
         )
@@ -252,29 +256,31 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     tflops = 2 * n**3 * count / alone / 1e12
     print(f"GEMM alone: {alone * 1e3:.1f} ms for {count} ({tflops:.0f} TFLOP/s)", flush=True)
     mib = 1 << 20
-    variants = [
-        (CopyStrategy.DMA, 2, 256 * mib),
-        (CopyStrategy.STAGED, 2, 256 * mib),
-        (CopyStrategy.STAGED, 3, 256 * mib),
-        (CopyStrategy.STAGED, 2, 512 * mib),
-        (CopyStrategy.KERNEL, 2, 256 * mib),
-    ]
+    variants = [_gemm_variant(v) for v in args.gemm_variants.split(",")]
+    round_bytes = 2 * 512 * bench.block_bytes  # two 512-block jobs per round
+    floor: dict[str, float] = {}
     for strategy, buffers, staging in variants:
-        engine, _, _ = bench.engine(strategy, buffers, staging)
+        if strategy == "contiguous":
+            transfer = _contiguous_rounds(round_bytes)
+            label = "contiguous"
+            engine = None
+        else:
+            engine, _, _ = bench.engine(strategy, buffers, staging)
+            transfer = _engine_rounds(bench, engine, args.gemm_inflight)
+            label = f"{strategy.value} {staging // mib}MiB/{buffers}"
         try:
             for case in ("store", "load"):
-                specs = bench.specs(case, 512, 2)
-                bench.run(engine, specs)
+                step = transfer(case)
+                step()  # warm up
                 stop = threading.Event()
                 moved = [0.0, 0.0]  # bytes, seconds
 
                 def transfers() -> None:
                     t0 = time.perf_counter()
-                    total = 0
+                    rounds = 0
                     while not stop.is_set():  # noqa: B023 - the loop's own event
-                        bench.run(engine, specs)  # noqa: B023
-                        total += 2 * 512 * bench.block_bytes
-                    moved[0], moved[1] = total, time.perf_counter() - t0  # noqa: B023
+                        rounds += step()  # noqa: B023
+                    moved[0], moved[1] = rounds * round_bytes, time.perf_counter() - t0  # noqa: B023
 
                 worker = threading.Thread(target=transfers)
                 worker.start()
@@ -282,26 +288,92 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
                 stop.set()
                 worker.join()
                 gbps = moved[0] / moved[1] / 1e9
+                if strategy == "contiguous":
+                    floor[case] = gbps
                 row = {
                     "pass": "gemm",
-                    "strategy": strategy.value,
-                    "buffers": buffers,
-                    "staging_mib": staging // mib,
+                    "strategy": label,
+                    "inflight": 0 if engine is None else args.gemm_inflight,
                     "case": case,
                     "gbps": gbps,
                     "ratio": gbps / ceiling[case],
+                    "floor_ratio": gbps / floor[case] if case in floor else None,
                     "gemm_slowdown": with_tx / alone - 1,
                 }
                 rows.append(row)
+                vs_floor = (
+                    f", {row['floor_ratio']:.3f} of the copy under the GEMM"
+                    if row["floor_ratio"] is not None
+                    else ""
+                )
                 print(
-                    f"  {strategy.value:7} {staging // mib}MiB/{buffers} {case:5} with GEMM: "
-                    f"{gbps:6.1f} GB/s ratio "
-                    f"{row['ratio']:.3f}, GEMM slowdown {row['gemm_slowdown'] * 100:+.1f}%",
+                    f"  {label:17} {case:5} with GEMM: {gbps:6.1f} GB/s ratio "
+                    f"{row['ratio']:.3f}{vs_floor}, GEMM slowdown "
+                    f"{row['gemm_slowdown'] * 100:+.1f}%",
                     flush=True,
                 )
         finally:
-            engine.close()
+            if engine is not None:
+                engine.close()
     bench.tier.release()
+
+
+def _gemm_variant(text: str) -> tuple[Any, int, int]:
+    """``contiguous`` (the same bytes as one pinned copy: the floor under the GEMM),
+    or ``strategy:staging_mib:buffers``."""
+    if text == "contiguous":
+        return "contiguous", 0, 0
+    strategy, staging, buffers = text.split(":")
+    return CopyStrategy(strategy), int(buffers), int(staging) << 20
+
+
+def _contiguous_rounds(nbytes: int) -> Any:
+    """One contiguous pinned copy of ``nbytes`` per round, on its own stream; waits
+    on its own event (no device-wide sync: the GEMM stream must not gate it)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream()
+
+    def rounds(case: str) -> Any:
+        def step() -> int:
+            with torch.cuda.stream(stream):
+                if case == "store":
+                    host.copy_(dev, non_blocking=True)
+                else:
+                    dev.copy_(host, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+            done.synchronize()
+            return 1
+
+        return step
+
+    return rounds
+
+
+def _engine_rounds(bench: Bench, engine: SyncOffloadingEngine, inflight: int) -> Any:
+    """Rounds of two 512-block jobs. ``inflight`` 1: submit a round, wait for it;
+    2: the next round is submitted before the previous one is waited for (as a
+    server that keeps loading while earlier loads finish)."""
+
+    def rounds(case: str) -> Any:
+        specs = bench.specs(case, 512, 2)
+        pending: list[list[int]] = []
+
+        def step() -> int:
+            pending.append([engine.submit(s) for s in specs])
+            finished = 0
+            while len(pending) >= inflight:
+                results = engine.wait(pending.pop(0))
+                failed = [r for r in results if not r.success]
+                if failed:
+                    raise RuntimeError(f"{len(failed)} jobs failed: {failed[0].error}")
+                finished += 1
+            return finished
+
+        return step
+
+    return rounds
 
 
 def pass_submit_cpu(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -443,6 +515,21 @@ def main() -> int:
         help="cpu pass: where small jobs launch (LAUNCH_MODES); the step pass adds the "
         "modes other than loop as variants <strategy>/<mode>",
     )
+    parser.add_argument(
+        "--gemm-variants",
+        default="contiguous,dma:256:2,staged:256:2,staged:256:3,staged:512:2,kernel:256:2",
+        help="gemm pass: contiguous (the floor) and/or strategy:staging_mib:buffers",
+    )
+    parser.add_argument(
+        "--gemm-inflight", type=int, default=1, help="gemm pass: rounds of two jobs in flight"
+    )
+    parser.add_argument(
+        "--max-inflight",
+        type=int,
+        default=Bench.max_inflight,
+        help="jobs in flight per handler (DeviceHandlerConfig.max_inflight; its default is "
+        f"{DeviceHandlerConfig.max_inflight})",
+    )
     parser.add_argument("--streams", type=int, default=None, help="stream sets per handler")
     parser.add_argument(
         "--slots",
@@ -460,6 +547,7 @@ def main() -> int:
     args.slots = args.slots.split(",")
     if args.streams is not None:
         Bench.streams = args.streams
+    Bench.max_inflight = args.max_inflight
     rows: list[dict[str, Any]] = []
     passes = args.passes.split(",")
     print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {date.today()}", flush=True)
@@ -489,8 +577,9 @@ def main() -> int:
     for r in rows:
         if r["pass"] == "gemm":
             slow = r["gemm_slowdown"] * 100
-            what = f"{r['strategy']:7} {r['staging_mib']}MiB/{r['buffers']} {r['case']:5}"
-            print(f"  gemm {what} {r['ratio']:.3f} slowdown {slow:+.1f}%")
+            what = f"{r['strategy']:17} x{r['inflight']} {r['case']:5}"
+            floor = "" if r["floor_ratio"] is None else f" (floor {r['floor_ratio']:.3f})"
+            print(f"  gemm {what} {r['ratio']:.3f}{floor} slowdown {slow:+.1f}%")
     for r in rows:
         if r["pass"] == "cpu":
             cpu = (
