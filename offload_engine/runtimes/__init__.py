@@ -13,7 +13,12 @@ not have.
 from __future__ import annotations
 
 import importlib.util
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
+
+#: CUDA's default number of hardware work queues (``CUDA_DEVICE_MAX_CONNECTIONS``)
+CUDA_DEFAULT_CONNECTIONS = 8
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,41 @@ class RuntimeInfo:
     devices: tuple[str, ...] = ()
     strategies: tuple[str, ...] = ()  # copy strategies usable here
     notes: tuple[str, ...] = ()  # e.g. why a strategy is missing
+
+
+def _importable(name: str) -> bool:
+    """Whether module ``name`` can be found. ``find_spec`` of a dotted name imports
+    its parent package, and raises when that is missing (``cuda`` without
+    cuda-python) instead of answering None."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def connections_note(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why ``CUDA_DEVICE_MAX_CONNECTIONS`` below CUDA's default slows transfers, or None.
+
+    Streams beyond that many hardware queues share one, and work on a shared queue
+    runs in the order it was launched whatever stream it is on: a load's DMAs then
+    wait behind model kernels that are themselves waiting for SMs. Training stacks
+    (Megatron-LM's sequence parallelism, NeMo) set it to 1, and a serving engine
+    started in their environment inherits it. An unset or unparsable value (which
+    CUDA ignores too) gives None.
+    """
+    value = (os.environ if environ is None else environ).get("CUDA_DEVICE_MAX_CONNECTIONS")
+    try:
+        connections = int(value) if value is not None else None
+    except ValueError:
+        return None
+    if connections is None or not 0 < connections < CUDA_DEFAULT_CONNECTIONS:
+        return None
+    return (
+        f"CUDA_DEVICE_MAX_CONNECTIONS={connections} (CUDA's default is "
+        f"{CUDA_DEFAULT_CONNECTIONS}): the copy streams share hardware queues with compute "
+        "streams, so transfers wait behind kernels; at 1, staged loads under a long GEMM ran at "
+        "about half the default's rate on an H100 (docs/cuda.md)"
+    )
 
 
 def probe_cuda() -> RuntimeInfo:
@@ -42,16 +82,19 @@ def probe_cuda() -> RuntimeInfo:
     )
     strategies = ["dma"]
     notes: list[str] = []
-    if importlib.util.find_spec("cuda.bindings") is None:
+    if not _importable("cuda.bindings"):
         notes.append("cuda-python is not installed: dma copies one descriptor at a time")
     nvrtc = hasattr(torch.cuda, "_compile_kernel")  # the block copy's fast launch path
-    if nvrtc or importlib.util.find_spec("triton") is not None:
+    if nvrtc or _importable("triton"):
         strategies += ["staged", "kernel"]
         if not nvrtc:
             notes.append("this torch cannot compile with NVRTC: block copies launch through Triton")
     else:
         strategies.append("staged")
         notes.append("neither NVRTC nor triton: staged gathers use torch ops; no kernel strategy")
+    connections = connections_note()
+    if connections is not None:
+        notes.append(connections)
     return RuntimeInfo(
         "cuda",
         True,
@@ -68,7 +111,7 @@ def probe_npu() -> RuntimeInfo:
     from offload_engine.errors import RuntimeUnavailableError
     from offload_engine.runtimes import npu as npu_runtime
 
-    if importlib.util.find_spec("torch_npu") is None:
+    if not _importable("torch_npu"):
         return RuntimeInfo("npu", False, npu_runtime.TORCH_NPU_MISSING)
 
     try:

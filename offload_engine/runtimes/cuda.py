@@ -28,6 +28,7 @@ portable and mapped, in chunks of at most 64 GiB) rather than with
 from __future__ import annotations
 
 import ctypes
+import logging
 import threading
 import warnings
 from collections.abc import Callable
@@ -38,6 +39,7 @@ import numpy as np
 import torch
 
 from offload_engine.errors import RuntimeUnavailableError, TransferError
+from offload_engine.runtimes import connections_note
 from offload_engine.runtimes._cuda_copy import DriverBlockCopy
 from offload_engine.runtimes._native import (
     OP_BATCH,
@@ -196,6 +198,17 @@ def _direct_copy(index: int, notes: list[str]) -> DriverBlockCopy | None:
 _DIRECT_NOTES: dict[int, str] = {}
 
 
+log = logging.getLogger("offload_engine.cuda")
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    """Log ``message`` as a warning the first time this process sees it."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
+
+
 class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     """One CUDA device through torch.cuda and the driver."""
 
@@ -229,6 +242,10 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         driver = _Driver()
+        connections = connections_note()
+        if connections is not None:
+            driver.notes.append(connections)
+            _warn_once(connections)
         kernel: Callable[[BlockCopy], None] | None = None
         if use_triton:
             try:

@@ -321,3 +321,20 @@ def test_a_tier_inside_an_mmap_region_is_registered_in_place(
     finally:
         tier.release()
     assert not buffer.is_pinned()
+
+
+def test_fewer_hardware_queues_are_noted_and_logged_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    from offload_engine.runtimes import connections_note
+    from offload_engine.runtimes import cuda as cuda_module
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(cuda_module, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="offload_engine.cuda"):
+        runtimes = [cuda_module.CudaRuntime(), cuda_module.CudaRuntime()]
+    note = connections_note()
+    assert note is not None and all(note in rt.notes for rt in runtimes)
+    assert [r.getMessage() for r in caplog.records if r.name == "offload_engine.cuda"] == [note]
