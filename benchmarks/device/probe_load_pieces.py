@@ -213,7 +213,96 @@ def engine_loads(rt: CudaRuntime, a: torch.Tensor, bm: torch.Tensor, gemm: Any) 
                 )
         finally:
             rt.copy_blocks = real_copy  # type: ignore[method-assign]
+    if os.environ.get("PROBE_HARNESS"):
+        harness(rt, layout, tier, specs, nbytes, a, bm, gemm)
     tier.release()
+
+
+def harness(
+    rt: CudaRuntime,
+    layout: Any,
+    tier: Any,
+    specs: list[Any],
+    nbytes: int,
+    a: torch.Tensor,
+    bm: torch.Tensor,
+    gemm: Any,
+) -> None:
+    """Loads under the GEMM measured four ways with the same native engine: why the
+    gemm pass (a thread loops rounds while the main thread launches 400 GEMMs and
+    waits on their end event) reads lower than this probe's isolated rounds."""
+    import threading
+
+    from offload_engine import SyncOffloadingEngine
+    from offload_engine.handlers.device import (
+        CopyStrategy,
+        DeviceHandlerConfig,
+        make_device_handlers,
+    )
+
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
+    with SyncOffloadingEngine(list(make_device_handlers(rt, layout, tier, cfg))) as engine:
+
+        def one_round() -> None:
+            results = engine.wait([engine.submit(x) for x in specs])
+            if not all(r.success for r in results):
+                raise RuntimeError(results)
+
+        def launch(count: int) -> Any:
+            end = torch.cuda.Event()
+            with torch.cuda.stream(gemm):
+                for _ in range(count):
+                    torch.mm(a, bm)
+                end.record()
+            return end
+
+        def isolated() -> float:
+            launch(40)
+            time.sleep(0.003)
+            t0 = time.perf_counter()
+            one_round()
+            seconds = time.perf_counter() - t0
+            gemm.synchronize()
+            return nbytes / seconds / 1e9
+
+        def looped(how: str) -> float:
+            stop = threading.Event()
+            out = [0.0]
+            ended: list[Any] = []
+
+            def work() -> None:
+                t0 = time.perf_counter()
+                rounds = 0
+                while not (stop.is_set() or (ended and ended[0].query())):
+                    one_round()
+                    rounds += 1
+                out[0] = rounds * nbytes / (time.perf_counter() - t0) / 1e9
+
+            if how == "pre-launched":
+                ended.append(launch(400))
+                worker = threading.Thread(target=work)
+                worker.start()
+                worker.join()
+                return out[0]
+            worker = threading.Thread(target=work)
+            worker.start()
+            end = launch(400)
+            if how == "main spins":
+                end.synchronize()
+            else:
+                while not end.query():
+                    time.sleep(0.001)
+            stop.set()
+            worker.join()
+            return out[0]
+
+        one_round()
+        print("harness: native engine, staged 512-block loads under the GEMM, GB/s")
+        for _ in range(2):
+            line = [f"isolated {statistics.median(isolated() for _ in range(3)):5.1f}"]
+            for how in ("main spins", "main sleeps", "pre-launched"):
+                line.append(f"{how} {looped(how):5.1f}")
+            print("  " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":
