@@ -213,9 +213,66 @@ def engine_loads(rt: CudaRuntime, a: torch.Tensor, bm: torch.Tensor, gemm: Any) 
                 )
         finally:
             rt.copy_blocks = real_copy  # type: ignore[method-assign]
+    if os.environ.get("PROBE_SPREAD"):
+        spread(rt, layout, tier, specs, nbytes)
     if os.environ.get("PROBE_HARNESS"):
         harness(rt, layout, tier, specs, nbytes, a, bm, gemm)
     tier.release()
+
+
+def spread(rt: CudaRuntime, layout: Any, tier: Any, specs: list[Any], nbytes: int) -> None:
+    """Alone, round by round: the engine's native loads (two 512-block jobs) beside the
+    same pieces as raw batched copies (64 of the tier's 2 MiB slots per 128 MiB piece,
+    alternate streams, straight into a staging-sized buffer), 20 rounds interleaved:
+    are the engine's occasional slow rounds the link's or the engine's?"""
+    from offload_engine import SyncOffloadingEngine
+    from offload_engine.handlers.device import (
+        CopyStrategy,
+        DeviceHandlerConfig,
+        make_device_handlers,
+    )
+
+    dmas = [rt.new_stream(), rt.new_stream()]
+    staging = torch.empty(2 * PER_PIECE * MB2, dtype=torch.uint8, device="cuda")
+    base = np.uint64(tier.memory.data_ptr())
+    slot = np.uint64(tier.slot_bytes)
+    slots = [np.sort(np.asarray(s.src.block_ids, dtype=np.uint64)) for s in specs]
+    pieces = [b * slot + base for ids in slots for b in np.split(ids, len(ids) // PER_PIECE)]
+    rows = np.arange(PER_PIECE, dtype=np.uint64) * np.uint64(MB2)
+    sizes = np.full(PER_PIECE, MB2, dtype=np.uint64)
+
+    def raw() -> float:
+        t0 = time.perf_counter()
+        ends = []
+        for k, src in enumerate(pieces):
+            dst = np.uint64(staging.data_ptr() + (k % 2) * PER_PIECE * MB2) + rows
+            rt.memcpy_batch(dmas[k % 2], dst, src, sizes, Direction.LOAD)
+            done = torch.cuda.Event()
+            done.record(dmas[k % 2])
+            ends.append(done)
+        for e in ends:
+            e.synchronize()
+        return nbytes / (time.perf_counter() - t0) / 1e9
+
+    cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
+    with SyncOffloadingEngine(list(make_device_handlers(rt, layout, tier, cfg))) as engine:
+
+        def engine_round() -> float:
+            t0 = time.perf_counter()
+            results = engine.wait([engine.submit(x) for x in specs])
+            if not all(r.success for r in results):
+                raise RuntimeError(results)
+            return nbytes / (time.perf_counter() - t0) / 1e9
+
+        engine_round()
+        raw()
+        got_raw, got_engine = [], []
+        for _ in range(20):
+            got_raw.append(raw())
+            got_engine.append(engine_round())
+        print("spread, alone, 20 rounds interleaved, GB/s")
+        print("  raw:    " + " ".join(f"{x:.1f}" for x in got_raw), flush=True)
+        print("  engine: " + " ".join(f"{x:.1f}" for x in got_engine), flush=True)
 
 
 def harness(
