@@ -66,13 +66,13 @@ from offload_engine import (
     UnknownJobError,
     cpu_blocks,
 )
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.layout import byte_view
+from offload_engine.host.layout import byte_view
 from offload_engine.testing import (
     FakeRuntime,
     Fault,

@@ -15,6 +15,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from offload_engine.device.handler import (
+    CopyStrategy,
+    DeviceCopyHandler,
+    DeviceHandlerConfig,
+    make_device_handlers,
+    pinned_host_tier,
+)
+from offload_engine.device.runtimes.base import DeviceRuntime
+from offload_engine.disk.handler import DiskHandler, disk_handlers, page_aligned_tier
+from offload_engine.disk.store import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
+from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.engine.manager import OffloadingQueueManager
+from offload_engine.engine.stats import EngineStats, HandlerStats
+from offload_engine.engine.sync import SyncOffloadingEngine
+from offload_engine.engine.threadpool import ThreadPoolHandler
 from offload_engine.errors import (
     BlockCountMismatchError,
     ConfigError,
@@ -47,29 +62,14 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.handlers.device import (
-    CopyStrategy,
-    DeviceCopyHandler,
-    DeviceHandlerConfig,
-    make_device_handlers,
-    pinned_host_tier,
-)
-from offload_engine.handlers.disk import DiskHandler, disk_handlers, page_aligned_tier
-from offload_engine.handlers.host import HostCopyHandler
-from offload_engine.handlers.remote import RemoteHandler, RemoteTier, RemoteTierStats
-from offload_engine.handlers.threadpool import ThreadPoolHandler
+from offload_engine.host.handler import HostCopyHandler
+from offload_engine.host.layout import KVLayout, Region
+from offload_engine.host.tier import HostTier
 from offload_engine.keyed import LayoutDigest, Trailer
-from offload_engine.layout import KVLayout, Region
-from offload_engine.manager import OffloadingQueueManager
-from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.stats import EngineStats, HandlerStats
-from offload_engine.stores.base import RemoteStore
-from offload_engine.stores.disk import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
-from offload_engine.stores.mooncake_store import MooncakeStore, MooncakeStoreConfig
-from offload_engine.stores.redis_store import RedisStore, RedisStoreConfig
-from offload_engine.sync import SyncOffloadingEngine
-from offload_engine.tier import HostTier
+from offload_engine.remote.mooncake_store import MooncakeStore, MooncakeStoreConfig
+from offload_engine.remote.redis_store import RedisStore, RedisStoreConfig
+from offload_engine.remote.store import RemoteStore
+from offload_engine.remote.tier import RemoteHandler, RemoteTier, RemoteTierStats
 from offload_engine.vocabulary import (
     BlockSpec,
     CacheBlocks,
@@ -88,15 +88,15 @@ from offload_engine.vocabulary import (
 )
 
 if TYPE_CHECKING:
-    from offload_engine.runtimes.cuda import CudaRuntime
-    from offload_engine.runtimes.npu import NpuRuntime
+    from offload_engine.device.runtimes.cuda import CudaRuntime
+    from offload_engine.device.runtimes.npu import NpuRuntime
 
 __version__ = "0.1.0"
 
 #: exported names whose modules load on first use: name -> module
 _LAZY = {
-    "CudaRuntime": "offload_engine.runtimes.cuda",
-    "NpuRuntime": "offload_engine.runtimes.npu",
+    "CudaRuntime": "offload_engine.device.runtimes.cuda",
+    "NpuRuntime": "offload_engine.device.runtimes.npu",
 }
 
 

@@ -17,7 +17,7 @@ def ascend(monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
     the fake library, and the runtime class the platform names builds on them."""
     import sys
 
-    from offload_engine.runtimes import npu as npu_module
+    from offload_engine.device.runtimes import npu as npu_module
     from offload_engine.testing import FakeAscend, FakeNpuRuntime, fake_torch_npu_module
 
     device = FakeAscend()

@@ -18,13 +18,14 @@ from typing import Any
 import pytest
 import torch
 
-from offload_engine import Direction, LaunchedJob, Medium, runtimes
+from offload_engine import Direction, LaunchedJob, Medium
 from offload_engine.bench.cuda import open_rig
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.cli import EXIT_UNAVAILABLE, main
 from offload_engine.cli._demo import run_demo
+from offload_engine.device.runtimes import probe as runtimes
 from offload_engine.errors import InsufficientMemoryError
-from offload_engine.handlers.host import HostCopyHandler, HostPlan
+from offload_engine.host.handler import HostCopyHandler, HostPlan
 from offload_engine.runtimes import RuntimeInfo
 from offload_engine.testing import FakeRuntime
 

@@ -13,8 +13,8 @@ import json
 import pytest
 import torch
 
-from offload_engine import runtimes
 from offload_engine.cli import main
+from offload_engine.device.runtimes import probe as runtimes
 from offload_engine.runtimes import CUDA_DEFAULT_CONNECTIONS, connections_note
 
 

@@ -26,7 +26,7 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
@@ -34,8 +34,8 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.layout import byte_view, merge_runs
-from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.device.runtimes.base import DeviceRuntime
+from offload_engine.host.layout import byte_view, merge_runs
 from offload_engine.testing import (
     LAYOUT_KINDS,
     Allocator,

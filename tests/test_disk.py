@@ -32,10 +32,10 @@ from offload_engine import (
     cpu_blocks,
     disk_blocks,
 )
-from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
-from offload_engine.stores import disk as disk_mod
-from offload_engine.stores.disk import PAGE, DiskStore
-from offload_engine.tier import HostTier
+from offload_engine.disk import store as disk_mod
+from offload_engine.disk.handler import disk_handlers, page_aligned_tier
+from offload_engine.disk.store import PAGE, DiskStore
+from offload_engine.host.tier import HostTier
 
 # These tests cover one file per object (pack_bytes=0, segment_bytes=0); tests/test_disk_pack.py
 # covers packs, tests/test_disk_segments.py segments.
@@ -542,9 +542,9 @@ def test_concurrent_stores_and_loads_from_several_threads(
 
 _WRITER = r"""
 import os, sys, threading
-from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
-from offload_engine.stores import disk as disk_mod
-from offload_engine.stores.disk import DiskStore
+from offload_engine.disk.handler import disk_handlers, page_aligned_tier
+from offload_engine.disk import store as disk_mod
+from offload_engine.disk.store import DiskStore
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
 from tests.test_disk import BLOCK, OBJECT, PAGE, digest, fill_random, key
 

@@ -23,11 +23,11 @@ from offload_engine import (
     cpu_blocks,
     disk_blocks,
 )
-from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
-from offload_engine.stores import _pack
-from offload_engine.stores import disk as disk_mod
-from offload_engine.stores.disk import PAGE, DiskStore
-from offload_engine.tier import HostTier
+from offload_engine.disk import _pack
+from offload_engine.disk import store as disk_mod
+from offload_engine.disk.handler import disk_handlers, page_aligned_tier
+from offload_engine.disk.store import PAGE, DiskStore
+from offload_engine.host.tier import HostTier
 from tests.test_disk import killed_mid_write
 
 BLOCK = 64 * 1024  # 64 KiB objects
@@ -382,9 +382,9 @@ def test_disk_full_while_writing_a_pack_fails_its_objects_only(
 
 _WRITER = r"""
 import os, sys, threading
-from offload_engine.handlers.disk import disk_handlers
-from offload_engine.stores import disk as disk_mod
-from offload_engine.stores.disk import DiskStore
+from offload_engine.disk.handler import disk_handlers
+from offload_engine.disk import store as disk_mod
+from offload_engine.disk.store import DiskStore
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
 from tests.test_disk_pack import BLOCK, PACK, PAGE, digest, key, make_tier
 

@@ -22,11 +22,11 @@ from offload_engine import (
     TierFullError,
     TrailerError,
 )
-from offload_engine.handlers.disk import disk_handlers
-from offload_engine.stores import _pack
-from offload_engine.stores import disk as disk_mod
-from offload_engine.stores.disk import PAGE, DiskStore
-from offload_engine.tier import HostTier
+from offload_engine.disk import _pack
+from offload_engine.disk import store as disk_mod
+from offload_engine.disk.handler import disk_handlers
+from offload_engine.disk.store import PAGE, DiskStore
+from offload_engine.host.tier import HostTier
 from tests.test_disk import _mounted, in_threads, killed_mid_write
 from tests.test_disk_pack import (
     BLOCK,
@@ -534,9 +534,9 @@ def test_enospc_writing_a_record_leaves_a_hole_the_restart_steps_over(
 
 _WRITER = r"""
 import os, sys, threading
-from offload_engine.handlers.disk import disk_handlers
-from offload_engine.stores import disk as disk_mod
-from offload_engine.stores.disk import DiskStore
+from offload_engine.disk.handler import disk_handlers
+from offload_engine.disk import store as disk_mod
+from offload_engine.disk.store import DiskStore
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
 from tests.test_disk_segments import BLOCK, SEG, digest, keys, make_tier
 

@@ -35,13 +35,13 @@ from offload_engine import (
     gpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.handlers.base import LaunchedJob
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.engine.handler import LaunchedJob
 from offload_engine.testing import (
     FakeHandler,
     FakeRuntime,

@@ -52,15 +52,15 @@ from offload_engine import (
     host_cache_blocks,
     npu_blocks,
 )
-from offload_engine.completions import check_wait_timeout
 from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.config import parse_extra_config
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     DeviceCopyHandler,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.engine.completions import check_wait_timeout
 from offload_engine.testing import (
     FakeHandler,
     FakeRuntime,

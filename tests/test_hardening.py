@@ -43,7 +43,7 @@ from offload_engine import (
     gpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.handlers.host import HostPlan
+from offload_engine.host.handler import HostPlan
 from offload_engine.testing import (
     FakeHandler,
     assert_exactly_once,

@@ -20,7 +20,7 @@ from offload_engine import (
     cpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.layout import byte_view
+from offload_engine.host.layout import byte_view
 from offload_engine.testing import cache_block_bytes, poisoned_tier, random_host_cache
 
 pytestmark = pytest.mark.anyio

@@ -152,19 +152,19 @@ def test_the_private_import_check_catches_a_private_module(tmp_path: pathlib.Pat
         "from offload_engine import KVLayout\n"
         "from offload_engine.runtimes import probe_runtimes\n"
         "from offload_engine.testing import FakeHandler\n"
-        "from offload_engine.sync import SyncOffloadingEngine\n"
-        "import offload_engine.handlers.device\n"
+        "from offload_engine.engine.sync import SyncOffloadingEngine\n"
+        "import offload_engine.device.handler\n"
         "from offload_engine.testing._faults import Ledger\n"
-        "from offload_engine.runtimes.cuda import CudaRuntime\n"
-        "from offload_engine.runtimes import npu\n"
+        "from offload_engine.device.runtimes.cuda import CudaRuntime\n"
+        "from offload_engine.device.runtimes import npu\n"
     )
     found = [line.split(" imports ")[1] for line in private_imports_outside(bad)]
     assert found == [
-        "offload_engine.sync",
-        "offload_engine.handlers.device",
+        "offload_engine.engine.sync",
+        "offload_engine.device.handler",
         "offload_engine.testing._faults",
-        "offload_engine.runtimes.cuda",
-        "offload_engine.runtimes.npu",
+        "offload_engine.device.runtimes.cuda",
+        "offload_engine.device.runtimes.npu",
     ]
 
 
@@ -179,11 +179,12 @@ def private_imports_outside(path: pathlib.Path) -> list[str]:
 def test_import_offload_engine_loads_no_device_runtime() -> None:
     code = (
         "import sys, offload_engine\n"
-        "loaded = [m for m in ('offload_engine.runtimes.cuda', 'offload_engine.runtimes.npu',"
+        "loaded = [m for m in ('offload_engine.device.runtimes.cuda',"
+        " 'offload_engine.device.runtimes.npu',"
         " 'torch_npu', 'cuda.bindings', 'triton') if m in sys.modules]\n"
         "assert loaded == [], loaded\n"
-        "assert offload_engine.CudaRuntime.__module__ == 'offload_engine.runtimes.cuda'\n"
-        "assert offload_engine.NpuRuntime.__module__ == 'offload_engine.runtimes.npu'\n"
+        "assert offload_engine.CudaRuntime.__module__ == 'offload_engine.device.runtimes.cuda'\n"
+        "assert offload_engine.NpuRuntime.__module__ == 'offload_engine.device.runtimes.npu'\n"
         "assert 'torch_npu' not in sys.modules\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

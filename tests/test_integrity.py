@@ -43,13 +43,13 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
 )
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.layout import byte_view
+from offload_engine.host.layout import byte_view
 from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout, cache_block_bytes
 
 POISON = 0xA5
@@ -116,7 +116,7 @@ def make_rig(
             handler, layout, tier, [HostCopyHandler(layout, tier, workers=workers)], Medium.CPU
         )
     if handler == "cuda":  # the same rig on a real GPU
-        from offload_engine.runtimes.cuda import CudaRuntime
+        from offload_engine.device.runtimes.cuda import CudaRuntime
 
         cuda = CudaRuntime()
         layout = build_layout(layout_kind, cuda_empty, num_blocks=num_blocks, seed=seed)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.handlers.base import LaunchedJob
+from offload_engine.engine.handler import LaunchedJob
 from offload_engine.testing import FakeHandler
 
 STORE = TransferSpec(gpu_blocks([1]), cpu_blocks([2]))

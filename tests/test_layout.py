@@ -14,7 +14,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.layout import byte_view, map_blocks, tensor_byte_span
+from offload_engine.host.layout import byte_view, map_blocks, tensor_byte_span
 from offload_engine.testing import build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
 
@@ -192,7 +192,7 @@ def test_region_views_of_tensors_carved_from_one_buffer() -> None:
 
 
 def test_torch_block_copy_gathers_and_scatters_like_the_kernel() -> None:
-    from offload_engine.runtimes.base import BlockCopy, torch_block_copy
+    from offload_engine.device.runtimes.base import BlockCopy, torch_block_copy
 
     layout = build_layout("flash-attention", lambda shape, dtype: torch.empty(shape, dtype=dtype))
     staging = torch.zeros(3, layout.slot_bytes, dtype=torch.uint8)

@@ -35,20 +35,20 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.layout import KVLayout
-from offload_engine.runtimes import _native
-from offload_engine.runtimes._cuda_copy import DriverBlockCopy
-from offload_engine.runtimes.base import IdBuffer
-from offload_engine.runtimes.cuda import CudaRuntime, _MemcpyAttributes
+from offload_engine.device.runtimes import _native
+from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.device.runtimes.base import IdBuffer
+from offload_engine.device.runtimes.cuda import CudaRuntime, _MemcpyAttributes
+from offload_engine.host.layout import KVLayout
+from offload_engine.host.tier import HostTier
 from offload_engine.testing import FakeRuntime, build_layout
-from offload_engine.tier import HostTier
 from offload_engine.vocabulary import Direction
 
 needs_cc = pytest.mark.skipif(

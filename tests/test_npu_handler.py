@@ -23,7 +23,7 @@ from offload_engine import (
     cpu_blocks,
     npu_blocks,
 )
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,

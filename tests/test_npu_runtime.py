@@ -25,9 +25,8 @@ import pytest
 import torch
 
 from offload_engine import ConfigError, RuntimeUnavailableError, TransferError
-from offload_engine.runtimes import npu as npu_module
-from offload_engine.runtimes import probe_npu, probe_runtimes
-from offload_engine.runtimes.npu import (
+from offload_engine.device.runtimes import npu as npu_module
+from offload_engine.device.runtimes.npu import (
     ACL_HOST_REG_PINNED,
     ACL_MEM_LOCATION_TYPE_DEVICE,
     ACL_MEM_LOCATION_TYPE_HOST,
@@ -39,6 +38,7 @@ from offload_engine.runtimes.npu import (
     NpuRuntime,
     page_spans,
 )
+from offload_engine.runtimes import probe_npu, probe_runtimes
 from offload_engine.testing import (
     ACL_ERROR_INVALID_PARAM,
     ACL_ERROR_RT_CONTEXT_NULL,
@@ -638,7 +638,7 @@ BROKEN_TORCH_NPU = textwrap.dedent(
     from offload_engine import (HostCopyHandler, RuntimeUnavailableError, SyncOffloadingEngine,
                                 TransferSpec, cpu_blocks, host_cache_blocks)
     from offload_engine.runtimes import probe_runtimes
-    from offload_engine.runtimes.npu import NpuRuntime
+    from offload_engine.device.runtimes.npu import NpuRuntime
     from offload_engine.testing import cache_block_bytes, poisoned_tier, random_host_cache
     from offload_engine.connectors.vllm.config import parse_extra_config
     from offload_engine.connectors.vllm.layout import layout_from_canonical

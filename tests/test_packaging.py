@@ -103,7 +103,7 @@ def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
         for p in (ROOT / "connectors").rglob("*.py")
     } | {str(p.relative_to(ROOT)) for p in (ROOT / "offload_engine").rglob("*.py")}
     assert expected <= names, sorted(expected - names)
-    assert "offload_engine/runtimes/_native_launch.c" in names  # built on first use
+    assert "offload_engine/device/runtimes/_native_launch.c" in names  # built on first use
 
     # what `pip show` and an index page show
     [meta_name] = [n for n in names if n.endswith(".dist-info/METADATA")]

@@ -26,7 +26,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
@@ -34,7 +34,7 @@ from offload_engine.handlers.device import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.testing import FakeDeviceError, FakeRuntime, build_layout, cache_block_bytes
 
 POLLED = {"polled_completion": True, "submitter_launch": True}

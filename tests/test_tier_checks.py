@@ -19,10 +19,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from offload_engine import KVLayout, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.device.runtimes import _native
 from offload_engine.errors import OffloadError
-from offload_engine.layout import check_destinations, map_blocks
-from offload_engine.runtimes import _native
-from offload_engine.tier import HostTier, map_transfer
+from offload_engine.host.layout import check_destinations, map_blocks
+from offload_engine.host.tier import HostTier, map_transfer
 from offload_engine.vocabulary import Direction
 
 NC, NT = 300, 200  # cache blocks, tier blocks

@@ -31,7 +31,7 @@ from offload_engine import (
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.layout import byte_view
+from offload_engine.host.layout import byte_view
 from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout, cache_block_bytes
 
 POISON = 0xA5

@@ -35,8 +35,8 @@ from offload_engine.connectors.vllm.testing import (
     fake_canonical_kv_caches,
     page_bytes,
 )
-from offload_engine.handlers.device import DeviceCopyHandler
-from offload_engine.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
+from offload_engine.device.handler import DeviceCopyHandler
+from offload_engine.device.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
 from offload_engine.testing import FakeAscend
 
 GROUPS = (((0, 240), (1, 240)), ((2, 160),))

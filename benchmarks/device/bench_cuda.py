@@ -43,14 +43,14 @@ import torch
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.bench.slots import allocator_slots
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.vocabulary import Direction
 
 LAYERS, HEADS, DIM = 32, 8, 128

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.vocabulary import Direction
 
 MB2 = 2 << 20
@@ -143,7 +143,7 @@ def main() -> int:
 
 def engine_loads(rt: CudaRuntime, a: torch.Tensor, bm: torch.Tensor, gemm: Any) -> None:
     from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-    from offload_engine.handlers.device import (
+    from offload_engine.device.handler import (
         CopyStrategy,
         DeviceHandlerConfig,
         make_device_handlers,
@@ -226,7 +226,7 @@ def spread(rt: CudaRuntime, layout: Any, tier: Any, specs: list[Any], nbytes: in
     alternate streams, straight into a staging-sized buffer), 20 rounds interleaved:
     are the engine's occasional slow rounds the link's or the engine's?"""
     from offload_engine import SyncOffloadingEngine
-    from offload_engine.handlers.device import (
+    from offload_engine.device.handler import (
         CopyStrategy,
         DeviceHandlerConfig,
         make_device_handlers,
@@ -291,7 +291,7 @@ def harness(
     import threading
 
     from offload_engine import SyncOffloadingEngine
-    from offload_engine.handlers.device import (
+    from offload_engine.device.handler import (
         CopyStrategy,
         DeviceHandlerConfig,
         make_device_handlers,

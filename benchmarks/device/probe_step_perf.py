@@ -32,13 +32,13 @@ from profile_launch import cpu_us  # this folder's profile_launch.py (sys.path[0
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.bench.slots import allocator_slots
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.vocabulary import Direction
 
 
@@ -185,7 +185,7 @@ def engine_path(rt: CudaRuntime, layout: KVLayout, tier: Any, rng: Any, nb: int)
     """Section 6: the staged 512-block launch, direct and in the launcher thread."""
     import threading
 
-    import offload_engine.handlers.device as dmod
+    import offload_engine.device.handler as dmod
 
     print("6. staged 512-block launch (allocator slots): direct vs the engine's launcher thread")
     print(f"  calibration (pure Python, this thread): {_calibrate()}")
@@ -414,7 +414,7 @@ def main() -> int:
         "record_current",
     ):
         wrap(rt, name, name)
-    import offload_engine.handlers.device as dmod
+    import offload_engine.device.handler as dmod
 
     if hasattr(dmod, "merge_runs"):  # main before stepperf5: merged per piece
         wrap(dmod, "merge_runs", "merge_runs")

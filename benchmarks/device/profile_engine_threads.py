@@ -30,13 +30,13 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.cuda import CudaRuntime
 
 
 def thread_clocks() -> dict[str, int]:

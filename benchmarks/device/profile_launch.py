@@ -24,13 +24,13 @@ import numpy as np
 import torch
 
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.vocabulary import Direction
 
 

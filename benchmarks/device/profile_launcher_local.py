@@ -35,14 +35,14 @@ import torch
 
 from offload_engine import KVLayout, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.bench.slots import allocator_slots
-from offload_engine.handlers import device
-from offload_engine.handlers.device import (
+from offload_engine.device import handler as device
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.cuda import CudaRuntime
 
 ROWS = 64  # staging rows per buffer (256 MiB / 2 buffers / 2 MiB blocks)
 NB = 1536

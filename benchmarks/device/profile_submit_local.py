@@ -34,7 +34,7 @@ import numpy as np
 
 from benchmarks.device.profile_launcher_local import NB, staged_handlers
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.handlers import device
+from offload_engine.device import handler as device
 
 
 def _python_work() -> None:

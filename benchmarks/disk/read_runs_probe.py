@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import offload_engine.bench.disk as bench
-from offload_engine.stores.disk import DiskStore
+from offload_engine.disk.store import DiskStore
 
 
 class WholeRuns(DiskStore):

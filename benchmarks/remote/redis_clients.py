@@ -17,7 +17,7 @@ import asyncio
 import os
 import time
 
-from offload_engine.stores.servers import RedisServer
+from offload_engine.testing.servers import RedisServer
 
 
 def bench_redis_py(url: str, values: list[bytes], rounds: int) -> tuple[float, float]:

@@ -22,9 +22,9 @@ import time
 import torch
 
 from offload_engine import LayoutDigest, RedisStore, RedisStoreConfig, SyncOffloadingEngine
-from offload_engine.handlers.remote import RemoteTier
-from offload_engine.stores.servers import RedisServer
-from offload_engine.tier import HostTier
+from offload_engine.host.tier import HostTier
+from offload_engine.remote.tier import RemoteTier
+from offload_engine.testing.servers import RedisServer
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, remote_blocks
 
 

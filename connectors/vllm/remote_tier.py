@@ -11,7 +11,7 @@ Loaded by vLLM's tiering manager (``EngineTieringSpec`` or vLLM's own
 It runs in the scheduler process and never blocks it: lookups go to a
 background thread (vLLM's ``AsyncLookupManager``; RETRY while one is in
 flight), and stores and loads are offload-engine jobs on a
-:class:`~offload_engine.handlers.remote.RemoteTier` over the primary tier's
+:class:`~offload_engine.remote.tier.RemoteTier` over the primary tier's
 memory (each primary chunk row is one stored object), submitted with
 ``submit_nowait`` and collected with ``get_finished``. A failed load reports
 the keys it did load, and marks the rest a miss so the scheduler recomputes

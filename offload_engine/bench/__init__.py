@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from offload_engine.sync import SyncOffloadingEngine
+from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferResult, TransferSpec
 
 

@@ -4,7 +4,7 @@
   rig, or the GPU one where CUDA is usable.
 * :func:`open_cuda_rig` is the demo's GPU path: a KV cache in GPU memory, a
   pinned host tier, and the device handler pair from
-  :func:`~offload_engine.handlers.device.make_device_handlers`, with the
+  :func:`~offload_engine.device.handler.make_device_handlers`, with the
   ``auto`` strategy.
 * :func:`run_cuda_cases` is ``bench``'s GPU hook: the same sweep and latency
   runs as on the host, once per copy strategy the runtime offers
@@ -28,15 +28,15 @@ from collections.abc import Callable
 
 import torch
 
-from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults
 from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
+from offload_engine.device.handler import CopyStrategy
+from offload_engine.device.runtimes import probe as runtimes
+from offload_engine.device.runtimes.cuda import CudaRuntime
+from offload_engine.device.runtimes.probe import RuntimeInfo
 from offload_engine.errors import InsufficientMemoryError, RuntimeUnavailableError
-from offload_engine.handlers.device import CopyStrategy
-from offload_engine.runtimes import RuntimeInfo
-from offload_engine.runtimes.cuda import CudaRuntime
 
 
 def _rig(runtime: CudaRuntime, shape: RigShape, strategy: CopyStrategy, own: bool) -> Rig:

@@ -4,7 +4,7 @@ All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
 the same directory with the same queue depth, O_DIRECT where the filesystem
 takes it:
 
-* **engine**: a :class:`~offload_engine.stores.disk.DiskStore` in its default
+* **engine**: a :class:`~offload_engine.disk.store.DiskStore` in its default
   layout (segments) with ``queue_depth`` threads per direction, driven through
   the sync facade with ``chunks_per_job`` chunks per job, ``jobs_in_flight``
   jobs at once; segments sized an eighth of the bytes moved (at most 128 MiB),
@@ -52,10 +52,10 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from offload_engine.handlers.disk import disk_handlers, page_aligned_tier
+from offload_engine.disk.handler import disk_handlers, page_aligned_tier
+from offload_engine.disk.store import PACK_BYTES, SEGMENT_BYTES, DiskStore
+from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
-from offload_engine.stores.disk import PACK_BYTES, SEGMENT_BYTES, DiskStore
-from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, disk_blocks
 
 

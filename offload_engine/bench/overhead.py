@@ -28,10 +28,10 @@ from dataclasses import dataclass
 import anyio
 
 from offload_engine.bench import percentile
+from offload_engine.engine.handler import LaunchedJob, TransferHandler
+from offload_engine.engine.manager import OffloadingQueueManager
+from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.errors import InvalidTransferError
-from offload_engine.handlers.base import LaunchedJob, TransferHandler
-from offload_engine.manager import OffloadingQueueManager
-from offload_engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec, cpu_blocks, gpu_blocks
 
 SPEC = TransferSpec(gpu_blocks([1, 2, 3, 4]), cpu_blocks([5, 6, 7, 8]))

@@ -3,13 +3,13 @@
 For each chunk size and number of concurrent jobs, the same transfers run three
 ways on one server:
 
-* **engine**: a :class:`~offload_engine.handlers.remote.RemoteTier` driven
+* **engine**: a :class:`~offload_engine.remote.tier.RemoteTier` driven
   through the sync facade, ``concurrency`` jobs in flight (one worker thread
   each), every object with its trailer and checksum;
 * **raw**: the backend's own client in a tight loop, one thread per concurrent
   job, moving the same chunks from and into the same memory (Redis: a
   pipelined ``GET`` per job, and for puts ``SET`` sent from the chunks' memory
-  on one of the client's connections, :func:`~offload_engine.stores.redis_store.send_sets`,
+  on one of the client's connections, :func:`~offload_engine.remote.redis_store.send_sets`,
   as the tier sends; Mooncake: ``batch_put_from`` /
   ``batch_get_into`` on registered memory), with no trailer and no checksum;
 * **redis-benchmark** (Redis only): ``-d`` chunk bytes, ``-P`` chunks per job,
@@ -38,15 +38,15 @@ from typing import Any
 
 import torch
 
+from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.errors import ConfigError, StoreError
-from offload_engine.handlers.remote import RemoteTier
+from offload_engine.host.tier import HostTier
 from offload_engine.keyed import LayoutDigest
-from offload_engine.stores.base import RemoteStore
-from offload_engine.stores.mooncake_store import MooncakeStore, MooncakeStoreConfig
-from offload_engine.stores.redis_store import RedisStore, RedisStoreConfig, send_sets
-from offload_engine.stores.servers import MooncakeMaster, RedisServer
-from offload_engine.sync import SyncOffloadingEngine
-from offload_engine.tier import HostTier
+from offload_engine.remote.mooncake_store import MooncakeStore, MooncakeStoreConfig
+from offload_engine.remote.redis_store import RedisStore, RedisStoreConfig, send_sets
+from offload_engine.remote.store import RemoteStore
+from offload_engine.remote.tier import RemoteTier
+from offload_engine.testing.servers import MooncakeMaster, RedisServer
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, remote_blocks
 
 CHUNKS_PER_JOB = 2

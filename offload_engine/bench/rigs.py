@@ -16,20 +16,20 @@ from typing import Any, Literal
 
 import torch
 
-from offload_engine.bench.caches import poisoned_tier, random_host_cache
 from offload_engine.bench.machine import available_memory_bytes
-from offload_engine.errors import InsufficientMemoryError
-from offload_engine.handlers.base import TransferHandler
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.handlers.host import HostCopyHandler
-from offload_engine.layout import KVLayout, byte_view
-from offload_engine.runtimes.base import DeviceRuntime
-from offload_engine.tier import HostTier
+from offload_engine.device.runtimes.base import DeviceRuntime
+from offload_engine.engine.handler import TransferHandler
+from offload_engine.errors import InsufficientMemoryError
+from offload_engine.host.handler import HostCopyHandler
+from offload_engine.host.layout import KVLayout, byte_view
+from offload_engine.host.tier import HostTier
+from offload_engine.testing.caches import poisoned_tier, random_host_cache
 from offload_engine.vocabulary import (
     BlockIdsLike,
     CacheBlocks,

@@ -53,13 +53,13 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.runtimes.base import DeviceRuntime
+from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.testing import FakeHandler
 
 #: variants measured per (mode, stream, blocks) besides the strategies: nothing moved,

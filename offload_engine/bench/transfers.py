@@ -30,7 +30,7 @@ from offload_engine.bench import (
     run_window,
 )
 from offload_engine.bench.rigs import Rig
-from offload_engine.sync import SyncOffloadingEngine
+from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferResult, TransferSpec
 
 Tick = Callable[[str], None]

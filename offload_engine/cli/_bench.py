@@ -17,11 +17,11 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from offload_engine import runtimes
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 from offload_engine.bench.rigs import RigShape
 from offload_engine.cli._console import progress_bar
 from offload_engine.cli._report import report_header
+from offload_engine.device.runtimes import probe as runtimes
 
 SCHEMA = "offload-engine-bench/1"
 BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side

@@ -14,7 +14,7 @@ from offload_engine.bench import percentile
 from offload_engine.bench.cuda import open_rig
 from offload_engine.bench.rigs import Rig, RigShape
 from offload_engine.cli._console import progress_bar
-from offload_engine.sync import SyncOffloadingEngine
+from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.vocabulary import TransferResult
 
 STEPS = 2000

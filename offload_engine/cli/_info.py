@@ -7,7 +7,7 @@ import json
 import platform
 from dataclasses import asdict
 
-from offload_engine import runtimes
+from offload_engine.device.runtimes import probe as runtimes
 
 #: Why ``--device npu`` is not a choice of demo and bench (docs/cli.md says the same).
 NPU_NOT_OFFERED = (

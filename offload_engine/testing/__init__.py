@@ -1,7 +1,8 @@
 """The testing kit: fakes and helpers for driving an engine deterministically.
 
 Part of the public API, for this project's tests and for anyone testing code
-built on the engine. Product code (``bench``, ``cli``) does not import it.
+built on the engine. It imports nothing above the engine's media: the benchmarks
+(``bench``) use its caches and servers, never the other way round.
 
 Handlers
     :class:`FakeHandler` (scriptable latency, manual completion, failures),
@@ -16,9 +17,12 @@ Device runtimes
 KV caches
     :func:`build_layout` (every layout in :data:`LAYOUT_KINDS`),
     :func:`random_host_cache`, :func:`poisoned_tier`, :func:`cache_block_bytes`.
+Servers
+    :class:`RedisServer`, :class:`RedisClusterServers` (with :class:`TlsFiles`) and
+    :class:`MooncakeMaster`: real servers on 127.0.0.1, started and stopped by the
+    caller; :func:`free_port`.
 """
 
-from offload_engine.bench.caches import poisoned_tier, random_host_cache
 from offload_engine.testing._fake_handler import (
     FakeHandler,
     FakeTransferFailure,
@@ -70,6 +74,14 @@ from offload_engine.testing._layouts import (
     group_of,
     random_ids,
 )
+from offload_engine.testing.caches import poisoned_tier, random_host_cache
+from offload_engine.testing.servers import (
+    MooncakeMaster,
+    RedisClusterServers,
+    RedisServer,
+    TlsFiles,
+    free_port,
+)
 
 __all__ = [
     "ACL_ERROR_INVALID_PARAM",
@@ -102,7 +114,11 @@ __all__ = [
     "JobPredicate",
     "Ledger",
     "LedgerReport",
+    "MooncakeMaster",
+    "RedisClusterServers",
+    "RedisServer",
     "SerialStream",
+    "TlsFiles",
     "assert_exactly_once",
     "build_layout",
     "cache_block_bytes",
@@ -110,6 +126,7 @@ __all__ = [
     "check_outcome",
     "engine_threads",
     "fake_torch_npu_module",
+    "free_port",
     "group_of",
     "outcome_name",
     "poisoned_tier",

@@ -26,8 +26,8 @@ from typing import TypeVar
 
 import anyio
 
+from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import InvalidTransferError
-from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
 
 T = TypeVar("T")

@@ -1,4 +1,5 @@
-"""A simulated Ascend device, so :class:`~offload_engine.runtimes.npu.NpuRuntime` runs on CPU.
+"""A simulated Ascend device, so the NPU runtime
+(:class:`~offload_engine.device.runtimes.npu.NpuRuntime`) runs on CPU.
 
 :class:`FakeAscend` offers what the NPU runtime uses of torch_npu and of CANN:
 
@@ -27,7 +28,7 @@ torch has no ``npu`` device type, so :class:`FakeNpuRuntime` replaces exactly
 the NPU runtime's memory-placement methods (``_device_for``,
 ``is_device_tensor``, ``alloc_device``, ``upload``); streams, events, the
 stream context, pinning, batched copies and block copies run the real
-:class:`~offload_engine.runtimes.npu.NpuRuntime` code.
+:class:`~offload_engine.device.runtimes.npu.NpuRuntime` code.
 
 Torch work inside a stream context runs at once on the calling thread, so the
 context first empties the task queue and waits for the stream to go idle: the
@@ -50,8 +51,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine.runtimes.base import I64, MAX_PIN_CHUNK_BYTES, spans_cover
-from offload_engine.runtimes.npu import (
+from offload_engine.device.runtimes.base import I64, MAX_PIN_CHUNK_BYTES, spans_cover
+from offload_engine.device.runtimes.npu import (
     ACL_ERROR_RT_FEATURE_NOT_SUPPORT,
     ACL_HOST_REG_PINNED,
     ACL_MAX_BATCH,
@@ -654,7 +655,7 @@ class FakeNpuRuntime(NpuRuntime):
     """:class:`NpuRuntime` on a :class:`FakeAscend`; only memory placement differs.
 
     ``via_import=True`` takes ``torch.npu`` from ``import torch_npu`` and the library
-    from :func:`~offload_engine.runtimes.npu.load_ascendcl`, as production does (a
+    from :func:`~offload_engine.device.runtimes.npu.load_ascendcl`, as production does (a
     test puts :func:`fake_torch_npu_module` in ``sys.modules`` and patches the loader).
     The runtime owns (and closes) a FakeAscend it created itself.
     """

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine.runtimes.base import (
+from offload_engine.device.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
     U64,

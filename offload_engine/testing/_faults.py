@@ -24,14 +24,14 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from offload_engine.engine.handler import LaunchedJob
+from offload_engine.engine.threadpool import ThreadPoolHandler
 from offload_engine.errors import (
     InvalidTransferError,
     JobCancelledError,
     JobTimeoutError,
     TransferError,
 )
-from offload_engine.handlers.base import LaunchedJob
-from offload_engine.handlers.threadpool import ThreadPoolHandler
 from offload_engine.vocabulary import BlockSpec, Medium, TransferResult, TransferSpec
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from offload_engine.layout import KVLayout, byte_view
+from offload_engine.host.layout import KVLayout, byte_view
 
 
 def cache_block_bytes(layout: KVLayout, block_id: int, group: int = 0) -> bytes:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_engine import ConfigError, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.handlers.device import (
+from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
@@ -33,7 +33,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def cuda() -> Iterator[object]:
-    from offload_engine.runtimes.cuda import CudaRuntime
+    from offload_engine.device.runtimes.cuda import CudaRuntime
 
     yield CudaRuntime()
 
@@ -71,7 +71,7 @@ def test_native_launch_round_trip_in_every_launching_thread(cuda: object, launch
 
 
 def test_native_launch_without_the_batched_api() -> None:
-    from offload_engine.runtimes.cuda import CudaRuntime
+    from offload_engine.device.runtimes.cuda import CudaRuntime
 
     runtime = CudaRuntime(batched=False)
     for strategy in (CopyStrategy.DMA, CopyStrategy.STAGED):
@@ -108,7 +108,7 @@ def test_get_finished_finds_jobs_done_on_the_gpu_without_the_watcher(cuda: objec
 
 
 def test_round_trip_without_the_batched_api() -> None:
-    from offload_engine.runtimes.cuda import CudaRuntime
+    from offload_engine.device.runtimes.cuda import CudaRuntime
 
     round_trip(CudaRuntime(batched=False), gpu_empty, "flash-attention", CopyStrategy.DMA, 1)
 
@@ -212,7 +212,7 @@ def test_a_refused_copy_fails_its_job_and_the_next_job_runs(cuda: object, native
 
 
 def test_the_native_launch_is_on_by_default_where_it_builds(cuda: object) -> None:
-    from offload_engine.handlers.device import NATIVE_LAUNCH_DEFAULT
+    from offload_engine.device.handler import NATIVE_LAUNCH_DEFAULT
 
     layout = build_layout("mla", gpu_empty, num_blocks=4)
     tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]
@@ -235,7 +235,7 @@ def test_pinned_tier_is_registered_and_released(cuda: object) -> None:
 @pytest.mark.parametrize("strategy", [CopyStrategy.STAGED, CopyStrategy.KERNEL])
 @pytest.mark.parametrize("factor", [1, 4])
 def test_round_trip_with_the_triton_kernel(strategy: CopyStrategy, factor: int) -> None:
-    from offload_engine.runtimes.cuda import CudaRuntime
+    from offload_engine.device.runtimes.cuda import CudaRuntime
 
     runtime = CudaRuntime(use_nvrtc=False)  # the fallback where NVRTC is missing
     assert runtime._direct is None
@@ -248,7 +248,7 @@ def test_block_copies_launch_the_nvrtc_kernel_directly(cuda: object) -> None:
 
 
 def test_batched_copies_are_split_into_short_driver_calls(cuda: object) -> None:
-    from offload_engine.runtimes.cuda import CALL_DESCRIPTORS
+    from offload_engine.device.runtimes.cuda import CALL_DESCRIPTORS
 
     n = 2 * CALL_DESCRIPTORS + 3
     src = torch.randint(0, 255, (n, 512), dtype=torch.uint8, device="cuda")
@@ -328,8 +328,8 @@ def test_fewer_hardware_queues_are_noted_and_logged_once(
 ) -> None:
     import logging
 
+    from offload_engine.device.runtimes import cuda as cuda_module
     from offload_engine.runtimes import connections_note
-    from offload_engine.runtimes import cuda as cuda_module
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setattr(cuda_module, "_warned", set())

@@ -9,15 +9,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from offload_engine import HostTier, LayoutDigest
-from offload_engine.stores import (
+from offload_engine import (
+    HostTier,
+    LayoutDigest,
     MooncakeStore,
     MooncakeStoreConfig,
     RedisStore,
     RedisStoreConfig,
     RemoteStore,
 )
-from offload_engine.stores.servers import MooncakeMaster, RedisServer
+from offload_engine.testing.servers import MooncakeMaster, RedisServer
 
 HAVE_REDIS = shutil.which("redis-server") is not None
 try:

@@ -16,13 +16,17 @@ import sys
 
 import torch
 
-from offload_engine import RemoteTier, SyncOffloadingEngine, TransferSpec, cpu_blocks, remote_blocks
-from offload_engine.stores import (
+from offload_engine import (
     MooncakeStore,
     MooncakeStoreConfig,
     RedisStore,
     RedisStoreConfig,
     RemoteStore,
+    RemoteTier,
+    SyncOffloadingEngine,
+    TransferSpec,
+    cpu_blocks,
+    remote_blocks,
 )
 from tests.remote.conftest import digest, keys, random_tier
 

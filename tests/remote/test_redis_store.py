@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload_engine import StoreError, StoreUnavailableError
-from offload_engine.stores import RedisStore
+from offload_engine import RedisStore, StoreError, StoreUnavailableError
 from tests.remote.conftest import Backend
 
 

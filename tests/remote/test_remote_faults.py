@@ -14,6 +14,9 @@ import torch
 
 from offload_engine import (
     KeyMissError,
+    RedisStore,
+    RedisStoreConfig,
+    RemoteStore,
     RemoteTier,
     SyncOffloadingEngine,
     TierUnavailableError,
@@ -21,9 +24,8 @@ from offload_engine import (
     TransferResult,
 )
 from offload_engine.errors import StoreAuthError, StoreUnavailableError
-from offload_engine.stores import RedisStore, RedisStoreConfig, RemoteStore
-from offload_engine.stores.base import Parts
-from offload_engine.stores.servers import (
+from offload_engine.remote.store import Parts
+from offload_engine.testing.servers import (
     RedisClusterServers,
     RedisServer,
     TlsFiles,

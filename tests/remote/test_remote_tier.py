@@ -10,13 +10,13 @@ from offload_engine import (
     InvalidTransferError,
     KeyMissError,
     OffloadingQueueManager,
+    RedisStore,
     SyncOffloadingEngine,
     TransferSpec,
     cpu_blocks,
     remote_blocks,
 )
-from offload_engine.handlers.remote import RemoteTier, wire_name
-from offload_engine.stores import RedisStore
+from offload_engine.remote.tier import RemoteTier, wire_name
 from tests.remote.conftest import BLOCK_BYTES, Backend, digest, keys, random_tier
 
 

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from offload_engine.connectors.vllm.spec import EngineOffloadingSpec
-from offload_engine.handlers.host import HostCopyHandler
+from offload_engine.host.handler import HostCopyHandler
 from offload_engine.vocabulary import Direction
 
 STORE_DELAY_S = 0.25

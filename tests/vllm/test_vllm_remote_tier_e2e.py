@@ -27,7 +27,8 @@ if shutil.which("redis-server") is None:
 
 from test_vllm_e2e import run_vllm  # tests/vllm is on sys.path (no __init__.py)
 
-from offload_engine.stores import RedisServer, RedisStore, RedisStoreConfig
+from offload_engine import RedisStore, RedisStoreConfig
+from offload_engine.testing.servers import RedisServer
 
 pytestmark = pytest.mark.vllm
 

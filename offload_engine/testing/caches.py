@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from offload_engine.layout import KVLayout
-from offload_engine.tier import HostTier
+from offload_engine.host.layout import KVLayout
+from offload_engine.host.tier import HostTier
 
 
 def random_host_cache(

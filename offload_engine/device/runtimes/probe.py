@@ -106,10 +106,11 @@ def probe_cuda() -> RuntimeInfo:
 
 
 def probe_npu() -> RuntimeInfo:
-    """The NPU runtime's own guarded import (:func:`~offload_engine.runtimes.npu.load_torch_npu`)
-    and library loader, so ``info`` says what constructing the runtime would say."""
+    """The NPU runtime's own guarded import
+    (:func:`~offload_engine.device.runtimes.npu.load_torch_npu`) and library loader, so
+    ``info`` says what constructing the runtime would say."""
+    from offload_engine.device.runtimes import npu as npu_runtime
     from offload_engine.errors import RuntimeUnavailableError
-    from offload_engine.runtimes import npu as npu_runtime
 
     if not _importable("torch_npu"):
         return RuntimeInfo("npu", False, npu_runtime.TORCH_NPU_MISSING)

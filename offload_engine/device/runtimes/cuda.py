@@ -38,10 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from offload_engine.errors import RuntimeUnavailableError, TransferError
-from offload_engine.runtimes import connections_note
-from offload_engine.runtimes._cuda_copy import DriverBlockCopy
-from offload_engine.runtimes._native import (
+from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.device.runtimes._native import (
     OP_BATCH,
     OP_HTOD,
     OP_LAUNCH,
@@ -49,7 +47,7 @@ from offload_engine.runtimes._native import (
     OP_WAIT,
     LaunchProgram,
 )
-from offload_engine.runtimes.base import (
+from offload_engine.device.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
     U64,
@@ -60,6 +58,8 @@ from offload_engine.runtimes.base import (
     pin_chunks,
     torch_block_copy,
 )
+from offload_engine.device.runtimes.probe import connections_note
+from offload_engine.errors import RuntimeUnavailableError, TransferError
 from offload_engine.vocabulary import Direction, Medium
 
 _CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
@@ -249,7 +249,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         kernel: Callable[[BlockCopy], None] | None = None
         if use_triton:
             try:
-                from offload_engine.runtimes._triton_copy import launch_block_copy
+                from offload_engine.device.runtimes._triton_copy import launch_block_copy
             except ImportError as exc:
                 driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
             else:

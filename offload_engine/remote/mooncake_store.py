@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from offload_engine.errors import ConfigError, StoreError, StoreUnavailableError
-from offload_engine.stores.base import Parts, RemoteStore, check_parts
+from offload_engine.remote.store import Parts, RemoteStore, check_parts
 
 RPC_FAILED = -900
 

@@ -36,21 +36,21 @@ import torch
 
 from offload_engine._checks import check_int, check_seconds
 from offload_engine._loop import ThreadSignal, join_threads
+from offload_engine.device.runtimes._native import LaunchProgram
+from offload_engine.device.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
+from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import (
     ConfigError,
     LayoutError,
     RuntimeUnavailableError,
 )
-from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.layout import (
+from offload_engine.host.layout import (
     GroupMapping,
     KVLayout,
     chunk_descriptors,
     merge_runs,
 )
-from offload_engine.runtimes._native import LaunchProgram
-from offload_engine.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
-from offload_engine.tier import HostTier, map_transfer
+from offload_engine.host.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
     Medium,
@@ -100,7 +100,7 @@ class DeviceHandlerConfig:
     only while someone waits (a ``wait``, close, a full queue, a deadline).
     With ``submitter_launch`` too, a small job wakes no other thread at all.
     ``native_launch``: a job's driver calls are recorded and issued by one
-    native call that releases the GIL (:mod:`offload_engine.runtimes._native`;
+    native call that releases the GIL (:mod:`offload_engine.device.runtimes._native`;
     CUDA with the NVRTC kernel and a C compiler). ``"auto"`` uses it where the
     runtime has it and keeps the Python calls elsewhere (logged); ``True``
     refuses a runtime without it; ``False`` always calls from Python.

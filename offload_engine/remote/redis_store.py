@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from offload_engine.errors import ConfigError, StoreAuthError, StoreError, StoreUnavailableError
-from offload_engine.stores.base import Parts, RemoteStore, check_parts
+from offload_engine.remote.store import Parts, RemoteStore, check_parts
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
  *
  * A launch "program" is a flat array of int64 words: an opcode, then its
  * operands. This file only walks the program and calls the CUDA driver entry
- * points whose addresses the caller hands in (offload_engine/runtimes/_native.py
+ * points whose addresses the caller hands in (offload_engine/device/runtimes/_native.py
  * builds both). It includes no CUDA or Python header, so one build serves every
  * Python version and needs no CUDA toolkit: the prototypes are declared here.
  *

@@ -25,8 +25,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from offload_engine.device.runtimes._native import LaunchProgram
 from offload_engine.errors import RuntimeUnavailableError
-from offload_engine.runtimes._native import LaunchProgram
 from offload_engine.vocabulary import Direction, Medium
 
 U64 = npt.NDArray[np.uint64]
@@ -195,7 +195,7 @@ class DeviceRuntime(abc.ABC):
 
     def native_program(self) -> LaunchProgram:
         """A recorder for a job's launch that issues its calls in one native call
-        (``DeviceHandlerConfig.native_launch``; see :mod:`offload_engine.runtimes._native`):
+        (``DeviceHandlerConfig.native_launch``; see :mod:`offload_engine.device.runtimes._native`):
         it has this runtime's enqueueing methods (``record``, ``wait_event``,
         ``memcpy_batch``, ``copy_blocks``, ``upload_ids``). Raises
         :class:`RuntimeUnavailableError` saying why where there is none (the default:

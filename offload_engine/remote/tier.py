@@ -1,7 +1,7 @@
 """The remote tier: host-tier blocks <-> a distributed store (Redis/Valkey, Mooncake Store).
 
 :class:`RemoteTier` joins a :class:`~offload_engine.HostTier` to a
-:class:`~offload_engine.stores.RemoteStore` and gives the engine two handlers,
+:class:`~offload_engine.RemoteStore` and gives the engine two handlers,
 ``CPU -> REMOTE`` (store) and ``REMOTE -> CPU`` (load). Jobs are keyed like the
 disk tier's: ``TransferSpec(cpu_blocks(ids), remote_blocks(keys))`` stores host
 block ``ids[i]`` under ``keys[i]``, and the reverse spec loads it back.
@@ -43,6 +43,8 @@ from typing import ParamSpec, TypeVar
 import torch
 
 from offload_engine._checks import check_int, check_seconds
+from offload_engine.engine.handler import LaunchedJob
+from offload_engine.engine.threadpool import ThreadPoolHandler
 from offload_engine.errors import (
     ConfigError,
     InvalidTransferError,
@@ -51,11 +53,9 @@ from offload_engine.errors import (
     StoreUnavailableError,
     TrailerError,
 )
-from offload_engine.handlers.base import LaunchedJob
-from offload_engine.handlers.threadpool import ThreadPoolHandler
+from offload_engine.host.tier import HostTier
 from offload_engine.keyed import KeyedTransfer, LayoutDigest, Trailer, map_keyed
-from offload_engine.stores.base import RemoteStore
-from offload_engine.tier import HostTier
+from offload_engine.remote.store import RemoteStore
 from offload_engine.vocabulary import MAX_KEY_BYTES, Medium, TransferSpec
 
 A = ParamSpec("A")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from offload_engine.runtimes.base import BlockCopy
+from offload_engine.device.runtimes.base import BlockCopy
 from offload_engine.vocabulary import Direction
 
 WORDS = 1024  # int64 words per program: 8 KiB

@@ -1,6 +1,6 @@
 """The device-side block copy as a CUDA C kernel, launched straight through the driver.
 
-Same work as the Triton kernel (:mod:`offload_engine.runtimes._triton_copy`): one
+Same work as the Triton kernel (:mod:`offload_engine.device.runtimes._triton_copy`): one
 CTA copies one 8 KiB tile of one region of one block, ``grid = (blocks,
 regions, tiles)``, addresses from the int64 region tables plus the job's block
 ids, 8-byte words (the runtime checks alignment).
@@ -25,7 +25,7 @@ import ctypes
 import threading
 from typing import Any
 
-from offload_engine.runtimes.base import BlockCopy
+from offload_engine.device.runtimes.base import BlockCopy
 from offload_engine.vocabulary import Direction
 
 TILE = 8192  # bytes per CTA

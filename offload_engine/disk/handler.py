@@ -3,7 +3,7 @@
 A job pairs host-tier blocks with keys (``TransferSpec(cpu_blocks(ids),
 disk_blocks(keys))`` stores, the reverse loads). ``prepare`` maps it at submit
 (:func:`~offload_engine.keyed.map_keyed`, typed errors); ``launch`` hands it to
-the :class:`~offload_engine.stores.disk.DiskStore`'s read or write pool and
+the :class:`~offload_engine.disk.store.DiskStore`'s read or write pool and
 returns. The pool thread that finishes the job's last object reports it.
 
 A store succeeds when every key is stored (or already was). A load succeeds
@@ -20,15 +20,15 @@ import mmap
 import torch
 
 from offload_engine._checks import check_int
+from offload_engine.disk.store import PAGE, DiskStore
+from offload_engine.engine.handler import LaunchedJob, TransferHandler
 from offload_engine.errors import (
     EngineClosedError,
     InvalidTransferError,
     LayoutError,
 )
-from offload_engine.handlers.base import LaunchedJob, TransferHandler
+from offload_engine.host.tier import HostTier
 from offload_engine.keyed import KeyedTransfer, map_keyed
-from offload_engine.stores.disk import PAGE, DiskStore
-from offload_engine.tier import HostTier
 from offload_engine.vocabulary import Medium, TransferSpec
 
 log = logging.getLogger("offload_engine.disk")

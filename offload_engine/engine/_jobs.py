@@ -1,6 +1,6 @@
 """The job record and one handler's route (queue, in-flight table, counters).
 
-A :class:`Job` is also the :class:`~offload_engine.handlers.base.LaunchedJob` a
+A :class:`Job` is also the :class:`~offload_engine.engine.handler.LaunchedJob` a
 handler sees. It knows nothing of the manager: it hands its verdict to the
 ``report`` callable it was built with. Every field is read and written under
 the manager's one lock; the job only checks its arguments before reporting.
@@ -14,9 +14,9 @@ from typing import Any, Final
 
 import anyio
 
+from offload_engine.engine.handler import TransferHandler
+from offload_engine.engine.stats import HandlerStats
 from offload_engine.errors import TransferError
-from offload_engine.handlers.base import TransferHandler
-from offload_engine.stats import HandlerStats
 from offload_engine.vocabulary import CacheBlocks, TransferSpec
 
 QUEUED: Final = 0
@@ -31,7 +31,7 @@ Reporter = Callable[["Job", bool, int, "float | None", "BaseException | None"], 
 
 
 class Job:
-    """One job. Also the :class:`~offload_engine.handlers.base.LaunchedJob` a handler sees."""
+    """One job. Also the :class:`~offload_engine.engine.handler.LaunchedJob` a handler sees."""
 
     __slots__ = (
         "_report",

@@ -23,11 +23,11 @@ from typing import Any, Literal
 import anyio
 
 from offload_engine._loop import LoopBridge
-from offload_engine.completions import check_wait_timeout
+from offload_engine.engine.completions import check_wait_timeout
+from offload_engine.engine.handler import TransferHandler
+from offload_engine.engine.manager import OffloadingQueueManager
+from offload_engine.engine.stats import EngineStats
 from offload_engine.errors import EngineBrokenError, EngineClosedError, WrongThreadError
-from offload_engine.handlers.base import TransferHandler
-from offload_engine.manager import OffloadingQueueManager
-from offload_engine.stats import EngineStats
 from offload_engine.vocabulary import TransferResult, TransferSpec
 
 

@@ -13,7 +13,7 @@ import math
 
 import anyio
 
-from offload_engine._jobs import Job
+from offload_engine.engine._jobs import Job
 
 
 class Deadlines:

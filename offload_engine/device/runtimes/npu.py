@@ -45,8 +45,7 @@ import numpy as np
 import torch
 
 from offload_engine._checks import check_int
-from offload_engine.errors import ConfigError, RuntimeUnavailableError, TransferError
-from offload_engine.runtimes.base import (
+from offload_engine.device.runtimes.base import (
     I64,
     MAX_PIN_CHUNK_BYTES,
     U64,
@@ -57,6 +56,7 @@ from offload_engine.runtimes.base import (
     spans_cover,
     torch_block_copy,
 )
+from offload_engine.errors import ConfigError, RuntimeUnavailableError, TransferError
 from offload_engine.vocabulary import Direction, Medium
 
 #: descriptors per aclrtMemcpyBatchAsync call, at most

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from offload_engine.engine.handler import LaunchedJob
+from offload_engine.engine.threadpool import ThreadPoolHandler
 from offload_engine.errors import LayoutError
-from offload_engine.handlers.base import LaunchedJob
-from offload_engine.handlers.threadpool import ThreadPoolHandler
-from offload_engine.layout import GroupMapping, KVLayout
-from offload_engine.tier import HostTier, map_transfer
+from offload_engine.host.layout import GroupMapping, KVLayout
+from offload_engine.host.tier import HostTier, map_transfer
 from offload_engine.vocabulary import (
     Direction,
     Medium,

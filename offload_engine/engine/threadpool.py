@@ -22,7 +22,7 @@ from typing import TypeVar
 
 from offload_engine._checks import check_int, check_seconds
 from offload_engine._loop import ThreadSignal, join_threads
-from offload_engine.handlers.base import HandlerContext, LaunchedJob, TransferHandler
+from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 
 P = TypeVar("P")
 

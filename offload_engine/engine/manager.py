@@ -11,12 +11,12 @@ One ``threading.Lock`` guards all mutable state: queues, in-flight tables,
 counters and the result store. Sections under it are short and never await or
 call a handler. Work that must happen on the loop (setting an anyio event to
 wake a sleeping task) is collected under the lock and set after it, in one
-batch (:mod:`offload_engine._wakeups`).
+batch (:mod:`offload_engine.engine._wakeups`).
 
 Concepts kept in their own private modules: the job record and a route's
-queue and counters (:mod:`offload_engine._jobs`; a job reports through a
+queue and counters (:mod:`offload_engine.engine._jobs`; a job reports through a
 callable, not through the manager), the deadline heap
-(:mod:`offload_engine._deadlines`) and wake-up batching. This module keeps
+(:mod:`offload_engine.engine._deadlines`) and wake-up batching. This module keeps
 registration, the lifecycle and close sequence, task supervision, and the
 submit, report and settle transitions.
 
@@ -43,16 +43,24 @@ import anyio
 import anyio.lowlevel
 
 from offload_engine._checks import check_int
-from offload_engine._deadlines import Deadlines
-from offload_engine._jobs import DONE, INFLIGHT, QUEUED, Job, Route
 from offload_engine._loop import LoopBridge
-from offload_engine._wakeups import Wakeups
-from offload_engine.completions import (
+from offload_engine.engine._deadlines import Deadlines
+from offload_engine.engine._jobs import DONE, INFLIGHT, QUEUED, Job, Route
+from offload_engine.engine._wakeups import Wakeups
+from offload_engine.engine.completions import (
     CompletionStore,
     check_job_id,
     check_job_timeout,
     check_wait_timeout,
 )
+from offload_engine.engine.handler import (
+    LoopCaller,
+    TransferHandler,
+    claim_handler,
+    release_handler,
+    retire_handler,
+)
+from offload_engine.engine.stats import EngineStats
 from offload_engine.errors import (
     ConfigError,
     EngineBrokenError,
@@ -67,14 +75,6 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
-from offload_engine.handlers.base import (
-    LoopCaller,
-    TransferHandler,
-    claim_handler,
-    release_handler,
-    retire_handler,
-)
-from offload_engine.stats import EngineStats
 from offload_engine.vocabulary import Medium, TransferResult, TransferSpec
 
 _NEW: Final = "new"

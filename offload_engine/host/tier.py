@@ -21,7 +21,7 @@ import torch
 
 from offload_engine._checks import check_int
 from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
-from offload_engine.layout import (
+from offload_engine.host.layout import (
     GroupMapping,
     KVLayout,
     check_destinations,
@@ -306,7 +306,7 @@ class TierTransfer:
 
 
 #: ``check(cache_ids, tier_ids, num_cache_blocks, num_tier_blocks, store)``: whether
-#: the common job passes (:class:`offload_engine.runtimes._native.PairCheck`)
+#: the common job passes (:class:`offload_engine.device.runtimes._native.PairCheck`)
 PairChecker: TypeAlias = Callable[[BlockIds, BlockIds, int, int, bool], bool]
 
 #: up to this many ids the common job's checks run on Python lists

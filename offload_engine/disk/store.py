@@ -34,7 +34,7 @@ mod 256.
 **Packs.** Objects smaller than ``pack_bytes`` (1 MiB by default) are written
 ``pack_slots`` at a time (enough for ``pack_bytes``) into one pack file with one
 ``pwritev``: a header naming the keys, then one page-aligned slot per object,
-``payload || trailer`` as in a file of its own (:mod:`offload_engine.stores._pack`).
+``payload || trailer`` as in a file of its own (:mod:`offload_engine.disk._pack`).
 The index maps each key to (pack, slot). A load whose keys sit in consecutive
 slots of one pack reads them with one ``preadv``; each object is verified alone,
 so a bad one is a miss alone. The packs of one store job are the job's new keys
@@ -101,6 +101,7 @@ from typing import Literal, Protocol, TypeVar
 import xxhash
 
 from offload_engine._checks import check_int
+from offload_engine.disk import _pack
 from offload_engine.errors import (
     ConfigError,
     EngineClosedError,
@@ -112,7 +113,6 @@ from offload_engine.errors import (
     TransferError,
 )
 from offload_engine.keyed import LayoutDigest, Trailer
-from offload_engine.stores import _pack
 from offload_engine.vocabulary import MAX_KEY_BYTES, as_keys
 
 log = logging.getLogger("offload_engine.disk")

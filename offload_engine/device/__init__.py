@@ -1,0 +1,1 @@
+"""The accelerator (GPU, NPU): the device copy handler and its runtimes."""

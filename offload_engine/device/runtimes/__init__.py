@@ -1,0 +1,1 @@
+"""Device runtimes: the seam between the device handler and an accelerator (cuda, npu)."""

@@ -1,1 +1,0 @@
-"""Transfer handlers: one per (source, destination) medium pair."""

@@ -1,0 +1,1 @@
+"""Host memory: the host tier (a pool of blocks), KV layouts, and the host copy handler."""
