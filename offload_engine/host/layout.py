@@ -182,6 +182,46 @@ def _coalesce(regions: Sequence[Region]) -> tuple[Region, ...]:
     return tuple(out)
 
 
+def _check_group_types(groups: object) -> None:
+    """``groups`` is a non-empty sequence of non-empty sequences of Regions of ints."""
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
+        raise TypeError(f"groups must be a sequence of region lists, got {groups!r}")
+    for g, regions in enumerate(groups):
+        if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
+            raise TypeError(f"group {g} must be a sequence of Regions, got {regions!r}")
+        for r in regions:
+            if not isinstance(r, Region) or not all(
+                isinstance(v, int) and not isinstance(v, bool)
+                for v in (r.tensor, r.offset, r.stride, r.size)
+            ):
+                raise TypeError(f"group {g}: {r!r} is not a Region of ints")
+    if not groups or any(not g for g in groups):
+        raise LayoutError("a layout needs at least one group, each with a region")
+
+
+def _check_group_bounds(
+    tensors: Sequence[torch.Tensor], groups: Sequence[Sequence[Region]], num_blocks: int
+) -> None:
+    """Every region names a tensor, and its ``num_blocks`` blocks lie inside it."""
+    spans = [tensor_byte_span(t) for t in tensors]
+    for g, regions in enumerate(groups):
+        for r in regions:
+            if not 0 <= r.tensor < len(tensors):
+                raise LayoutError(f"group {g}: region names tensor {r.tensor} of {len(tensors)}")
+            if r.size <= 0 or r.offset < 0 or r.stride < r.size:
+                raise LayoutError(
+                    f"group {g}: region {r} needs size > 0, offset >= 0 and stride >= size"
+                )
+            end = r.offset + (num_blocks - 1) * r.stride + r.size
+            if end > spans[r.tensor]:
+                t = tensors[r.tensor]
+                raise LayoutError(
+                    f"group {g}: {num_blocks} blocks of region {r} end at byte {end}, past "
+                    f"tensor {r.tensor} (shape {tuple(t.shape)}, stride {t.stride()}, "
+                    f"{spans[r.tensor]} bytes)"
+                )
+
+
 class KVLayout:
     """The serving engine's KV cache, as byte regions per KV group."""
 
@@ -196,19 +236,7 @@ class KVLayout:
         tensors = _as_tensors(tensors, "KVLayout")
         if not tensors:
             raise LayoutError("a layout needs at least one tensor")
-        if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence):
-            raise TypeError(f"groups must be a sequence of region lists, got {groups!r}")
-        for g, regions in enumerate(groups):
-            if isinstance(regions, (str, bytes)) or not isinstance(regions, Sequence):
-                raise TypeError(f"group {g} must be a sequence of Regions, got {regions!r}")
-            for r in regions:
-                if not isinstance(r, Region) or not all(
-                    isinstance(v, int) and not isinstance(v, bool)
-                    for v in (r.tensor, r.offset, r.stride, r.size)
-                ):
-                    raise TypeError(f"group {g}: {r!r} is not a Region of ints")
-        if not groups or any(not g for g in groups):
-            raise LayoutError("a layout needs at least one group, each with a region")
+        _check_group_types(groups)
         check_int(num_blocks, "num_blocks", error=LayoutError)
         device = tensors[0].device
         for i, t in enumerate(tensors):
@@ -217,25 +245,7 @@ class KVLayout:
                     f"all KV tensors must share one device: tensor 0 is on {device}, "
                     f"tensor {i} (shape {tuple(t.shape)}) on {t.device}"
                 )
-        spans = [tensor_byte_span(t) for t in tensors]
-        for g, regions in enumerate(groups):
-            for r in regions:
-                if not 0 <= r.tensor < len(tensors):
-                    raise LayoutError(
-                        f"group {g}: region names tensor {r.tensor} of {len(tensors)}"
-                    )
-                if r.size <= 0 or r.offset < 0 or r.stride < r.size:
-                    raise LayoutError(
-                        f"group {g}: region {r} needs size > 0, offset >= 0 and stride >= size"
-                    )
-                end = r.offset + (num_blocks - 1) * r.stride + r.size
-                if end > spans[r.tensor]:
-                    t = tensors[r.tensor]
-                    raise LayoutError(
-                        f"group {g}: {num_blocks} blocks of region {r} end at byte {end}, past "
-                        f"tensor {r.tensor} (shape {tuple(t.shape)}, stride {t.stride()}, "
-                        f"{spans[r.tensor]} bytes)"
-                    )
+        _check_group_bounds(tensors, groups, num_blocks)
         self.name = name
         self.tensors: tuple[torch.Tensor, ...] = tuple(tensors)
         self.groups: tuple[tuple[Region, ...], ...] = tuple(_coalesce(g) for g in groups)
