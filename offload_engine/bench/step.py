@@ -307,6 +307,60 @@ class StepPlan:
         return len(self.modes) * len(self.blocks) * self.reps * len(self.variants)
 
 
+def _make_movers(
+    plan: StepPlan, runtime: DeviceRuntime, layout: KVLayout, tier: Any, movers: dict[str, _Mover]
+) -> None:
+    """One mover per variant of ``plan`` into ``movers`` (filled as they are built, so the
+    caller closes those built before a failure)."""
+    for v in plan.variants:
+        config = None
+        if v not in (BASELINE, FLOOR, INSTANT):
+            strategy, _, mode = v.partition("/")
+            config = DeviceHandlerConfig(
+                strategy=CopyStrategy(strategy), **LAUNCH_MODES[mode or "loop"]
+            )
+        movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(plan.blocks), config)
+
+
+def _step_specs(rng: np.random.Generator, half: int, k: int) -> tuple[TransferSpec, TransferSpec]:
+    """A step's load (other half of the tier into the other half of the cache) and store."""
+    c = rng.choice(half, size=k, replace=False)
+    t = rng.choice(half, size=k, replace=False)
+    load = TransferSpec(cpu_blocks(t + half), gpu_blocks(c + half))
+    c = rng.choice(half, size=k, replace=False)
+    t = rng.choice(half, size=k, replace=False)
+    return load, TransferSpec(gpu_blocks(c), cpu_blocks(t))
+
+
+def _run_steps(
+    model: DecodeStep,
+    mover: _Mover,
+    mode: str,
+    k: int,
+    steps: int,
+    rng: np.random.Generator,
+    half: int,
+) -> tuple[list[float], float]:
+    """``steps`` timed steps (after 3 warm-up steps) on the current stream, then the drain:
+    the step times and the drain time, in seconds."""
+    samples = []
+    for i in range(steps + 3):
+        load = store = None
+        if mover.engine is not None:
+            load, store = _step_specs(rng, half, k)
+        t0 = time.perf_counter()
+        mover.move(load, k, store=False)
+        model.run(mode)
+        mover.move(store, k, store=True)
+        torch.cuda.current_stream().synchronize()
+        mover.poll()
+        if i >= 3:
+            samples.append(time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    mover.drain()
+    return samples, time.perf_counter() - t0
+
+
 def run_step_pass(
     runtime: DeviceRuntime,
     plan: StepPlan | None = None,
@@ -318,31 +372,21 @@ def run_step_pass(
     step over all rounds is reported, and the slowdown against ``none`` from the same
     rounds."""
     plan = plan or StepPlan()
-    shape, blocks, modes = plan.shape, plan.blocks, plan.modes
-    steps, reps, cache_blocks = plan.steps, plan.reps, plan.cache_blocks
     device = runtime.device
-    model = DecodeStep(shape, device)
-    if any(mode == "graph" for mode, _ in modes):
+    model = DecodeStep(plan.shape, device)
+    if any(mode == "graph" for mode, _ in plan.modes):
         model.capture()  # before any engine thread exists
     layers = [
-        torch.randn(2, cache_blocks, 16, 8, 128, device=device, dtype=torch.bfloat16)
+        torch.randn(2, plan.cache_blocks, 16, 8, 128, device=device, dtype=torch.bfloat16)
         for _ in range(32)
     ]
     layout = KVLayout.flash_attention(layers)
-    tier = pinned_host_tier(runtime, layout, cache_blocks)
+    tier = pinned_host_tier(runtime, layout, plan.cache_blocks)
     variants = list(plan.variants)
     movers: dict[str, _Mover] = {}
     try:
-        for v in variants:
-            special = (BASELINE, FLOOR, INSTANT)
-            config = None
-            if v not in special:
-                strategy, _, mode = v.partition("/")
-                config = DeviceHandlerConfig(
-                    strategy=CopyStrategy(strategy), **LAUNCH_MODES[mode or "loop"]
-                )
-            movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(blocks), config)
-        for mode, stream_kind in modes:  # warm every mode up before the first timed step
+        _make_movers(plan, runtime, layout, tier, movers)
+        for mode, stream_kind in plan.modes:  # warm every mode up before the first timed step
             warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
             with torch.cuda.stream(warm):
                 for _ in range(10):
@@ -350,52 +394,34 @@ def run_step_pass(
                 torch.cuda.current_stream().synchronize()
         rows: list[StepRow] = []
         rng = np.random.default_rng(0)
-        half = cache_blocks // 2
-        for mode, stream_kind in modes:
+        half = plan.cache_blocks // 2
+        for mode, stream_kind in plan.modes:
             side = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
-            for k in blocks:
+            for k in plan.blocks:
                 samples: dict[str, list[float]] = {v: [] for v in variants}
                 drains: dict[str, list[float]] = {v: [] for v in variants}
-                for _ in range(reps):
+                for _ in range(plan.reps):
                     for v in variants:
-                        mover = movers[v]
                         tick(f"step {mode}/{stream_kind} {k} blocks {v}")
                         with torch.cuda.stream(side):  # None: the default stream
-                            for i in range(steps + 3):  # 3 warm-up steps
-                                load = store = None
-                                if mover.engine is not None:
-                                    c = rng.choice(half, size=k, replace=False)
-                                    t = rng.choice(half, size=k, replace=False)
-                                    load = TransferSpec(cpu_blocks(t + half), gpu_blocks(c + half))
-                                    c = rng.choice(half, size=k, replace=False)
-                                    t = rng.choice(half, size=k, replace=False)
-                                    store = TransferSpec(gpu_blocks(c), cpu_blocks(t))
-                                t0 = time.perf_counter()
-                                mover.move(load, k, store=False)
-                                model.run(mode)
-                                mover.move(store, k, store=True)
-                                torch.cuda.current_stream().synchronize()
-                                mover.poll()
-                                seconds = time.perf_counter() - t0
-                                if i >= 3:
-                                    samples[v].append(seconds)
-                            t0 = time.perf_counter()
-                            mover.drain()
-                            drains[v].append(time.perf_counter() - t0)
+                            times, drain = _run_steps(
+                                model, movers[v], mode, k, plan.steps, rng, half
+                            )
+                        samples[v] += times
+                        drains[v].append(drain)
                 base = statistics.median(samples[BASELINE])
-                for v in variants:
-                    med = statistics.median(samples[v])
-                    rows.append(
-                        StepRow(
-                            mode=mode,
-                            stream=stream_kind,
-                            blocks=k,
-                            variant=v,
-                            step_ms=med * 1e3,
-                            slowdown=med / base - 1,
-                            drain_ms=statistics.median(drains[v]) * 1e3,
-                        )
+                rows += [
+                    StepRow(
+                        mode=mode,
+                        stream=stream_kind,
+                        blocks=k,
+                        variant=v,
+                        step_ms=statistics.median(samples[v]) * 1e3,
+                        slowdown=statistics.median(samples[v]) / base - 1,
+                        drain_ms=statistics.median(drains[v]) * 1e3,
                     )
+                    for v in variants
+                ]
         return rows
     finally:
         for mover in movers.values():
