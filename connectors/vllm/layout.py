@@ -19,6 +19,62 @@ from typing import Any
 from offload_engine import KVLayout, LayoutError, Region
 
 
+def _row(i: int, entry: Any, num_blocks: int) -> tuple[int, int, int]:
+    """``(blocks, row stride, page bytes)`` of KV tensor ``i``; ``num_blocks`` is tensor 0's
+    block count (-1 for tensor 0 itself)."""
+    t = entry.tensor
+    what = f"KV tensor {i} (shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype})"
+    if t.dim() < 1:
+        raise LayoutError(f"{what}: needs a leading num_blocks dimension")
+    blocks = int(t.shape[0])
+    if num_blocks >= 0 and blocks != num_blocks:
+        raise LayoutError(
+            f"{what}: has {blocks} blocks, tensor 0 has {num_blocks}; "
+            "every KV tensor must hold the same number of blocks"
+        )
+    inner = t[0] if t.dim() > 1 else t[:1]
+    if t.dim() > 1 and not inner.is_contiguous():
+        raise LayoutError(f"{what}: a block's bytes must be contiguous")
+    width = inner.numel() * t.element_size()
+    stride = t.stride(0) * t.element_size()
+    page = int(entry.page_size_bytes)
+    if page <= 0 or page > width:
+        raise LayoutError(
+            f"{what}: page_size_bytes={page} does not fit a block row of {width} bytes"
+        )
+    if stride < page:
+        raise LayoutError(
+            f"{what}: block stride {stride} bytes is smaller than its page "
+            f"({page} bytes), so blocks overlap"
+        )
+    return blocks, stride, page
+
+
+def _group(
+    g: int, refs: list[Any], tensors: list[Any], rows: list[tuple[int, int]]
+) -> list[Region]:
+    """KV group ``g``'s regions: one per layer reference; ``rows`` is (stride, page) per tensor."""
+    if not refs:
+        raise LayoutError(f"KV group {g} has no layers to offload")
+    regions = []
+    for ref in refs:
+        idx = int(ref.tensor_idx)
+        if not 0 <= idx < len(tensors):
+            raise LayoutError(
+                f"KV group {g}: a layer refers to tensor {idx}, but there are {len(tensors)}"
+            )
+        size = int(ref.page_size_bytes)
+        stride, page = rows[idx]
+        if size <= 0 or size > page:
+            t = tensors[idx]
+            raise LayoutError(
+                f"KV group {g}: a layer's page of {size} bytes does not fit tensor {idx} "
+                f"(shape {tuple(t.shape)}, padded page {page} bytes)"
+            )
+        regions.append(Region(idx, 0, stride, size))
+    return regions
+
+
 def layout_from_canonical(kv_caches: Any) -> KVLayout:
     """Map vLLM's ``CanonicalKVCaches`` to a :class:`KVLayout` (one group per KV group)."""
     entries = list(kv_caches.tensors)
@@ -27,61 +83,11 @@ def layout_from_canonical(kv_caches: Any) -> KVLayout:
         raise LayoutError("vLLM registered no KV cache tensors")
     if not group_refs:
         raise LayoutError("vLLM registered no KV cache groups")
-
-    tensors = []
-    row_strides: list[int] = []
-    row_bytes: list[int] = []
     num_blocks = -1
+    rows: list[tuple[int, int]] = []
     for i, entry in enumerate(entries):
-        t = entry.tensor
-        what = f"KV tensor {i} (shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype})"
-        if t.dim() < 1:
-            raise LayoutError(f"{what}: needs a leading num_blocks dimension")
-        if num_blocks < 0:
-            num_blocks = int(t.shape[0])
-        elif int(t.shape[0]) != num_blocks:
-            raise LayoutError(
-                f"{what}: has {int(t.shape[0])} blocks, tensor 0 has {num_blocks}; "
-                "every KV tensor must hold the same number of blocks"
-            )
-        esz = t.element_size()
-        inner = t[0] if t.dim() > 1 else t[:1]
-        if t.dim() > 1 and not inner.is_contiguous():
-            raise LayoutError(f"{what}: a block's bytes must be contiguous")
-        width = inner.numel() * esz
-        stride = t.stride(0) * esz
-        page = int(entry.page_size_bytes)
-        if page <= 0 or page > width:
-            raise LayoutError(
-                f"{what}: page_size_bytes={page} does not fit a block row of {width} bytes"
-            )
-        if stride < page:
-            raise LayoutError(
-                f"{what}: block stride {stride} bytes is smaller than its page "
-                f"({page} bytes), so blocks overlap"
-            )
-        tensors.append(t)
-        row_strides.append(stride)
-        row_bytes.append(page)
-
-    groups: list[list[Region]] = []
-    for g, refs in enumerate(group_refs):
-        if not refs:
-            raise LayoutError(f"KV group {g} has no layers to offload")
-        regions = []
-        for ref in refs:
-            idx = int(ref.tensor_idx)
-            if not 0 <= idx < len(tensors):
-                raise LayoutError(
-                    f"KV group {g}: a layer refers to tensor {idx}, but there are {len(tensors)}"
-                )
-            size = int(ref.page_size_bytes)
-            if size <= 0 or size > row_bytes[idx]:
-                t = tensors[idx]
-                raise LayoutError(
-                    f"KV group {g}: a layer's page of {size} bytes does not fit tensor {idx} "
-                    f"(shape {tuple(t.shape)}, padded page {row_bytes[idx]} bytes)"
-                )
-            regions.append(Region(idx, 0, row_strides[idx], size))
-        groups.append(regions)
+        num_blocks, stride, page = _row(i, entry, num_blocks)
+        rows.append((stride, page))
+    tensors = [entry.tensor for entry in entries]
+    groups = [_group(g, refs, tensors, rows) for g, refs in enumerate(group_refs)]
     return KVLayout(tensors, groups, num_blocks, name="vllm-canonical")
