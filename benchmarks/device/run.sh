@@ -157,8 +157,8 @@ if [ -n "${WANT[overhead]:-}" ]; then
         run overhead.log "$ROOT" python benchmarks/engine_overhead.py --baseline "$BASELINE" \
             --rounds "$ROUNDS" --jobs 50000 --latency-samples 3000 --json "$OUTDIR/overhead.json"
     else
-        run overhead.log "$ROOT" python benchmarks/engine_overhead.py --jobs 100000 \
-            --latency-samples 3000 --json "$OUTDIR/overhead.json"
+        run overhead.log "$ROOT" python benchmarks/engine_overhead.py --rounds "$ROUNDS" \
+            --jobs 100000 --latency-samples 3000 --json "$OUTDIR/overhead.json"
     fi
 fi
 echo "== done; output in $OUTDIR"
