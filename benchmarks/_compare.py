@@ -1,4 +1,4 @@
-"""Run a benchmark script on two checkouts, alternating, in one session.
+"""Run a benchmark script on two checkouts, alternating, in one invocation.
 
 A script that supports ``--measure`` (print one run's figures as a JSON object of numbers)
 calls :func:`compare` to run it on its own checkout and on ``--baseline PATH``, each run in a

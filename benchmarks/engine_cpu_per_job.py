@@ -4,7 +4,7 @@
 
 CPU time (``time.process_time``) is far less sensitive than wall time to other load on a
 shared machine, so this is the figure to compare two trees by (run them alternately). It uses
-only public names, so it runs unchanged on trees from before and after the [house] reorganisation.
+only public names, so it runs unchanged on older and newer trees of the package.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@
 
 The throughput and latency cases live in ``offload_engine.bench.overhead``
 (``offload-engine bench`` runs them too); its docstring says what each one
-measures. This script adds the cost of the awaits that need not wait, which
-issue 16 made checkpoints (each yields to the loop once): CPU microseconds per
+measures. This script adds the cost of the awaits that need not wait, each of
+which is a checkpoint (it yields to the loop once): CPU microseconds per
 
 * ``await wait([job])`` whose result is already in,
 * ``await wait([id])`` that fails at once (an id that is not live),

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements that docs/performance.md reports, in one call on a CUDA machine.
+#
+#   bash benchmarks/device/run.sh [options] PASS...
+#
+# Run it from the repository root. Every pass writes a log (and the bench passes a JSON per round)
+# into the output directory. With --baseline, every bench round runs this tree and the baseline
+# tree one after the other, the order alternating between rounds, so that their figures come from
+# the same machine minutes apart (these machines differ by more than most changes do).
+set -uo pipefail
+
+usage() {
+    cat <<'EOF'
+usage: bash benchmarks/device/run.sh [options] PASS...
+
+passes (any order; they run in the order below):
+  --env          versions: GPU, driver, torch, numpy, Python, compiler, CPU cores
+  --suite        the GPU test suite (bit-exact round trips of every layout x strategy)
+  --demo         offload-engine demo --device cuda --quick (every load compared byte for byte)
+  --bandwidth    GB/s per job size against the same-run contiguous ceiling
+                 (staged, 16-token blocks, 8/32/512 blocks per job, random and allocator slots)
+  --gemm         512-block jobs under a long GEMM, against the contiguous copy under that GEMM
+  --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
+  --step         a decode-like model step's slowdown, against the same bytes as one copy
+  --overhead     benchmarks/engine_overhead.py (the engine alone, instant handler)
+  --all          every pass above
+
+options:
+  --out DIR         where logs and JSON go (default: $OUT, else ./device-out)
+  --baseline DIR    another checkout of the project (e.g. from git worktree or git archive);
+                    bench passes run it beside this tree, with its own copy of the scripts
+  --rounds N        rounds of each bench pass (default 2)
+  --max-inflight K  jobs in flight per handler for --bandwidth (default: the bench's)
+  --timeout S       limit per command in seconds (default 300)
+  --slow            run the suite's slow variants too (--run-slow)
+  --dry-run         print the commands instead of running them
+  -h, --help        this text
+
+examples:
+  bash benchmarks/device/run.sh --env --suite --demo
+  bash benchmarks/device/run.sh --bandwidth --cpu --baseline ../before --rounds 3 --out /tmp/ab
+EOF
+}
+
+ROOT=$(pwd)
+OUTDIR=${OUT:-$ROOT/device-out}
+BASELINE=""
+ROUNDS=2
+MAX_INFLIGHT=""
+LIMIT=300
+SLOW=""
+DRY=""
+declare -A WANT=()
+PASSES=(env suite demo bandwidth gemm cpu step overhead)
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -h|--help) usage; exit 0 ;;
+        --all) for p in "${PASSES[@]}"; do WANT[$p]=1; done ;;
+        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--overhead) WANT[${1#--}]=1 ;;
+        --out) OUTDIR=${2:?--out needs a directory}; shift ;;
+        --baseline) BASELINE=${2:?--baseline needs a directory}; shift ;;
+        --rounds) ROUNDS=${2:?--rounds needs a number}; shift ;;
+        --max-inflight) MAX_INFLIGHT=${2:?--max-inflight needs a number}; shift ;;
+        --timeout) LIMIT=${2:?--timeout needs seconds}; shift ;;
+        --slow) SLOW=--run-slow ;;
+        --dry-run) DRY=1 ;;
+        *) echo "run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+if [ ${#WANT[@]} -eq 0 ]; then usage >&2; exit 2; fi
+if ! [[ $ROUNDS =~ ^[1-9][0-9]*$ ]]; then echo "run.sh: --rounds must be a positive integer" >&2; exit 2; fi
+if [ -n "$BASELINE" ]; then
+    BASELINE=$(cd "$BASELINE" && pwd) || { echo "run.sh: no directory $BASELINE" >&2; exit 2; }
+fi
+if [ ! -f "$ROOT/benchmarks/device/bench_cuda.py" ]; then
+    echo "run.sh: run it from the repository root" >&2; exit 2
+fi
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 OFFLOAD_ENGINE_CACHE_DIR=${OFFLOAD_ENGINE_CACHE_DIR:-/tmp/oe-native}
+
+BENCH=benchmarks/device/bench_cuda.py
+# The GPU suite: tests/gpu plus the device tests that run on the real runtime when CUDA is there.
+SUITE=(tests/gpu tests/test_device_handler.py tests/test_integrity.py tests/test_layout.py
+       tests/test_launch_in_submitter.py tests/test_tier_over.py tests/test_hardening.py
+       tests/test_npu_handler.py tests/test_polled_completion.py tests/test_native_launch.py
+       tests/test_tier_checks.py tests/test_cuda_connections.py)
+
+# run LOG TREE CMD...: from TREE's root, with TREE's package first on the path, run CMD under the
+# time limit; its output is appended to LOG and shown.
+run() {
+    local log=$1 tree=$2; shift 2
+    echo "== [$tree] $* ($(date -u +%H:%M:%S))" | tee -a "$OUTDIR/$log"
+    if [ -n "$DRY" ]; then return 0; fi
+    (cd "$tree" && PYTHONPATH="$tree" timeout "$LIMIT" "$@") 2>&1 | tee -a "$OUTDIR/$log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -eq 0 ] || echo "== exit status $rc" | tee -a "$OUTDIR/$log"
+    return 0
+}
+
+# bench_rounds NAME ARGS...: ROUNDS rounds of bench_cuda.py ARGS, beside the baseline if given.
+bench_rounds() {
+    local name=$1; shift
+    local r trees
+    for r in $(seq 1 "$ROUNDS"); do
+        trees="$ROOT"
+        if [ -n "$BASELINE" ]; then
+            if [ $((r % 2)) -eq 1 ]; then trees="$ROOT $BASELINE"; else trees="$BASELINE $ROOT"; fi
+        fi
+        for t in $trees; do
+            local tag=tree; [ "$t" = "$BASELINE" ] && tag=baseline
+            run "$name.log" "$t" python "$BENCH" "$@" --json "$OUTDIR/$name-$tag-$r.json"
+        done
+    done
+}
+
+if [ -n "${WANT[env]:-}" ] && [ -z "$DRY" ]; then
+    {
+        nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv,noheader
+        python -c "import sys, numpy, torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'python', sys.version.split()[0])"
+        cc --version 2>/dev/null | head -1
+        echo "cores $(nproc)"; lscpu 2>/dev/null | grep -m1 "Model name"
+        git -C "$ROOT" log -1 --format='commit %h %cd' 2>/dev/null
+        date -u
+    } 2>&1 | tee "$OUTDIR/env.log"
+fi
+if [ -n "${WANT[suite]:-}" ]; then
+    tests=()
+    for t in "${SUITE[@]}"; do
+        if [ -e "$t" ]; then tests+=("$t"); else echo "== missing: $t" | tee -a "$OUTDIR/suite.log"; fi
+    done
+    run suite.log "$ROOT" python -m pytest "${tests[@]}" -q -p no:cacheprovider $SLOW
+fi
+if [ -n "${WANT[demo]:-}" ]; then
+    run demo.log "$ROOT" python -m offload_engine demo --device cuda --quick
+fi
+if [ -n "${WANT[bandwidth]:-}" ]; then
+    extra=(); [ -n "$MAX_INFLIGHT" ] && extra=(--max-inflight "$MAX_INFLIGHT")
+    bench_rounds bandwidth --passes bandwidth --strategies staged --tokens 16 --per-job 8,32,512 \
+        --slots random,allocator "${extra[@]}"
+fi
+if [ -n "${WANT[gemm]:-}" ]; then
+    bench_rounds gemm --passes gemm --gemm-variants contiguous,staged:256:2,staged:512:4,dma:256:2 \
+        --gemm-inflight 1
+fi
+if [ -n "${WANT[cpu]:-}" ]; then
+    bench_rounds cpu --passes cpu --strategies staged --launch-modes loop --tokens 16 \
+        --slots allocator,random
+fi
+if [ -n "${WANT[step]:-}" ]; then
+    bench_rounds step --passes step --tokens 16 --step-strategies auto \
+        --launch-modes loop,submitter-polled --step-steps 40 --reps 3
+fi
+if [ -n "${WANT[overhead]:-}" ]; then
+    if [ -n "$BASELINE" ]; then
+        run overhead.log "$ROOT" python benchmarks/engine_overhead.py --baseline "$BASELINE" \
+            --rounds "$ROUNDS" --jobs 50000 --latency-samples 3000 --json "$OUTDIR/overhead.json"
+    else
+        run overhead.log "$ROOT" python benchmarks/engine_overhead.py --rounds "$ROUNDS" \
+            --jobs 100000 --latency-samples 3000 --json "$OUTDIR/overhead.json"
+    fi
+fi
+echo "== done; output in $OUTDIR"
