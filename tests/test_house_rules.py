@@ -12,9 +12,7 @@ import sys
 import offload_engine
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-LIBRARY = [
-    p for d in ("offload_engine", "connectors", "deprecated") for p in (ROOT / d).rglob("*.py")
-]
+LIBRARY = [p for d in ("offload_engine", "connectors") for p in (ROOT / d).rglob("*.py")]
 
 PUBLIC_API = {
     "BlockCountMismatchError", "BlockSpec", "CacheBlocks", "ConfigError", "CopyStrategy",
