@@ -3,14 +3,15 @@
     python tools/gen_api_docs.py          # rewrite docs/api.md
     python tools/gen_api_docs.py --check  # exit 1 if docs/api.md is out of date
 
-The public API is ``offload_engine.__all__`` plus the ``offload_engine.runtimes``,
-``offload_engine.testing`` and ``offload_engine.stores`` modules. Every name in
-``__all__`` must be placed in a section below, so a new export cannot go
-undocumented; the modules are
-documented whole (every public class and function they define, or for a package
-with ``__all__``, every class and function it exports). Docstrings are
-reStructuredText-flavoured; this script turns their roles (``:class:`X```),
-double backticks and ``::`` blocks into Markdown.
+The public API is ``offload_engine.__all__`` plus the modules in :data:`PUBLIC_MODULES` and
+every module under the packages in :data:`PUBLIC_TREES`; this is the one list of them, which
+``tests/test_house_rules.py`` checks the package docstring and the imports of ``connectors/``
+and ``examples/`` against. Every name in ``__all__`` must be placed in a section below, so a
+new export cannot go undocumented; the public modules are documented whole (every public
+class and function they define, or for a package with ``__all__``, every class and function
+it exports); the adapters under ``offload_engine.connectors`` have their own page. Docstrings
+are reStructuredText-flavoured; this script turns their roles (``:class:`X```), double
+backticks and ``::`` blocks into Markdown.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "Remote tier",
         "A host tier's blocks in a distributed store (Redis/Valkey, Mooncake Store): the "
         "`CPU -> REMOTE` and `REMOTE -> CPU` handlers, and the store backends they talk to. "
-        "`offload_engine.stores` (below) also has the servers tests and benchmarks start.",
+        "The testing kit (`offload_engine.testing`, below) starts real servers for tests.",
         [
             "RemoteTier",
             "RemoteHandler",
@@ -128,9 +129,16 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
 ]
 ERRORS_TITLE = "Errors"
 VERSION = "__version__"
-# (module, intro or None for the module's docstring, names)
-# (module, intro or None for the module's docstring). Every public class and
-# function the module defines is documented, in source order.
+
+#: The public modules below the top level; every other ``offload_engine.*`` module is private.
+PUBLIC_MODULES = ("offload_engine.runtimes", "offload_engine.testing")
+#: Public packages with every module under them: the adapters to serving systems.
+PUBLIC_TREES = ("offload_engine.connectors",)
+#: Where the adapters are documented (they need the serving system to import whole).
+TREE_PAGES = {"offload_engine.connectors": ("the vLLM adapter", "vllm.md")}
+
+# (module, intro or None for the module's docstring), one per public module. Every
+# public class and function the module defines is documented, in source order.
 MODULE_SECTIONS: list[tuple[str, str | None]] = [
     (
         "offload_engine.runtimes",
@@ -138,7 +146,6 @@ MODULE_SECTIONS: list[tuple[str, str | None]] = [
         "(what `offload-engine info` prints).",
     ),
     ("offload_engine.testing", None),
-    ("offload_engine.stores", None),
 ]
 
 
@@ -421,6 +428,17 @@ def render() -> str:
             f"drop these, no longer exported: {stale}"
         )
 
+    documented = tuple(m for m, _ in MODULE_SECTIONS)
+    if documented != PUBLIC_MODULES or set(TREE_PAGES) != set(PUBLIC_TREES):
+        raise SystemExit(
+            "tools/gen_api_docs.py: MODULE_SECTIONS and TREE_PAGES must cover PUBLIC_MODULES "
+            "and PUBLIC_TREES, in order"
+        )
+    modules = ", ".join(f"`{m}`" for m in PUBLIC_MODULES)
+    trees = ", ".join(
+        f"every module under `{tree}` ({what}: [{page}]({page}))"
+        for tree, (what, page) in TREE_PAGES.items()
+    )
     out = [
         "# API reference",
         "",
@@ -432,9 +450,8 @@ def render() -> str:
         "",
         f"The public API is what `offload_engine` exports (`offload_engine.__all__`, version "
         f"`{offload_engine.__version__}`),",
-        "plus the `offload_engine.runtimes`, `offload_engine.testing` and "
-        "`offload_engine.stores.*` modules. Everything else",
-        "is private and may change without notice.",
+        f"the modules {modules}, and {trees}.",
+        "Everything else is private and may change without notice.",
         "",
         "## Contents",
         "",
