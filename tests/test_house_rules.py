@@ -424,31 +424,34 @@ def _all_imports(path: pathlib.Path, module: str, modules: set[str]) -> list[tup
     return [(line, m) for line, m in found if _within(m, "offload_engine")]
 
 
-def _layer_broken(importer: str, target: str) -> str | None:
-    """Why ``importer`` may not import ``target``, or None if it may."""
-    if importer in GROUND:
-        return None if target in GROUND else "the ground imports only the ground"
-    if _within(importer, ENGINE):
-        return (
-            None if target in GROUND or _within(target, ENGINE) else "the engine imports no medium"
-        )
-    if _within(importer, "offload_engine.testing"):
-        if _within(target, "offload_engine.bench") or _within(target, "offload_engine.cli"):
-            return "the testing kit imports no benchmark and no command"
-        return None
-    medium = _medium_of(importer)
-    if medium is None and importer != KEYED:
-        return None  # the facades, bench/, cli/
+def _medium_import_broken(medium: str | None, target: str) -> str | None:
+    """Why a medium (``None`` for keyed.py) may not import ``target``, or None if it may."""
     if target in GROUND or _within(target, ENGINE):
         return None
     if target == KEYED:
         return None if medium in KEYED_USERS else "only disk and remote import keyed"
     other = _medium_of(target)
-    if other is not None and (other == medium or target == f"offload_engine.{other}"):
+    if other is None:
+        return "a medium imports the ground, the engine, keyed and other media's packages only"
+    if other == medium or target == f"offload_engine.{other}":
         return None
-    if other is not None:
-        return f"a medium imports another only through its package: offload_engine.{other}"
-    return "a medium imports the ground, the engine, keyed and other media's packages only"
+    return f"a medium imports another only through its package: offload_engine.{other}"
+
+
+def _layer_broken(importer: str, target: str) -> str | None:
+    """Why ``importer`` may not import ``target``, or None if it may."""
+    if importer in GROUND:
+        return None if target in GROUND else "the ground imports only the ground"
+    if _within(importer, ENGINE):
+        below = target in GROUND or _within(target, ENGINE)
+        return None if below else "the engine imports no medium"
+    if _within(importer, "offload_engine.testing"):
+        above = _within(target, "offload_engine.bench") or _within(target, "offload_engine.cli")
+        return "the testing kit imports no benchmark and no command" if above else None
+    medium = _medium_of(importer)
+    if medium is None and importer != KEYED:
+        return None  # the facades, bench/, cli/
+    return _medium_import_broken(medium, target)
 
 
 def layer_breaks(
@@ -540,4 +543,92 @@ def test_the_layer_check_catches_each_kind_of_break(tmp_path: pathlib.Path) -> N
         ("offload_engine/disk/store.py:1", "offload_engine.remote.tier"),
         ("offload_engine/engine/manager.py:4", "offload_engine.host"),
         ("offload_engine/testing/__init__.py:1", "offload_engine.bench.rigs"),
+    ]
+
+
+# ------------------------------------------------------------------ the drawn tree
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+DESCRIPTION_COLUMN = 29  # where the tree's descriptions start: anything indented less is an entry
+
+
+def drawn_tree(text: str) -> list[str]:
+    """The paths the first code block of ``text`` draws: one entry a line, two spaces of indent
+    per level, a folder ending in ``/``; lines indented to the description column continue the
+    entry above."""
+    block = text.split("```\n", 2)[1]
+    folders: list[str] = []
+    paths: list[str] = []
+    for line in block.splitlines():
+        match = re.match(r"( *)(\S+)", line)
+        if match is None or len(match.group(1)) >= DESCRIPTION_COLUMN:
+            continue
+        depth, name = len(match.group(1)) // 2, match.group(2)
+        del folders[depth:]
+        path = "".join(folders) + name
+        paths.append(path.rstrip("/"))
+        if name.endswith("/"):
+            folders.append(name)
+    return paths
+
+
+def tree_mismatches(paths: list[str], root: pathlib.Path = ROOT) -> list[str]:
+    """What the drawn tree gets wrong: a path that does not exist, a package of
+    offload_engine/ it leaves out, a folder whose modules it lists only in part."""
+    drawn = set(paths)
+    wrong = [f"{p}: no such file or folder" for p in paths if not (root / p).exists()]
+    packages = sorted(
+        p.parent.relative_to(root).as_posix()
+        for p in (root / "offload_engine").rglob("__init__.py")
+    )
+    wrong += [f"{p}/: not drawn" for p in packages if p not in drawn]
+    listed = {pathlib.PurePosixPath(p).parent.as_posix() for p in paths if p.endswith(".py")}
+    for folder in sorted(listed):
+        actual = {f"{folder}/{p.name}" for p in (root / folder).glob("*.py")}
+        wrong += [f"{p}: not drawn" for p in sorted(actual - drawn)]
+    return wrong
+
+
+def test_the_architecture_page_draws_the_tree_as_it_is() -> None:
+    paths = drawn_tree(ARCHITECTURE.read_text())
+    assert "offload_engine/engine" in paths and "offload_engine/host/tier.py" in paths
+    assert tree_mismatches(paths) == [], "docs/architecture.md: redraw the tree"
+
+
+def test_the_tree_check_finds_what_is_drawn_wrong(tmp_path: pathlib.Path) -> None:
+    for name in (
+        "pkg/__init__.py",
+        "pkg/a.py",
+        "pkg/b.py",
+        "pkg/sub/__init__.py",
+        "pkg/new/__init__.py",
+    ):
+        (tmp_path / "offload_engine" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "offload_engine" / name).write_text("")
+    (tmp_path / "offload_engine" / "__init__.py").write_text("")
+    page = (
+        "# Title\n\n```\n"
+        "offload_engine/\n"
+        "  __init__.py                the API\n"
+        "  pkg/                       a package\n"
+        "    a.py                     one module, and the description goes on\n"
+        "                             on the next line: gone.py is no entry\n"
+        "    sub/                     a subpackage, its modules not listed\n"
+        "  gone.py                    a module that is not there\n"
+        "```\n"
+    )
+    paths = drawn_tree(page)
+    assert paths == [
+        "offload_engine",
+        "offload_engine/__init__.py",
+        "offload_engine/pkg",
+        "offload_engine/pkg/a.py",
+        "offload_engine/pkg/sub",
+        "offload_engine/gone.py",
+    ]
+    assert tree_mismatches(paths, tmp_path) == [
+        "offload_engine/gone.py: no such file or folder",
+        "offload_engine/pkg/new/: not drawn",
+        "offload_engine/pkg/__init__.py: not drawn",
+        "offload_engine/pkg/b.py: not drawn",
     ]

@@ -314,6 +314,39 @@ def _member_kind(cls: type, name: str, value: object) -> str | None:
     return None
 
 
+def _render_attributes(cls: type) -> list[str]:
+    """A plain class's annotated class attributes and its public ``self.x`` attributes (a
+    dataclass's fields are in its signature instead)."""
+    out: list[str] = []
+    declared = [
+        f"`{n}: {short(a)}" + (f" = {default_repr(cls.__dict__[n])}`" if n in cls.__dict__ else "`")
+        for n, a in inspect.get_annotations(cls).items()
+        if not n.startswith("_")
+    ]
+    if declared:
+        out += ["Class attributes: " + ", ".join(declared), ""]
+    attrs = _init_attributes(cls)
+    if attrs:
+        shown = [f"`{n}: {short(a)}`" if a else f"`{n}`" for n, a in attrs]
+        out += ["Attributes: " + ", ".join(shown), ""]
+    return out
+
+
+def _render_member(cls: type, name: str, kind: str, value: Any) -> list[str]:
+    if kind == "property":
+        ret = short(inspect.signature(value.fget).return_annotation)
+        head = f"property `{name}`" + (f" -> `{ret}`" if ret else "")
+        body = doc_of(value)
+    else:
+        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        sig = signature(func, drop_first=kind != "staticmethod")
+        prefix = "async " if kind == "async method" else ""
+        label = f"{kind} " if kind in ("classmethod", "staticmethod") else ""
+        head = f"{label}`{prefix}{name}{sig}`"
+        body = doc_of(getattr(cls, name))
+    return [f"- {head}", *([textwrap.indent(body, "  "), ""] if body else [""])]
+
+
 def render_class(cls: type, level: int) -> list[str]:
     h = "#" * level
     out = [f"{h} `{cls.__name__}`", ""]
@@ -336,37 +369,12 @@ def render_class(cls: type, level: int) -> list[str]:
         out += [f"| `{m.name}` | `{m.value!r}` |" for m in cls]
         out.append("")
         return out
-    if not dataclasses.is_dataclass(cls):  # a dataclass's fields are in its signature
-        declared = [
-            f"`{n}: {short(a)}"
-            + (f" = {default_repr(cls.__dict__[n])}`" if n in cls.__dict__ else "`")
-            for n, a in inspect.get_annotations(cls).items()
-            if not n.startswith("_")
-        ]
-        if declared:
-            out += ["Class attributes: " + ", ".join(declared), ""]
-        attrs = _init_attributes(cls)
-        if attrs:
-            shown = [f"`{n}: {short(a)}`" if a else f"`{n}`" for n, a in attrs]
-            out += ["Attributes: " + ", ".join(shown), ""]
+    if not dataclasses.is_dataclass(cls):
+        out += _render_attributes(cls)
     for name, value in cls.__dict__.items():
         kind = _member_kind(cls, name, value)
-        if kind is None:
-            continue
-        if kind == "property":
-            fget = value.fget
-            ret = short(inspect.signature(fget).return_annotation)
-            head = f"property `{name}`" + (f" -> `{ret}`" if ret else "")
-            body = doc_of(value)
-        else:
-            func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
-            sig = signature(func, drop_first=kind != "staticmethod")
-            prefix = "async " if kind == "async method" else ""
-            label = f"{kind} " if kind in ("classmethod", "staticmethod") else ""
-            head = f"{label}`{prefix}{name}{sig}`"
-            body = doc_of(getattr(cls, name))
-        out += [f"- {head}"]
-        out += [textwrap.indent(body, "  "), ""] if body else [""]
+        if kind is not None:
+            out += _render_member(cls, name, kind, value)
     return out
 
 
