@@ -380,9 +380,10 @@ MEDIA = ("host", "device", "disk", "remote")
 KEYED = "offload_engine.keyed"
 KEYED_USERS = ("disk", "remote")
 
-# Imports that break the rule inside folders being split into smaller modules, as
-# (importing folder, imported module). Each has its fix; once the import is fixed, its entry goes
-# (test_the_layer_allowances_are_still_needed fails on a stale one), until the list is empty.
+# Imports that still break the rule, as (importing folder, imported module), each with the import
+# that fixes it (the names are re-exported by offload_engine.host). Once an import is fixed its
+# entry goes (test_the_layer_allowances_are_still_needed fails on a stale one): the list is meant
+# to be empty.
 LAYER_ALLOWANCES = {
     # device/: from offload_engine.host import (GroupMapping, HostTier, KVLayout,
     #          chunk_descriptors, map_transfer, merge_runs)
