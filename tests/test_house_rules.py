@@ -224,9 +224,19 @@ def _module_name(path: pathlib.Path, root: pathlib.Path) -> str:
     return ".".join(parts)
 
 
-def _project_imports(tree: ast.Module, modules: set[str]) -> set[str]:
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module ``from ... import`` names, a relative one resolved from ``package``."""
+    if not node.level:
+        return node.module or ""
+    parts = package.split(".")
+    anchor = parts[: len(parts) - (node.level - 1)]
+    return ".".join([*anchor, *([node.module] if node.module else [])])
+
+
+def _project_imports(tree: ast.Module, modules: set[str], package: str = "") -> set[str]:
     """The project modules ``tree`` imports anywhere (also inside functions, which
-    only postpones a cycle), except under ``if TYPE_CHECKING``."""
+    only postpones a cycle), except under ``if TYPE_CHECKING``. ``package`` is the
+    importing module's package, for relative imports."""
     skipped = {
         id(inner)
         for node in ast.walk(tree)
@@ -239,14 +249,11 @@ def _project_imports(tree: ast.Module, modules: set[str]) -> set[str]:
             continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            if node.module in modules:
-                out.add(node.module)
-            out.update(
-                f"{node.module}.{a.name}"
-                for a in node.names
-                if f"{node.module}.{a.name}" in modules
-            )
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, package)
+            if base in modules:
+                out.add(base)
+            out.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules)
     return out
 
 
@@ -282,9 +289,16 @@ def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
+def _package_of(module: str, path: pathlib.Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
 def _import_graph(paths: list[pathlib.Path], root: pathlib.Path) -> dict[str, set[str]]:
     modules = {_module_name(p, root): p for p in paths}
-    return {m: _project_imports(ast.parse(p.read_text()), set(modules)) for m, p in modules.items()}
+    return {
+        m: _project_imports(ast.parse(p.read_text()), set(modules), _package_of(m, p))
+        for m, p in modules.items()
+    }
 
 
 def import_cycles(paths: list[pathlib.Path], root: pathlib.Path = ROOT) -> list[list[str]]:
@@ -331,7 +345,7 @@ def test_the_cycle_check_finds_a_cycle(tmp_path: pathlib.Path) -> None:
     (pkg / "__init__.py").write_text("")
     (pkg / "a.py").write_text("from pkg.b import x\n")
     (pkg / "b.py").write_text("import pkg.c\nx = 1\n")
-    (pkg / "c.py").write_text("def f():\n    import pkg.a\n")
+    (pkg / "c.py").write_text("def f():\n    from . import a\n")
     (pkg / "d.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n"
     )
@@ -410,15 +424,12 @@ def _all_imports(path: pathlib.Path, module: str, modules: set[str]) -> list[tup
     functions and under ``if TYPE_CHECKING`` alike, relative imports resolved. ``from a import
     b`` is ``a.b`` where that is a module, else ``a``."""
     found: list[tuple[int, str]] = []
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package_of(module, path)
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
-                base = ".".join([*anchor, *([base] if base else [])])
+            base = _absolute(node, package)
             for alias in node.names:
                 name = f"{base}.{alias.name}"
                 found.append((node.lineno, name if name in modules else base))
