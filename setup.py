@@ -2,9 +2,7 @@
 
 ``connectors/`` installs as ``offload_engine.connectors``: the top-level name
 ``connectors`` belongs to another PyPI project, and installing ours there would
-overwrite its files. ``deprecated/connectors/vllm/`` keeps the old import path
-``connectors.vllm`` working for one release (it warns); it ships no
-``connectors/__init__.py``, so it is a namespace portion that overwrites nothing.
+overwrite its files. Nothing installs at the top level but ``offload_engine``.
 """
 
 from setuptools import find_packages, setup
@@ -18,12 +16,9 @@ def _under(prefix: str, where: str) -> dict[str, str]:
     return names
 
 
-_MAPPED = {
-    **_under("offload_engine.connectors", "connectors"),
-    "connectors.vllm": "deprecated/connectors/vllm",
-}
+_CONNECTORS = _under("offload_engine.connectors", "connectors")
 
 setup(
-    packages=[*find_packages(include=["offload_engine", "offload_engine.*"]), *_MAPPED],
-    package_dir=_MAPPED,
+    packages=[*find_packages(include=["offload_engine", "offload_engine.*"]), *_CONNECTORS],
+    package_dir=_CONNECTORS,
 )

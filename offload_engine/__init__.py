@@ -1,9 +1,11 @@
 """offload-engine: move LLM KV-cache blocks between memory tiers, fast.
 
-The curated public API. Everything not named here is private, except three
-public subpackages: :mod:`offload_engine.runtimes` (device runtimes and
-:func:`~offload_engine.runtimes.probe_runtimes`), :mod:`offload_engine.testing`
-(the testing kit) and :mod:`offload_engine.connectors` (serving-system adapters).
+The curated public API: the names in ``__all__``. Three more namespaces are
+public: :mod:`offload_engine.runtimes` (which device runtimes this machine can
+use: :func:`~offload_engine.runtimes.probe_runtimes`), :mod:`offload_engine.testing`
+(the testing kit: fakes, random caches, test servers) and
+:mod:`offload_engine.connectors` with every module under it (adapters to serving
+systems). Every other module is private and may change without notice.
 
 The device runtimes :class:`CudaRuntime` and :class:`NpuRuntime` are imported
 on first use (module ``__getattr__``), so ``import offload_engine`` never loads

@@ -42,7 +42,7 @@ from offload_engine.errors import (
     LayoutMismatchError,
     TrailerError,
 )
-from offload_engine.host.tier import HostTier
+from offload_engine.host import HostTier
 from offload_engine.vocabulary import BlockIds, KeyedBlocks, Medium, TierBlocks, TransferSpec
 
 __all__ = [

@@ -1,9 +1,11 @@
-"""How the project installs: ``connectors/`` as ``offload_engine.connectors``, and the old
-``connectors.vllm`` path as a warning alias that owns no ``connectors/__init__.py``."""
+"""How the project installs: ``connectors/`` as ``offload_engine.connectors``, and nothing at the
+top level but ``offload_engine`` (the name ``connectors`` belongs to another PyPI project)."""
 
 from __future__ import annotations
 
+import csv
 import email
+import io
 import os
 import re
 import shutil
@@ -14,34 +16,20 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ("pyproject.toml", "setup.py", "README.md", "offload_engine", "connectors", "deprecated")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "offload_engine", "connectors")
 
-# Imports the new path, then the old one, and checks that the old one warns once and hands out
-# the very same objects. Run with the install under test first on sys.path and the checkout's
-# root absent (its connectors/ folder is a regular package that would shadow the alias).
+# Imports the adapter from the install under test, without vLLM. Run with that install first on
+# sys.path and the checkout's root absent, so the checkout's own offload_engine/ cannot stand in.
 CHECK = textwrap.dedent(
     """
-    import sys, warnings
-    sys.modules["vllm"] = None  # the alias must not import vLLM either
-    import offload_engine.connectors.vllm as new
-    import offload_engine.connectors.vllm.config as new_config
-    print("new", new.__file__)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import connectors.vllm as old
-        from connectors.vllm import parse_extra_config
-        from connectors.vllm.config import EngineOffloadingConfig
-        import connectors.vllm.config as old_config
-    print("old", old.__file__)
-    kinds = [(w.category.__name__, str(w.message)) for w in caught]
-    assert len(kinds) == 1 and kinds[0][0] == "DeprecationWarning", kinds
-    assert "offload_engine.connectors.vllm" in kinds[0][1], kinds
-    assert old_config is new_config
-    assert parse_extra_config is new.parse_extra_config
-    assert EngineOffloadingConfig is new_config.EngineOffloadingConfig
-    assert sorted(old.__all__) == sorted(new.__all__)
+    import sys
+    sys.modules["vllm"] = None  # the adapter's config must not import vLLM
+    import offload_engine.connectors.vllm as adapter
+    from offload_engine.connectors.vllm import parse_extra_config
+    print("adapter", adapter.__file__)
+    parse_extra_config({"cpu_bytes_to_use": 1024})
     try:
-        old.EngineOffloadingSpec
+        adapter.EngineOffloadingSpec
     except ImportError as exc:
         assert "needs vLLM" in str(exc), exc
     else:
@@ -69,9 +57,10 @@ def _run_check(tmp_path: Path, first: Path) -> dict[str, str]:
     return dict(line.split(" ", 1) for line in lines[:-2])
 
 
-def test_old_path_warns_and_aliases_the_new_one(tmp_path: Path) -> None:
-    files = _run_check(tmp_path, ROOT / "deprecated")
-    assert Path(files["old"]).is_relative_to(ROOT / "deprecated" / "connectors" / "vllm")
+def _record(wheel: zipfile.ZipFile) -> list[str]:
+    """The paths the wheel's RECORD lists: what an install writes into site-packages."""
+    [name] = [n for n in wheel.namelist() if n.endswith(".dist-info/RECORD")]
+    return [row[0] for row in csv.reader(io.StringIO(wheel.read(name).decode())) if row]
 
 
 def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
@@ -89,14 +78,15 @@ def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     [wheel] = wheels.glob("offload_engine-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    tops = {n.split("/", 1)[0] for n in names if not n.split("/", 1)[0].endswith(".dist-info")}
-    assert tops == {"offload_engine", "connectors"}, tops
-    # only our own portion of the shared name: no connectors/__init__.py to overwrite PyPI's
-    assert "connectors/__init__.py" not in names
-    assert {n for n in names if n.startswith("connectors/")} == {
-        f"connectors/vllm/{p.name}" for p in (ROOT / "deprecated/connectors/vllm").glob("*.py")
-    }
+    archive = zipfile.ZipFile(wheel)
+    names = set(archive.namelist())
+    installed = _record(archive)
+    assert set(installed) == names
+    # nothing at the top level but offload_engine/ and its metadata: no connectors/ portion
+    tops = {n.split("/", 1)[0] for n in installed}
+    dist_info = {t for t in tops if t.endswith(".dist-info")}
+    assert tops - dist_info == {"offload_engine"}, tops
+    assert [n for n in installed if n.startswith("connectors/")] == []
     # every module of connectors/ and offload_engine/ is in the wheel, under offload_engine/
     expected = {
         f"offload_engine/connectors/{p.relative_to(ROOT / 'connectors')}"
@@ -107,7 +97,7 @@ def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
 
     # what `pip show` and an index page show
     [meta_name] = [n for n in names if n.endswith(".dist-info/METADATA")]
-    meta = email.message_from_bytes(zipfile.ZipFile(wheel).read(meta_name))
+    meta = email.message_from_bytes(archive.read(meta_name))
     assert meta["Name"] == "offload-engine" and meta["License-Expression"] == "Apache-2.0"
     assert meta["Author"] and meta["Maintainer"] and meta["Keywords"]
     classifiers = meta.get_all("Classifier") or []
@@ -115,16 +105,14 @@ def test_wheel_installs_connectors_under_offload_engine(tmp_path: Path) -> None:
     assert "Typing :: Typed" in classifiers
 
     target = tmp_path / "site"
-    zipfile.ZipFile(wheel).extractall(target)
+    archive.extractall(target)
     files = _run_check(tmp_path, target)
-    assert Path(files["new"]).is_relative_to(target / "offload_engine" / "connectors")
-    assert Path(files["old"]).is_relative_to(target / "connectors" / "vllm")
+    assert Path(files["adapter"]).is_relative_to(target / "offload_engine" / "connectors")
 
 
-# Where the old path may appear: the alias itself, and the pages that explain it.
-OLD_PATH_ALLOWED = {
-    "README.md", "setup.py", "docs/vllm.md", "docs/architecture.md", "tests/test_packaging.py",
-}  # fmt: skip
+# The adapter's one import path is offload_engine.connectors.vllm; a bare ``connectors.vllm``
+# names another project's package (or nothing). Only this file may spell it.
+OLD_PATH_ALLOWED = {"tests/test_packaging.py"}
 OLD_PATH = re.compile(r"(^|[^\w.])connectors\.vllm")
 
 
@@ -134,7 +122,7 @@ def _sources() -> list[Path]:
     return found + [p for p in ROOT.glob("*") if p.suffix in (".py", ".md", ".toml")]
 
 
-def test_only_the_alias_uses_the_old_import_path() -> None:
+def test_no_file_uses_the_top_level_connectors_path() -> None:
     offenders = [
         f"{p.relative_to(ROOT)}:{n}"
         for p in _sources()
@@ -142,7 +130,9 @@ def test_only_the_alias_uses_the_old_import_path() -> None:
         for n, line in enumerate(p.read_text().splitlines(), 1)
         if OLD_PATH.search(line)
     ]
-    assert offenders == [], "write offload_engine.connectors.vllm (connectors.vllm is deprecated)"
+    assert offenders == [], (
+        "write offload_engine.connectors.vllm (no connectors package installs at the top level)"
+    )
 
 
 def test_connectors_import_each_other_relatively() -> None:

@@ -3,14 +3,15 @@
     python tools/gen_api_docs.py          # rewrite docs/api.md
     python tools/gen_api_docs.py --check  # exit 1 if docs/api.md is out of date
 
-The public API is ``offload_engine.__all__`` plus the ``offload_engine.runtimes``,
-``offload_engine.testing`` and ``offload_engine.stores`` modules. Every name in
-``__all__`` must be placed in a section below, so a new export cannot go
-undocumented; the modules are
-documented whole (every public class and function they define, or for a package
-with ``__all__``, every class and function it exports). Docstrings are
-reStructuredText-flavoured; this script turns their roles (``:class:`X```),
-double backticks and ``::`` blocks into Markdown.
+The public API is ``offload_engine.__all__`` plus the modules in :data:`PUBLIC_MODULES` and
+every module under the packages in :data:`PUBLIC_TREES`; this is the one list of them, which
+``tests/test_house_rules.py`` checks the package docstring and the imports of ``connectors/``
+and ``examples/`` against. Every name in ``__all__`` must be placed in a section below, so a
+new export cannot go undocumented; the public modules are documented whole (every public
+class and function they define, or for a package with ``__all__``, every class and function
+it exports); the adapters under ``offload_engine.connectors`` have their own page. Docstrings
+are reStructuredText-flavoured; this script turns their roles (``:class:`X```), double
+backticks and ``::`` blocks into Markdown.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
         "Remote tier",
         "A host tier's blocks in a distributed store (Redis/Valkey, Mooncake Store): the "
         "`CPU -> REMOTE` and `REMOTE -> CPU` handlers, and the store backends they talk to. "
-        "`offload_engine.stores` (below) also has the servers tests and benchmarks start.",
+        "The testing kit (`offload_engine.testing`, below) starts real servers for tests.",
         [
             "RemoteTier",
             "RemoteHandler",
@@ -128,9 +129,16 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
 ]
 ERRORS_TITLE = "Errors"
 VERSION = "__version__"
-# (module, intro or None for the module's docstring, names)
-# (module, intro or None for the module's docstring). Every public class and
-# function the module defines is documented, in source order.
+
+#: The public modules below the top level; every other ``offload_engine.*`` module is private.
+PUBLIC_MODULES = ("offload_engine.runtimes", "offload_engine.testing")
+#: Public packages with every module under them: the adapters to serving systems.
+PUBLIC_TREES = ("offload_engine.connectors",)
+#: Where the adapters are documented (they need the serving system to import whole).
+TREE_PAGES = {"offload_engine.connectors": ("the vLLM adapter", "vllm.md")}
+
+# (module, intro or None for the module's docstring), one per public module. Every
+# public class and function the module defines is documented, in source order.
 MODULE_SECTIONS: list[tuple[str, str | None]] = [
     (
         "offload_engine.runtimes",
@@ -138,7 +146,6 @@ MODULE_SECTIONS: list[tuple[str, str | None]] = [
         "(what `offload-engine info` prints).",
     ),
     ("offload_engine.testing", None),
-    ("offload_engine.stores", None),
 ]
 
 
@@ -307,6 +314,39 @@ def _member_kind(cls: type, name: str, value: object) -> str | None:
     return None
 
 
+def _render_attributes(cls: type) -> list[str]:
+    """A plain class's annotated class attributes and its public ``self.x`` attributes (a
+    dataclass's fields are in its signature instead)."""
+    out: list[str] = []
+    declared = [
+        f"`{n}: {short(a)}" + (f" = {default_repr(cls.__dict__[n])}`" if n in cls.__dict__ else "`")
+        for n, a in inspect.get_annotations(cls).items()
+        if not n.startswith("_")
+    ]
+    if declared:
+        out += ["Class attributes: " + ", ".join(declared), ""]
+    attrs = _init_attributes(cls)
+    if attrs:
+        shown = [f"`{n}: {short(a)}`" if a else f"`{n}`" for n, a in attrs]
+        out += ["Attributes: " + ", ".join(shown), ""]
+    return out
+
+
+def _render_member(cls: type, name: str, kind: str, value: Any) -> list[str]:
+    if kind == "property":
+        ret = short(inspect.signature(value.fget).return_annotation)
+        head = f"property `{name}`" + (f" -> `{ret}`" if ret else "")
+        body = doc_of(value)
+    else:
+        func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+        sig = signature(func, drop_first=kind != "staticmethod")
+        prefix = "async " if kind == "async method" else ""
+        label = f"{kind} " if kind in ("classmethod", "staticmethod") else ""
+        head = f"{label}`{prefix}{name}{sig}`"
+        body = doc_of(getattr(cls, name))
+    return [f"- {head}", *([textwrap.indent(body, "  "), ""] if body else [""])]
+
+
 def render_class(cls: type, level: int) -> list[str]:
     h = "#" * level
     out = [f"{h} `{cls.__name__}`", ""]
@@ -329,37 +369,12 @@ def render_class(cls: type, level: int) -> list[str]:
         out += [f"| `{m.name}` | `{m.value!r}` |" for m in cls]
         out.append("")
         return out
-    if not dataclasses.is_dataclass(cls):  # a dataclass's fields are in its signature
-        declared = [
-            f"`{n}: {short(a)}"
-            + (f" = {default_repr(cls.__dict__[n])}`" if n in cls.__dict__ else "`")
-            for n, a in inspect.get_annotations(cls).items()
-            if not n.startswith("_")
-        ]
-        if declared:
-            out += ["Class attributes: " + ", ".join(declared), ""]
-        attrs = _init_attributes(cls)
-        if attrs:
-            shown = [f"`{n}: {short(a)}`" if a else f"`{n}`" for n, a in attrs]
-            out += ["Attributes: " + ", ".join(shown), ""]
+    if not dataclasses.is_dataclass(cls):
+        out += _render_attributes(cls)
     for name, value in cls.__dict__.items():
         kind = _member_kind(cls, name, value)
-        if kind is None:
-            continue
-        if kind == "property":
-            fget = value.fget
-            ret = short(inspect.signature(fget).return_annotation)
-            head = f"property `{name}`" + (f" -> `{ret}`" if ret else "")
-            body = doc_of(value)
-        else:
-            func = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
-            sig = signature(func, drop_first=kind != "staticmethod")
-            prefix = "async " if kind == "async method" else ""
-            label = f"{kind} " if kind in ("classmethod", "staticmethod") else ""
-            head = f"{label}`{prefix}{name}{sig}`"
-            body = doc_of(getattr(cls, name))
-        out += [f"- {head}"]
-        out += [textwrap.indent(body, "  "), ""] if body else [""]
+        if kind is not None:
+            out += _render_member(cls, name, kind, value)
     return out
 
 
@@ -421,6 +436,17 @@ def render() -> str:
             f"drop these, no longer exported: {stale}"
         )
 
+    documented = tuple(m for m, _ in MODULE_SECTIONS)
+    if documented != PUBLIC_MODULES or set(TREE_PAGES) != set(PUBLIC_TREES):
+        raise SystemExit(
+            "tools/gen_api_docs.py: MODULE_SECTIONS and TREE_PAGES must cover PUBLIC_MODULES "
+            "and PUBLIC_TREES, in order"
+        )
+    modules = ", ".join(f"`{m}`" for m in PUBLIC_MODULES)
+    trees = ", ".join(
+        f"every module under `{tree}` ({what}: [{page}]({page}))"
+        for tree, (what, page) in TREE_PAGES.items()
+    )
     out = [
         "# API reference",
         "",
@@ -432,9 +458,8 @@ def render() -> str:
         "",
         f"The public API is what `offload_engine` exports (`offload_engine.__all__`, version "
         f"`{offload_engine.__version__}`),",
-        "plus the `offload_engine.runtimes`, `offload_engine.testing` and "
-        "`offload_engine.stores.*` modules. Everything else",
-        "is private and may change without notice.",
+        f"the modules {modules}, and {trees}.",
+        "Everything else is private and may change without notice.",
         "",
         "## Contents",
         "",

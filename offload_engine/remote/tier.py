@@ -53,7 +53,7 @@ from offload_engine.errors import (
     StoreUnavailableError,
     TrailerError,
 )
-from offload_engine.host.tier import HostTier
+from offload_engine.host import HostTier
 from offload_engine.keyed import KeyedTransfer, LayoutDigest, Trailer, map_keyed
 from offload_engine.remote.store import RemoteStore
 from offload_engine.vocabulary import MAX_KEY_BYTES, Medium, TransferSpec

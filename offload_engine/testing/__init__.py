@@ -1,8 +1,8 @@
 """The testing kit: fakes and helpers for driving an engine deterministically.
 
 Part of the public API, for this project's tests and for anyone testing code
-built on the engine. It imports nothing above the engine's media: the benchmarks
-(``bench``) use its caches and servers, never the other way round.
+built on the engine. It imports no benchmark (``bench``) and no command
+(``cli``): the benchmarks use its caches and servers, never the other way round.
 
 Handlers
     :class:`FakeHandler` (scriptable latency, manual completion, failures),

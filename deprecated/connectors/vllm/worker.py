@@ -1,5 +1,0 @@
-"""Deprecated alias of :mod:`offload_engine.connectors.vllm.worker` (the same module object)."""
-
-from connectors.vllm import _alias
-
-_alias(__name__)
