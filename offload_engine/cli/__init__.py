@@ -31,7 +31,9 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
-MAX_THREADS = 256  # --workers, --queue-depth: far past what any drive or copy gains from
+# --workers, --queue-depth: well above any setting the benchmarks use, so that a typo
+# is refused up front instead of asking the system for 100,000 threads
+MAX_THREADS = 256
 
 _EPILOG = (
     "exit status: 0 success, 1 the run failed (failed job, corrupt bytes, unwritable file, "
