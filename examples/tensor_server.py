@@ -20,6 +20,8 @@ Protocol, one request after another on a connection (keys have no spaces)::
 Run it::
 
     python examples/tensor_server.py --port 8765 [--backend trio]
+
+``--backend trio`` needs trio: ``pip install -e '.[trio]'`` in the checkout.
 """
 
 from __future__ import annotations
@@ -331,7 +333,8 @@ def _os_errors(exc: BaseException) -> list[OSError]:
 
 def run(argv: list[str] | None = None) -> int:
     """The command line; returns the exit status. Bad input is one line on stderr:
-    2 for a bad argument, 1 when the server cannot listen (port in use, unknown host)."""
+    2 for a bad argument, 1 when the server cannot listen (port in use, unknown host)
+    or its backend is not installed (``--backend trio`` without trio)."""
     parser = argparse.ArgumentParser(description="A tensor store over TCP, on offload-engine.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
@@ -341,6 +344,16 @@ def run(argv: list[str] | None = None) -> int:
     if not 0 <= args.port <= 65535:
         print(f"{prog}: error: --port {args.port}: a TCP port is 0 to 65535", file=sys.stderr)
         return 2
+    if args.backend == "trio":
+        try:
+            import trio  # noqa: F401
+        except ImportError:
+            print(
+                f"{prog}: error: --backend trio: trio is not installed: from the "
+                "offload-engine checkout, pip install -e '.[trio]'",
+                file=sys.stderr,
+            )
+            return 1
     failed: list[OSError] = []
     try:
         anyio.run(main, args.host, args.port, backend=args.backend)

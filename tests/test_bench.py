@@ -16,11 +16,12 @@ from offload_engine.bench import (
     run_window,
     series_label,
 )
-from offload_engine.bench.machine import Machine
+from offload_engine.bench.machine import Machine, check_host_memory, memory_size
 from offload_engine.bench.plots import draw_latency, draw_throughput
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.transfers import run_rig_cases
 from offload_engine.device.handler import CopyStrategy
+from offload_engine.errors import InsufficientMemoryError
 from offload_engine.testing import FakeHandler, FakeRuntime
 
 
@@ -229,3 +230,23 @@ def test_allocator_slots_come_in_runs_as_vllms_cpu_allocator_hands_them_out() ->
     ]
     with pytest.raises(ValueError, match="do not fit"):
         allocator_slots(4, 5, 1)
+
+
+def test_memory_sizes_read_in_gib_up_to_a_tib_then_in_bigger_units() -> None:
+    assert memory_size(0) == "0.0 GiB"
+    assert memory_size(201 * 2**20) == "0.2 GiB"
+    assert memory_size(23.5 * 2**30) == "23.5 GiB"
+    assert memory_size(1023.9 * 2**30) == "1023.9 GiB"
+    assert memory_size(2**40) == "1.0 TiB"
+    assert memory_size(2343750 * 2**30) == "2.2 PiB"
+    assert memory_size(3 * 2**60) == "3.0 EiB"
+    assert memory_size(5000 * 2**60) == "5000.0 EiB"
+
+
+def test_host_memory_check_names_both_sizes() -> None:
+    check_host_memory(100, "it needs", available=100)
+    with pytest.raises(
+        InsufficientMemoryError,
+        match=r"^the chunks need 3\.0 TiB of host memory, but only 2\.0 GiB is available$",
+    ):
+        check_host_memory(3 * 2**40, "the chunks need", available=2 * 2**30)

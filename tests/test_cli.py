@@ -22,7 +22,7 @@ from offload_engine import Direction, LaunchedJob, Medium
 from offload_engine.bench.cuda import open_rig
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.cli import EXIT_UNAVAILABLE, main
-from offload_engine.cli._demo import run_demo
+from offload_engine.cli._demo import check_demo_sizes, run_demo
 from offload_engine.device.runtimes import probe as runtimes
 from offload_engine.errors import InsufficientMemoryError
 from offload_engine.host.handler import HostCopyHandler, HostPlan
@@ -215,6 +215,56 @@ def test_demo_on_a_device_rig_passes_its_integrity_check() -> None:
     assert rig.tier.released
 
 
+# tier 512 blocks, cache 1,024 as in the demo: the combinations where 512 / blocks-per-job is
+# at most max-outstanding (in-flight stores could hold the whole tier), and their neighbours
+@pytest.mark.parametrize(
+    ("blocks_per_job", "max_outstanding"),
+    [(32, 16), (31, 16), (32, 15), (8, 64), (8, 65), (8, 1000), (32, 1000), (1, 1), (32, 1),
+     (1, 512), (1, 513), (16, 32), (16, 33)],
+)  # fmt: skip
+def test_every_demo_step_stores_and_loads_whatever_the_options(
+    blocks_per_job: int, max_outstanding: int
+) -> None:
+    shape = RigShape(num_layers=1, num_blocks=1024, tier_blocks=512, kv_heads=1, head_dim=8)
+    rig = open_host_rig(shape, workers=2)
+    try:
+        report = run_demo(
+            rig, steps=30, blocks_per_job=blocks_per_job, max_outstanding=max_outstanding
+        )
+    finally:
+        rig.close()
+    assert report.ok
+    assert report.store.jobs == report.load.jobs == report.loads_checked == 30
+    assert report.checked == 30 * blocks_per_job and report.corrupt == 0
+
+
+def test_demo_refuses_a_rig_too_small_for_its_jobs() -> None:
+    check_demo_sizes(tier_blocks=64, cache_blocks=64, blocks_per_job=32)
+    with pytest.raises(ValueError, match="need a tier of at least 66 blocks"):
+        check_demo_sizes(tier_blocks=65, cache_blocks=1024, blocks_per_job=33)
+    with pytest.raises(ValueError, match="a cache of at least 64"):
+        check_demo_sizes(tier_blocks=512, cache_blocks=62, blocks_per_job=32)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        ["--blocks-per-job", "32"],
+        ["--blocks-per-job", "31"],
+        ["--max-outstanding", "65"],
+        ["--max-outstanding", "1000"],
+    ],
+)
+def test_demo_options_at_their_limits_store_load_and_check(
+    options: list[str], no_cuda: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["demo", "--quick", "--steps", "40", "--layers", "1", *options])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "integrity: every load checked when it completed: 40 loads, " in out
+    assert "nan" not in out and "0 corrupt" in out
+
+
 # ---------------------------------------------------------------- bench
 
 
@@ -275,7 +325,24 @@ def test_bench_output_dir_that_is_a_file_is_a_clear_error(
         (["demo", "--steps", "0"], "argument --steps: 0 is not positive"),
         (["demo", "--steps", "many"], "argument --steps: 'many' is not an integer"),
         (["demo", "--blocks-per-job", "33"], "--blocks-per-job 33 is too large (at most 32)"),
+        (["demo", "--workers", "100000"], "--workers: 100000 threads is too many (at most 256)"),
+        (["bench", "--workers", "257"], "--workers: 257 threads is too many (at most 256)"),
+        (
+            ["bench", "--tier", "disk", "--queue-depth", "100000"],
+            "--queue-depth: 100000 threads is too many (at most 256)",
+        ),
         (["bench", "--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+        (["bench", "--dir", "/tmp"], "--dir is for --tier disk, not --tier host"),
+        (
+            ["bench", "--tier", "remote", "--dir", "."],
+            "--dir is for --tier disk, not --tier remote",
+        ),
+        (["bench", "--queue-depth", "8"], "--queue-depth is for --tier disk, not --tier host"),
+        (["bench", "--chunk-mib", "2"], "--chunk-mib is for --tier disk, not --tier host"),
+        (
+            ["bench", "--tier", "disk", "--backend", "redis"],
+            "--backend is for --tier remote, not --tier disk",
+        ),
     ],
 )
 def test_bad_usage_exits_2_with_usage(
@@ -356,13 +423,121 @@ def test_subprocess_device_cuda_without_cuda() -> None:
 def test_demo_too_large_for_memory_is_one_clear_line(
     no_cuda: None, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # a 16 TiB KV cache and an 8 TiB tier, refused before anything is allocated
+    # a 15.3 TiB KV cache and a 7.6 TiB tier, refused before anything is allocated
     code = main(["demo", "--layers", "1000000", "--device", "cpu", "--quick"])
     err = capsys.readouterr().err
     assert code == 1
     assert len(err.strip().splitlines()) == 1, err
     assert err.startswith("offload-engine demo: error: --layers 1000000: the KV cache and the tier")
-    assert "GiB of host memory" in err and "Traceback" not in err
+    assert "need 22.9 TiB of host memory" in err and "Traceback" not in err
+
+
+def test_memory_messages_use_a_unit_people_read(
+    no_cuda: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["demo", "--layers", "100000000", "--device", "cpu", "--quick"])
+    err = capsys.readouterr().err
+    assert code == 1 and len(err.splitlines()) == 1, err
+    assert "need 2.2 PiB of host memory" in err
+
+
+def test_a_thread_the_system_refuses_is_one_line(
+    no_cuda: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import threading
+
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name.startswith("offload-engine-host"):
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    code = main(["demo", "--quick", "--layers", "1", "--workers", "3"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.splitlines() == [
+        "offload-engine demo: error: --workers 3: the system would not start another thread "
+        "(can't start new thread); ask for fewer threads or raise the process limit (ulimit -u)"
+    ]
+
+
+def test_other_runtime_errors_are_not_taken_for_a_thread_limit(
+    no_cuda: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from offload_engine.cli import _demo
+
+    def broken(args: object) -> int:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(_demo, "cmd_demo", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["demo", "--quick"])
+
+
+@pytest.mark.parametrize(
+    ("backend", "blocked", "why"),
+    [
+        ("redis", "redis", "the redis client is not installed"),
+        ("mooncake", "mooncake.store", "the Mooncake client is not installed"),
+        ("both", "mooncake.store", "the Mooncake client is not installed"),
+    ],
+)
+def test_bench_remote_without_its_client_is_one_line(
+    backend: str,
+    blocked: str,
+    why: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setitem(sys.modules, blocked, None)  # import raises ImportError
+    argv = ["bench", "--quick", "--tier", "remote", "--backend", backend, "-o", str(tmp_path)]
+    assert main(argv) == EXIT_UNAVAILABLE
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        f"offload-engine bench: error: --tier remote --backend {backend}: {why}: "
+        + err.split(f"{why}: ", 1)[1].rstrip("\n")
+    ]
+    assert "pip install -e '.[remote]'" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []  # no server started, nothing written
+
+
+def test_bench_disk_chunks_too_large_for_memory_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--quick", "--tier", "disk", "--dir", str(tmp_path), "--chunk-mib", "100000"]
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "offload-engine bench: error: 100000 MiB chunks: the disk bench holds its 32 chunks of "
+        "97.7 GiB twice (the bytes written and the buffer they move through), which needs "
+        "6.1 TiB of host memory, but only " + err.split("but only ", 1)[1].rstrip("\n")
+    ]
+    assert list(tmp_path.iterdir()) == []  # refused before any directory or file
+
+
+def test_bench_disk_says_which_rows_it_skips(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    from offload_engine.bench import disk
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name: None if name == "fio" else real_which(name))
+    monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.tiering.fs.manager", None)
+    fake = {"plan": {"chunk_bytes": 2**20}, "repeats": 1, "figures": [], "ratios": {}}
+    monkeypatch.setattr(disk, "run_disk_bench", lambda *a, **k: fake)
+    argv = ["bench", "--quick", "--tier", "disk", "--dir", str(tmp_path), "-o", str(tmp_path)]
+    assert main(argv) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: fio skipped: fio is not installed (apt-get install fio); vllm-fs skipped: vLLM's "
+        "fs tier (vllm.v1.kv_offload.tiering.fs) does not import; install the vllm extra "
+        "(their rows and ratios are left out)"
+    ]
 
 
 def test_memory_check_counts_the_cache_and_the_tier() -> None:

@@ -96,3 +96,77 @@ def test_ci_installs_with_the_readme_commands() -> None:
     assert ci_cmds, "no pip command found in .ci/run"
     assert ci_cmds <= _pip_commands(readme), ci_cmds - _pip_commands(readme)
     assert "python -m pytest" in ci
+
+
+def _readme_test_command() -> str:
+    [line] = [ln for ln in README.read_text().splitlines() if ln.endswith("python -m pytest")]
+    return line
+
+
+def test_readme_test_command_prepares_what_ci_prepares() -> None:
+    """Every tool CI runs before the tests (the vLLM 0.33 source fetch) is in the README's
+    test command too, before pytest: a reader gets CI's tests, not CI's minus some skips."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    tools = set(re.findall(r"python (tools/\S+\.py[^|&;}\\\n]*)", ci))
+    assert tools, "no tools/ command found in .ci/run"
+    command = _readme_test_command()
+    for tool in tools:
+        assert f"python {tool.strip()} && " in command, tool
+
+
+def test_install_page_gives_the_readme_commands() -> None:
+    page = (DOCS / "install.md").read_text()
+    [block] = re.findall(r"^```bash\n(.*?)^```", page, re.S | re.M)[:1]
+    commands = _pip_commands(re.sub(r"#.*", "", block))
+    assert any("[dev,vllm,remote]" in c for c in commands), commands
+    assert commands <= _pip_commands(README.read_text()), commands - _pip_commands(
+        README.read_text()
+    )
+
+
+def test_cli_page_lists_every_option() -> None:
+    import argparse
+
+    from offload_engine.cli import build_parser
+
+    page = (DOCS / "cli.md").read_text()
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = []
+    for name in ("demo", "bench"):
+        for action in sub.choices[name]._actions:
+            long = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
+            if long and f"| `{long[0]}" not in page and f"`{long[-1]} " not in page:
+                missing.append(f"{name} {long[0]}")
+            if action.choices and long:
+                row = f"| `{long[0]} {{{','.join(map(str, action.choices))}}}`"
+                if row not in page:
+                    missing.append(f"{name} {row}")
+    assert missing == []
+
+
+def _undefined_names(code: str) -> set[str]:
+    """Names a snippet reads but never imports, assigns or defines (builtins aside)."""
+    import ast
+    import builtins
+
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    loaded = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            bound |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            bound.add(node.name)
+        elif isinstance(node, ast.arg):
+            bound.add(node.arg)
+        elif isinstance(node, ast.Name):
+            (loaded if isinstance(node.ctx, ast.Load) else bound).add(node.id)
+    return loaded - bound
+
+
+def test_tiers_page_snippets_import_every_name_they_use() -> None:
+    blocks = re.findall(r"^```python\n(.*?)^```", (DOCS / "tiers.md").read_text(), re.S | re.M)
+    assert blocks
+    assert [_undefined_names(b) for b in blocks] == [set() for _ in blocks]
+    assert _undefined_names("x = os.environ['A']\n") == {"os"}

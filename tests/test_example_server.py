@@ -185,3 +185,14 @@ def test_a_port_in_use_is_one_line() -> None:
         f"tensor_server.py: error: cannot serve on 127.0.0.1:{port}: "
         f"[Errno {errno.EADDRINUSE}] {os.strerror(errno.EADDRINUSE)}"
     ]
+
+
+def test_backend_trio_without_trio_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "trio", None)  # import trio raises ImportError
+    assert ts.run(["--port", "0", "--backend", "trio"]) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        f"{Path(sys.argv[0]).name}: error: --backend trio: trio is not installed: from the "
+        "offload-engine checkout, pip install -e '.[trio]'"
+    ]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from offload_engine.errors import InsufficientMemoryError
+
 
 def _cpu_model() -> str:
     cpuinfo = Path("/proc/cpuinfo")
@@ -39,6 +41,31 @@ def available_memory_bytes() -> int | None:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def memory_size(nbytes: float) -> str:
+    """A memory size for people, one decimal: ``0.2 GiB``, ``23.5 GiB``, ``3.1 TiB``, ``2.2 PiB``.
+
+    GiB below 1,024 GiB (the unit of the machine's memory), then TiB, PiB, EiB.
+    """
+    value, unit = nbytes / 2**30, "GiB"
+    for bigger in ("TiB", "PiB", "EiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"
+
+
+def check_host_memory(need: int, what: str, *, available: int | None = None) -> None:
+    """Raise :class:`~offload_engine.errors.InsufficientMemoryError` if ``need`` bytes
+    do not fit in the host memory available (``available`` defaults to what the
+    machine reports; nothing is checked when it reports nothing).
+    ``what`` starts the message: ``"<what> need(s) 3.1 TiB of host memory"``."""
+    have = available_memory_bytes() if available is None else available
+    if have is not None and need > have:
+        raise InsufficientMemoryError(
+            f"{what} {memory_size(need)} of host memory, but only {memory_size(have)} is available"
+        )
 
 
 def _version(dist: str) -> str | None:

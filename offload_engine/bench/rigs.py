@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 import torch
 
-from offload_engine.bench.machine import available_memory_bytes
+from offload_engine.bench.machine import available_memory_bytes, memory_size
 from offload_engine.device.handler import (
     CopyStrategy,
     DeviceHandlerConfig,
@@ -87,9 +87,9 @@ class RigShape:
         if have is not None and need > have:
             what = "the KV cache and the tier" if cache_on_host else "the tier"
             raise InsufficientMemoryError(
-                f"{what} need {need / 2**30:.1f} GiB of host memory "
+                f"{what} need {memory_size(need)} of host memory "
                 f"({self.num_layers} layers x {self.block_bytes // self.num_layers // 1024} KiB "
-                f"per block and layer), but only {have / 2**30:.1f} GiB is available"
+                f"per block and layer), but only {memory_size(have)} is available"
             )
 
 

@@ -4,9 +4,10 @@ Subcommands: ``info`` (runtimes on this machine), ``demo`` (a serving loop in
 miniature) and ``bench`` (transfer benchmarks, a JSON report and figures).
 
 Exit status: 0 success; 1 the run failed (a failed job, corrupt bytes, a file
-that could not be written, sizes that do not fit in memory); 2 usage error
-(argparse prints the usage); 3 the requested device is unavailable (for example
-``--device cuda`` without CUDA); 130 interrupted (Ctrl-C).
+that could not be written, sizes that do not fit in memory, threads the system
+would not start); 2 usage error (argparse prints the usage); 3 the requested
+device or backend is unavailable (for example ``--device cuda`` without CUDA,
+``--tier remote`` without its client library); 130 interrupted (Ctrl-C).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Sequence
 
 from offload_engine.bench.rigs import DEVICES
 from offload_engine.errors import (
+    ConfigError,
     InsufficientMemoryError,
     JobFailedError,
     RuntimeUnavailableError,
+    TierUnavailableError,
 )
 
 EXIT_OK = 0
@@ -28,11 +31,25 @@ EXIT_USAGE = 2
 EXIT_UNAVAILABLE = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for Ctrl-C
 
+# --workers, --queue-depth: well above any setting the benchmarks use, so that a typo
+# is refused up front instead of asking the system for 100,000 threads
+MAX_THREADS = 256
+
 _EPILOG = (
     "exit status: 0 success, 1 the run failed (failed job, corrupt bytes, unwritable file, "
-    "sizes that do not fit in memory), 2 usage error, 3 the requested device is unavailable, "
-    "130 interrupted (Ctrl-C)"
+    "sizes that do not fit in memory, threads the system would not start), 2 usage error, "
+    "3 the requested device or backend is unavailable, 130 interrupted (Ctrl-C)"
 )
+
+# bench options that only one --tier reads: given with another tier, they are refused
+_TIER_OPTIONS = {
+    "--dir": "disk",
+    "--queue-depth": "disk",
+    "--chunk-kib": "disk",
+    "--volume-mib": "disk",
+    "--chunk-mib": "disk",
+    "--backend": "remote",
+}
 
 
 def positive_int(text: str) -> int:
@@ -43,6 +60,30 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not positive")
     return value
+
+
+def thread_count(text: str) -> int:
+    """A positive number of threads, at most :data:`MAX_THREADS`."""
+    value = positive_int(text)
+    if value > MAX_THREADS:
+        raise argparse.ArgumentTypeError(f"{value} threads is too many (at most {MAX_THREADS})")
+    return value
+
+
+class _Given(argparse.Action):
+    """Stores the value and records the option in ``given_options``: options with a
+    default cannot otherwise be told apart from options not given."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        given: frozenset[str] = getattr(namespace, "given_options", frozenset())
+        namespace.given_options = given | {self.option_strings[-1]}
 
 
 def _mib_list(text: str) -> list[int]:
@@ -114,13 +155,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--layers", type=positive_int, default=8, help="KV layers (default 8)")
     demo.add_argument(
-        "--workers", type=positive_int, default=2, help="host copy threads (default 2)"
+        "--workers",
+        type=thread_count,
+        default=2,
+        help=f"host copy threads (default 2, at most {MAX_THREADS})",
     )
     demo.add_argument(
         "--max-outstanding",
         type=positive_int,
         default=16,
-        help="jobs in flight before a step waits for the oldest (default 16)",
+        help="jobs in flight before a step waits for the oldest (default 16); a step also "
+        "waits for the oldest when in-flight jobs hold the tier or cache blocks it needs",
     )
     demo.set_defaults(func=_demo.cmd_demo, parser=demo)
 
@@ -148,7 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--quick", action="store_true", help="small sizes and few jobs (CI-sized, seconds)"
     )
     bench.add_argument(
-        "--workers", type=positive_int, default=2, help="host copy threads (default 2)"
+        "--workers",
+        type=thread_count,
+        default=2,
+        help=f"host copy threads (default 2, at most {MAX_THREADS})",
     )
     bench.add_argument(
         "--machine-label",
@@ -167,30 +215,36 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         choices=("redis", "mooncake", "both"),
         default="redis",
+        action=_Given,
         help="--tier remote: the store (default redis)",
     )
     bench.add_argument(
         "--dir",
         default=".",
+        action=_Given,
         metavar="DIR",
         help="--tier disk: an existing directory on the drive to measure (default .)",
     )
     bench.add_argument(
         "--queue-depth",
-        type=positive_int,
+        type=thread_count,
         default=4,
-        help="--tier disk: I/O threads per direction, and fio's numjobs (default 4)",
+        action=_Given,
+        help=f"--tier disk: I/O threads per direction, and fio's numjobs (default 4, at most "
+        f"{MAX_THREADS})",
     )
     bench.add_argument(
         "--chunk-kib",
         type=positive_int,
         default=2048,
+        action=_Given,
         help="--tier disk: bytes per chunk (one object), in KiB (default 2048)",
     )
     bench.add_argument(
         "--volume-mib",
         type=positive_int,
         default=512,
+        action=_Given,
         help="--tier disk: bytes each system writes and reads per chunk size, in MiB "
         "(default 512; more gives steadier figures on a noisy drive)",
     )
@@ -198,11 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--chunk-mib",
         type=_mib_list,
         default=None,
+        action=_Given,
         metavar="SIZES",
         help="--tier disk: chunk sizes in MiB, comma-separated (e.g. 0.25,2,8), one run each, "
         "ratios per size (overrides --chunk-kib)",
     )
-    bench.set_defaults(func=_bench.cmd_bench, parser=bench)
+    bench.set_defaults(func=_bench.cmd_bench, parser=bench, given_options=frozenset())
     return parser
 
 
@@ -218,6 +273,51 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: argparse.ArgumentParser = args.parser  # the subcommand's, for its usage line
     if extra:
         command.error(f"unrecognized arguments: {' '.join(extra)}")
+    _check_combinations(args, command)
+    where = command.prog
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        print(f"{where}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:
+        failure = _failure(exc, args)
+        if failure is None:
+            raise
+        status, why = failure
+        print(f"{where}: error: {why}", file=sys.stderr)
+        return status
+
+
+def _failure(exc: Exception, args: argparse.Namespace) -> tuple[int, str] | None:
+    """The exit status and one-line reason for an error the command reports itself;
+    None for any other (a bug: its traceback is wanted)."""
+    device = f"--device {args.device}: " if getattr(args, "device", "auto") != "auto" else ""
+    layers = f"--layers {args.layers}: " if args.command == "demo" else ""
+    found: tuple[int, str] | None = None
+    if isinstance(exc, RuntimeUnavailableError):
+        found = EXIT_UNAVAILABLE, f"{device}{exc}"
+    elif isinstance(exc, ConfigError | TierUnavailableError):  # a backend or store, unusable
+        found = EXIT_UNAVAILABLE, f"{_tier_flags(args)}{exc}"
+    elif isinstance(exc, InsufficientMemoryError):
+        found = EXIT_FAILED, f"{layers}{exc}"
+    elif isinstance(exc, JobFailedError):
+        found = EXIT_FAILED, f"a transfer failed: {exc}"
+    elif isinstance(exc, OSError):
+        found = EXIT_FAILED, str(exc)
+    elif isinstance(exc, RuntimeError) and _thread_start_failed(exc):
+        found = (
+            EXIT_FAILED,
+            (
+                f"{_thread_flags(args)}the system would not start another thread ({exc}); "
+                "ask for fewer threads or raise the process limit (ulimit -u)"
+            ),
+        )
+    return found
+
+
+def _check_combinations(args: argparse.Namespace, command: argparse.ArgumentParser) -> None:
+    """Refuse (exit 2) option values that parse but the command could not honour."""
     if args.command == "demo":
         from offload_engine.cli._demo import MAX_BLOCKS_PER_JOB
 
@@ -226,26 +326,32 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"--blocks-per-job {args.blocks_per_job} is too large "
                 f"(at most {MAX_BLOCKS_PER_JOB})"
             )
-    where = command.prog
-    try:
-        return int(args.func(args))
-    except RuntimeUnavailableError as exc:
-        flag = f"--device {args.device}: " if getattr(args, "device", "auto") != "auto" else ""
-        print(f"{where}: error: {flag}{exc}", file=sys.stderr)
-        return EXIT_UNAVAILABLE
-    except InsufficientMemoryError as exc:
-        flag = f"--layers {args.layers}: " if args.command == "demo" else ""
-        print(f"{where}: error: {flag}{exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except JobFailedError as exc:
-        print(f"{where}: error: a transfer failed: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except OSError as exc:
-        print(f"{where}: error: {exc}", file=sys.stderr)
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        print(f"{where}: interrupted", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    if args.command == "bench":
+        for option in sorted(args.given_options):
+            tier = _TIER_OPTIONS[option]
+            if args.tier != tier:
+                command.error(f"{option} is for --tier {tier}, not --tier {args.tier}")
+
+
+def _tier_flags(args: argparse.Namespace) -> str:
+    tier = getattr(args, "tier", "host")
+    if tier == "remote":
+        return f"--tier remote --backend {args.backend}: "
+    if tier == "disk":
+        return f"--tier disk --dir {args.dir}: "
+    return ""
+
+
+def _thread_flags(args: argparse.Namespace) -> str:
+    if getattr(args, "tier", "host") == "disk":
+        return f"--queue-depth {args.queue_depth}: "
+    return f"--workers {args.workers}: " if hasattr(args, "workers") else ""
+
+
+def _thread_start_failed(exc: RuntimeError) -> bool:
+    # threading.Thread.start raises RuntimeError("can't start new thread") when the
+    # system refuses one (the process or user thread limit, or memory for its stack)
+    return "can't start new thread" in str(exc)
 
 
 if __name__ == "__main__":

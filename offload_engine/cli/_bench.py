@@ -12,16 +12,22 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import asdict
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 from offload_engine.bench.rigs import RigShape
 from offload_engine.cli._console import progress_bar
 from offload_engine.cli._report import report_header
 from offload_engine.device.runtimes import probe as runtimes
+
+if TYPE_CHECKING:
+    from offload_engine.bench.overhead import OverheadResult
+    from offload_engine.bench.step import StepPlan, StepRow
+    from offload_engine.device.runtimes.probe import RuntimeInfo
 
 SCHEMA = "offload-engine-bench/1"
 BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
@@ -107,6 +113,43 @@ def _disk_table(report: dict[str, Any]) -> Any:
     return table
 
 
+def check_disk_memory(plans: list[Any], *, available: int | None = None) -> None:
+    """Refuse, before anything is allocated, a disk plan whose chunks do not fit in
+    host memory twice: the bytes every system writes, and the buffer they move through."""
+    from offload_engine.bench.machine import check_host_memory, memory_size
+
+    for plan in plans:
+        check_host_memory(
+            2 * plan.chunks * plan.chunk_bytes,
+            f"{plan.chunk_bytes / 2**20:g} MiB chunks: the disk bench holds its {plan.chunks} "
+            f"chunks of {memory_size(plan.chunk_bytes)} twice (the bytes written and the "
+            "buffer they move through), which needs",
+            available=available,
+        )
+
+
+def skipped_disk_systems() -> list[str]:
+    """Which of the disk bench's comparisons cannot run here, and why."""
+    import shutil
+    import warnings
+
+    skipped = []
+    if shutil.which("fio") is None:
+        skipped.append("fio skipped: fio is not installed (apt-get install fio)")
+    try:
+        with warnings.catch_warnings():  # vLLM's imports warn about torch APIs; not ours
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from vllm.v1.kv_offload.tiering.fs.manager import (  # noqa: F401
+                FileSystemTierManager,
+            )
+    except ImportError:
+        skipped.append(
+            "vllm-fs skipped: vLLM's fs tier (vllm.v1.kv_offload.tiering.fs) does not import; "
+            "install the vllm extra"
+        )
+    return skipped
+
+
 def cmd_bench_disk(args: argparse.Namespace) -> int:
     """``bench --tier disk``: the engine's disk tier, fio and vLLM's fs tier, one run
     per chunk size (``--chunk-mib``), ratios per size."""
@@ -119,7 +162,7 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     if not directory.is_dir():
         raise OSError(f"--dir {directory} is not a directory")
     sizes = args.chunk_mib or [args.chunk_kib * 1024]
-    runs = []
+    plans = []
     for chunk in sizes:
         plan = (
             DiskBenchPlan.quick() if args.quick else DiskBenchPlan.of_volume(chunk, args.volume_mib)
@@ -131,7 +174,14 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
             jobs_in_flight=plan.jobs_in_flight,
             queue_depth=args.queue_depth,
         )
-        runs.append(run_disk_bench(directory, plan, repeats=1 if args.quick else 3))
+        plans.append(plan)
+    check_disk_memory(plans)
+    skipped = skipped_disk_systems()
+    if skipped:
+        Console(highlight=False, soft_wrap=True).print(
+            "note: " + "; ".join(skipped) + " (their rows and ratios are left out)", markup=False
+        )
+    runs = [run_disk_bench(directory, plan, repeats=1 if args.quick else 3) for plan in plans]
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "command": shlex.join(["offload-engine", *args.argv]),
@@ -162,19 +212,80 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from offload_engine.cli._bench_remote import cmd_bench_remote
 
         return cmd_bench_remote(args)
+    return cmd_bench_host(args)
+
+
+def _gpu_cases(
+    args: argparse.Namespace,
+    cuda: RuntimeInfo,
+    plan: BenchPlan,
+    step_plan: StepPlan,
+    tick: Callable[[str], None],
+) -> tuple[CaseResults, list[StepRow], dict[str, object]]:
+    """The GPU cases and the model-step pass, or why they did not run."""
+    from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step
+    from offload_engine.errors import RuntimeUnavailableError
+
+    none = CaseResults(sweep=[], latency=[])
+    if not (args.device == "cuda" or (args.device == "auto" and cuda.available)):
+        why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
+        return none, [], {"run": False, "reason": why}
+    try:
+        gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
+        step_rows = run_cuda_step(step_plan, tick=tick)
+    except RuntimeUnavailableError as exc:
+        if args.device == "cuda":
+            raise
+        return none, [], {"run": False, "reason": str(exc)}
+    return gpu, step_rows, {"run": True, "devices": list(cuda.devices)}
+
+
+def _print_host_report(
+    report: dict[str, Any],
+    results: CaseResults,
+    step_rows: list[StepRow],
+    overhead: list[OverheadResult],
+    written: list[Path],
+) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step
+    from offload_engine.bench.step import format_step_rows
+
+    out = Console(highlight=False, soft_wrap=True)
+    quick = " (quick)" if report["quick"] else ""
+    out.print(f"bench on {report['machine']['label']}, {report['date']}{quick}", markup=False)
+    if not report["gpu"]["run"]:
+        out.print(f"GPU cases not run: {report['gpu']['reason']}", markup=False)
+    out.print(_sweep_table(results.sweep))
+    out.print(_latency_table(results.latency))
+    if step_rows:
+        out.print("Model step slowdown (offload_engine.bench.step), against the same step alone:")
+        for line in format_step_rows(step_rows):
+            out.print(line, markup=False)
+    table = Table(title="Engine overhead (instant handler)", title_justify="left")
+    table.add_column("host")
+    for col in ("jobs/s", "p50 us", "p99 us"):
+        table.add_column(col, justify="right")
+    for r in overhead:
+        table.add_row(r.host, f"{r.jobs_per_s:,.0f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}")
+    out.print(table)
+    out.print(f"wrote {', '.join(str(w) for w in written)}", markup=False)
+
+
+def cmd_bench_host(args: argparse.Namespace) -> int:
+    """``bench --tier host``: the host cases, the GPU ones where CUDA is usable, the
+    engine's overhead; a JSON report and two figures."""
+    from rich.console import Console
+
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.overhead import backends, run_overhead
     from offload_engine.bench.plots import latency_figure, throughput_figure
     from offload_engine.bench.rigs import open_host_rig
-    from offload_engine.bench.step import StepPlan, StepRow, format_step_rows
+    from offload_engine.bench.step import StepPlan
     from offload_engine.bench.transfers import run_rig_cases
     from offload_engine.errors import RuntimeUnavailableError
 
-    out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     plan = BenchPlan.quick(args.workers) if args.quick else BenchPlan(workers=args.workers)
     jobs, samples = QUICK_OVERHEAD_JOBS if args.quick else OVERHEAD_JOBS
@@ -191,35 +302,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     label = args.machine_label or machine.label()
     day = date.today().isoformat()
 
-    results = CaseResults(sweep=[], latency=[])
-    gpu_status: dict[str, object]
     total = plan.steps + len(backends()) + 1
     step_plan = StepPlan.quick() if args.quick else StepPlan()
     if run_gpu:
         total += plan.steps * len(cuda.strategies) + step_plan.ticks
-    step_rows: list[StepRow] = []
     with progress_bar(err) as progress:
         task = progress.add_task("bench", total=total)
 
         def tick(what: str) -> None:
             progress.update(task, advance=1, description=what)
 
-        if run_gpu:
-            try:
-                gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
-                step_rows = run_cuda_step(step_plan, tick=tick)
-            except RuntimeUnavailableError as exc:
-                if args.device == "cuda":
-                    raise
-                gpu_status = {"run": False, "reason": str(exc)}
-            else:
-                results.sweep += gpu.sweep
-                results.latency += gpu.latency
-                gpu_status = {"run": True, "devices": list(cuda.devices)}
-        else:
-            why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
-            gpu_status = {"run": False, "reason": why}
-
+        results, step_rows, gpu_status = _gpu_cases(args, cuda, plan, step_plan, tick)
         rig = open_host_rig(BENCH_SHAPE, workers=plan.workers)
         try:
             host = run_rig_cases(rig, plan, variant=f"{plan.workers} copy threads", tick=tick)
@@ -250,23 +343,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "figures": {"throughput": THROUGHPUT_PNG, "latency": LATENCY_PNG},
     }
     (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-
-    out.print(f"bench on {label}, {day}{' (quick)' if args.quick else ''}", markup=False)
-    if not gpu_status["run"]:
-        out.print(f"GPU cases not run: {gpu_status['reason']}", markup=False)
-    out.print(_sweep_table(results.sweep))
-    out.print(_latency_table(results.latency))
-    if step_rows:
-        out.print("Model step slowdown (offload_engine.bench.step), against the same step alone:")
-        for line in format_step_rows(step_rows):
-            out.print(line, markup=False)
-    table = Table(title="Engine overhead (instant handler)", title_justify="left")
-    table.add_column("host")
-    for col in ("jobs/s", "p50 us", "p99 us"):
-        table.add_column(col, justify="right")
-    for r in overhead:
-        table.add_row(r.host, f"{r.jobs_per_s:,.0f}", f"{r.p50_us:.0f}", f"{r.p99_us:.0f}")
-    out.print(table)
-    written = ", ".join(str(out_dir / f) for f in (REPORT, THROUGHPUT_PNG, LATENCY_PNG))
-    out.print(f"wrote {written}", markup=False)
+    written = [out_dir / f for f in (REPORT, THROUGHPUT_PNG, LATENCY_PNG)]
+    _print_host_report(report, results, step_rows, overhead, written)
     return 0

@@ -10,9 +10,38 @@ from datetime import date
 from pathlib import Path
 
 from offload_engine.cli._console import progress_bar
+from offload_engine.errors import ConfigError
 
 REMOTE_REPORT = "remote-report.json"
 SCHEMA = "offload-engine-bench-remote/1"
+
+
+_CLIENTS = {
+    "redis": (
+        "redis",
+        "the redis client is not installed: from the offload-engine checkout, "
+        "pip install -e '.[remote]'",
+    ),
+    "mooncake": (
+        "mooncake.store",
+        "the Mooncake client is not installed: from the offload-engine checkout, "
+        "pip install -e '.[remote]' (x86_64, Python 3.11), or pip install "
+        "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)",
+    ),
+}
+
+
+def check_clients(backends: list[str]) -> None:
+    """Raise :class:`ConfigError` naming the install command for a backend whose
+    client library does not import, before any server starts."""
+    import importlib
+
+    for backend in backends:
+        module, why = _CLIENTS[backend]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ConfigError(why) from exc
 
 
 def cmd_bench_remote(args: argparse.Namespace) -> int:
@@ -27,6 +56,7 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     plan = RemotePlan.quick() if args.quick else RemotePlan()
     backends = ["redis", "mooncake"] if args.backend == "both" else [args.backend]
+    check_clients(backends)
     steps = len(plan.chunk_mib) * len(plan.concurrency) * len(backends)
     points = []
     with progress_bar(err) as progress:

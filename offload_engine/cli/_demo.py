@@ -38,8 +38,13 @@ class DemoTierBook:
         self.dst_free: deque[int] = deque(cache_range)
 
     def take_free(self, n: int) -> list[int] | None:
-        """``n`` tier blocks to store into, evicting the oldest unpinned stores."""
-        for entry in list(self.readable):
+        """``n`` tier blocks to store into, evicting the oldest unpinned stores.
+
+        The newest readable store is never evicted: it is the next prefix hit, so a
+        step always has a block to load once one store has completed. ``None`` when
+        in-flight stores and pinned blocks hold too much of the tier.
+        """
+        for entry in list(self.readable)[:-1]:
             if len(self.free) >= n:
                 break
             if not any(self.pins.get(t) for t in entry[0]):
@@ -56,7 +61,9 @@ class DemoTierBook:
             self.free.extend(tiers)
 
     def pick_hit(self, n: int) -> tuple[list[int], list[int], list[int]] | None:
-        """The newest readable store as a prefix hit, pinned, and ``n`` free destinations."""
+        """The newest readable store as a prefix hit, pinned, and ``n`` free destinations;
+        ``None`` before any store has completed, or while in-flight loads hold the
+        destinations."""
         if not self.readable or len(self.dst_free) < n:
             return None
         tiers, sources = self.readable[-1]
@@ -110,6 +117,23 @@ class DemoReport:
         return self.store.failed + self.load.failed == 0 and self.checked > 0 and not self.corrupt
 
 
+def check_demo_sizes(tier_blocks: int, cache_blocks: int, blocks_per_job: int) -> None:
+    """Raise :class:`ValueError` unless every step can store and load ``blocks_per_job``.
+
+    A step stores into free tier blocks while the newest completed store stays
+    readable, and loads into the upper half of the cache: the tier must hold two
+    jobs' blocks, the half cache one job's.
+    """
+    if blocks_per_job < 1:
+        raise ValueError(f"blocks_per_job must be positive, got {blocks_per_job}")
+    if tier_blocks < 2 * blocks_per_job or cache_blocks // 2 < blocks_per_job:
+        raise ValueError(
+            f"{blocks_per_job} blocks per job need a tier of at least {2 * blocks_per_job} "
+            f"blocks and a cache of at least {2 * blocks_per_job} "
+            f"(got {tier_blocks} and {cache_blocks})"
+        )
+
+
 def run_demo(
     rig: Rig,
     *,
@@ -125,8 +149,16 @@ def run_demo(
     load's result arrives, and before its destination blocks can be reused,
     each destination block is compared byte for byte with the block it was
     stored from. The comparisons' CPU time is counted apart from the step's.
+
+    A step waits for the oldest job while more than ``max_outstanding`` are in
+    flight, and also whenever its store or its load cannot start: when in-flight
+    stores hold the free tier blocks, when no store has completed yet, or when
+    in-flight loads hold the destination blocks. So every step stores and loads,
+    whatever ``max_outstanding`` is; the tier and the cache bound how many jobs
+    are really in flight.
     """
     per_job, nb = blocks_per_job, rig.layout.num_blocks
+    check_demo_sizes(rig.tier.num_blocks, nb, per_job)
     half = nb // 2
     book = DemoTierBook(tier_blocks=rig.tier.num_blocks, cache_range=range(half, nb))
     rng = np.random.default_rng(0)
@@ -151,13 +183,25 @@ def run_demo(
 
     t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     with SyncOffloadingEngine(rig.handlers) as engine:
+
+        def wait_oldest() -> bool:
+            """Settle the oldest job in flight; False when none is."""
+            if not pending:
+                return False
+            settle(engine.wait([next(iter(pending))]))
+            return True
+
         for _ in range(steps):
             tiers = book.take_free(per_job)
+            while tiers is None and wait_oldest():
+                tiers = book.take_free(per_job)
             if tiers is not None:
                 sources = rng.choice(half, size=per_job, replace=False).tolist()
                 jid = engine.submit(rig.store(sources, tiers))
                 pending[jid] = ("store", tiers, sources, [])
             hit = book.pick_hit(per_job)
+            while hit is None and wait_oldest():
+                hit = book.pick_hit(per_job)
             if hit is not None:
                 tiers, sources, dsts = hit
                 jid = engine.submit(rig.load(tiers, dsts))
@@ -165,7 +209,7 @@ def run_demo(
             settle(engine.get_finished())
             while len(pending) > max_outstanding:
                 # a real step computes for a while; here the oldest job sets the pace
-                settle(engine.wait([next(iter(pending))]))
+                wait_oldest()
             on_step()
         settle(engine.wait(list(pending)))
     report.wall_s = time.perf_counter() - t0
@@ -175,6 +219,8 @@ def run_demo(
 
 
 def _row(name: str, t: DirectionTally, wall: float) -> tuple[str, ...]:
+    if not t.jobs:
+        return (name, "0", "0", "0.00", "-", "-", "-")
     return (
         name,
         f"{t.jobs:,}",
