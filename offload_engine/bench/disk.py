@@ -63,15 +63,25 @@ class DiskBenchPlan:
     queue_depth: int = 4
 
     @classmethod
-    def quick(cls) -> DiskBenchPlan:
-        return cls(chunk_bytes=2**20, chunks=32, chunks_per_job=8)
+    def quick(cls, chunk_bytes: int = 2**20, volume_mib: int | None = None) -> DiskBenchPlan:
+        """A CI-sized plan: 32 chunks of ``chunk_bytes``, or ``volume_mib`` of them,
+        8 a job."""
+        if volume_mib is None:
+            return cls(chunk_bytes=chunk_bytes, chunks=32, chunks_per_job=8)
+        return cls.of_volume(chunk_bytes, volume_mib, chunks_per_job=8)
 
     @classmethod
     def of_volume(cls, chunk_bytes: int, volume_mib: int, **fields: int) -> DiskBenchPlan:
-        """Chunks of ``chunk_bytes`` making ``volume_mib`` (at least 16 chunks)."""
-        return cls(
-            chunk_bytes=chunk_bytes, chunks=max(16, volume_mib * 2**20 // chunk_bytes), **fields
-        )
+        """Chunks of ``chunk_bytes`` making ``volume_mib`` (at least 16 chunks),
+        rounded up to whole jobs."""
+        per = fields.get("chunks_per_job", cls.chunks_per_job)
+        chunks = max(16, volume_mib * 2**20 // chunk_bytes)
+        return cls(chunk_bytes=chunk_bytes, chunks=-(-chunks // per) * per, **fields)
+
+    def host_bytes(self) -> int:
+        """Host memory the bench holds at once: the random chunks, the engine's host
+        tier, and the buffer vLLM's fs tier reads from."""
+        return 3 * self.chunks * self.chunk_bytes
 
     def random_chunks(self) -> np.ndarray:
         """What every system writes: seeded random bytes, one row per chunk."""
@@ -122,6 +132,15 @@ def engine_sizes(plan: DiskBenchPlan) -> tuple[int, int]:
     segment = min(SEGMENT_BYTES, -(-plan.chunks * slot // 8 // 4096) * 4096 + 2**20)
     one_pass = DiskStore.capacity_for(plan.chunks, plan.chunk_bytes, segment_bytes=segment)
     return segment, one_pass + segment
+
+
+def disk_bytes_needed(plan: DiskBenchPlan, repeats: int) -> int:
+    """Drive space one :func:`run_disk_bench` of ``plan`` takes at its peak: every
+    repeat's directories stay until the end (the engine's preallocated segments,
+    fio's files, fio-1m's for small chunks, vLLM's files, a page of metadata each)."""
+    volume = plan.chunks * (plan.chunk_bytes + 4096)
+    others = 3 if plan.chunk_bytes < PACK_BYTES else 2
+    return repeats * (engine_sizes(plan)[1] + others * volume)
 
 
 def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-from dataclasses import asdict
+import shutil
+from dataclasses import asdict, replace
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ THROUGHPUT_PNG = "throughput.png"
 LATENCY_PNG = "latency.png"
 OVERHEAD_JOBS = (100_000, 3000)  # jobs, latency samples
 QUICK_OVERHEAD_JOBS = (5000, 300)
+DISK_VOLUME_MIB = 512  # bench --tier disk: MiB each system writes and reads per chunk size
 
 
 def _label(medium: str, strategy: str) -> str:
@@ -107,31 +109,62 @@ def _disk_table(report: dict[str, Any]) -> Any:
     return table
 
 
+def _disk_plans(args: argparse.Namespace) -> list[Any]:
+    """One plan per chunk size: ``--chunk-mib`` or ``--chunk-kib`` (default 2 MiB,
+    1 MiB with ``--quick``), ``--volume-mib`` of them (default 512 MiB, 32 chunks
+    with ``--quick``); :class:`InsufficientMemoryError` before anything is
+    allocated if host memory cannot hold a plan."""
+    from offload_engine.bench.disk import DiskBenchPlan
+    from offload_engine.bench.machine import available_memory_bytes
+    from offload_engine.errors import InsufficientMemoryError
+
+    if args.chunk_mib:
+        sizes = args.chunk_mib
+    elif args.chunk_kib is not None:
+        sizes = [args.chunk_kib * 1024]
+    else:
+        sizes = [2**20 if args.quick else 2 * 2**20]
+    plans = []
+    for chunk in sizes:
+        if args.quick:
+            plan = DiskBenchPlan.quick(chunk, args.volume_mib)
+        else:
+            plan = DiskBenchPlan.of_volume(chunk, args.volume_mib or DISK_VOLUME_MIB)
+        plan = replace(plan, queue_depth=args.queue_depth)
+        free = available_memory_bytes()
+        if free is not None and plan.host_bytes() > free:
+            raise InsufficientMemoryError(
+                f"{plan.chunks} chunks of {chunk / 2**20:g} MiB need "
+                f"{plan.host_bytes() / 2**30:.1f} GiB of host memory (the data, the host tier "
+                f"and vLLM's buffer), but only {free / 2**30:.1f} GiB is available"
+            )
+        plans.append(plan)
+    return plans
+
+
 def cmd_bench_disk(args: argparse.Namespace) -> int:
     """``bench --tier disk``: the engine's disk tier, fio and vLLM's fs tier, one run
     per chunk size (``--chunk-mib``), ratios per size."""
     from rich.console import Console
 
-    from offload_engine.bench.disk import DiskBenchPlan, run_disk_bench
+    from offload_engine.bench.disk import disk_bytes_needed, run_disk_bench
     from offload_engine.bench.machine import Machine
 
     directory = Path(args.dir)
     if not directory.is_dir():
         raise OSError(f"--dir {directory} is not a directory")
-    sizes = args.chunk_mib or [args.chunk_kib * 1024]
-    runs = []
-    for chunk in sizes:
-        plan = (
-            DiskBenchPlan.quick() if args.quick else DiskBenchPlan.of_volume(chunk, args.volume_mib)
-        )
-        plan = DiskBenchPlan(
-            chunk_bytes=plan.chunk_bytes if args.quick and not args.chunk_mib else chunk,
-            chunks=plan.chunks,
-            chunks_per_job=plan.chunks_per_job,
-            jobs_in_flight=plan.jobs_in_flight,
-            queue_depth=args.queue_depth,
-        )
-        runs.append(run_disk_bench(directory, plan, repeats=1 if args.quick else 3))
+    plans = _disk_plans(args)
+    repeats = 1 if args.quick else 3
+    free = shutil.disk_usage(directory).free
+    for plan in plans:
+        need = disk_bytes_needed(plan, repeats)
+        if need > free:
+            raise OSError(
+                f"--dir {directory}: {plan.chunks} chunks of {plan.chunk_bytes / 2**20:g} MiB "
+                f"need {need / 2**30:.2f} GiB of free space ({repeats} repeat(s) of every "
+                f"system), but only {free / 2**30:.2f} GiB is free; lower --volume-mib"
+            )
+    runs = [run_disk_bench(directory, plan, repeats=repeats) for plan in plans]
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "command": shlex.join(["offload-engine", *args.argv]),
