@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from offload_engine import ConfigError
 from offload_engine.bench.disk import DiskBenchPlan, bench_engine, engine_sizes
 from offload_engine.cli import build_parser, main
 from offload_engine.cli._bench import _disk_plans
 from offload_engine.disk import DiskStore
-from tests.test_disk import _mounted
+from offload_engine.disk.store import MAX_QUEUE_DEPTH
+from tests.test_disk import _mounted, digest
 
 
 def test_quick_disk_bench_writes_a_report_with_every_system(
@@ -145,3 +147,31 @@ def test_disk_bench_needs_an_existing_directory(tmp_path: Path) -> None:
         ["bench", "--tier", "disk", "--quick", "--dir", str(tmp_path / "no"), "-o", str(tmp_path)]
     )
     assert code != 0
+
+
+def test_a_queue_depth_beyond_the_store_is_a_usage_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["bench", "--tier", "disk", "--quick", "--queue-depth", "100000", "--dir", str(tmp_path)]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert "--queue-depth 100000 is too large" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="queue_depth"):
+        DiskStore(tmp_path, digest(), capacity_bytes=2**30, queue_depth=MAX_QUEUE_DEPTH + 1)
+
+
+def test_missing_systems_are_named_not_silently_dropped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import offload_engine.bench.disk as bench
+
+    monkeypatch.setattr(bench, "missing_systems", lambda: {"fio": "fio is not on PATH"})
+    monkeypatch.setattr(bench, "bench_fio", lambda *a, **k: [])
+    drive = tmp_path / "drive"
+    drive.mkdir()
+    argv = ["bench", "--tier", "disk", "--quick", "--volume-mib", "16", "--dir", str(drive)]
+    assert main([*argv, "-o", str(tmp_path / "out")]) == 0
+    report = json.loads((tmp_path / "out" / "disk-report.json").read_text())
+    assert report["runs"][0]["skipped"] == {"fio": "fio is not on PATH"}
+    assert "note: no fio rows: fio is not on PATH" in capsys.readouterr().out

@@ -31,6 +31,7 @@ Every figure is **cold**: O_DIRECT bypasses the page cache for all three
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import mmap
 import os
@@ -314,6 +315,16 @@ def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Dis
     return out
 
 
+def missing_systems() -> dict[str, str]:
+    """The systems this machine cannot run, and why (their rows are left out)."""
+    missing: dict[str, str] = {}
+    if shutil.which("fio") is None:
+        missing["fio"] = "fio is not on PATH"
+    if importlib.util.find_spec("vllm") is None:
+        missing["vllm-fs"] = "vllm is not installed (pip install 'offload-engine[vllm]')"
+    return missing
+
+
 def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) -> dict[str, Any]:
     """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
     each round starting one system later (so none always follows the same one),
@@ -344,6 +355,8 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
         for where in made:
             shutil.rmtree(where, ignore_errors=True)
     figures = [sorted(fs, key=lambda f: f.gbps)[len(fs) // 2] for fs in samples.values()]
+    measured = {f.system for f in figures}
+    skipped = {name: why for name, why in missing_systems().items() if name not in measured}
     by = {(f.system, f.direction): f for f in figures}
     ratios: dict[str, float] = {}
     pairs = [("engine", other) for other in ("fio", "fio-1m", "vllm-fs")] + [
@@ -361,4 +374,5 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
         "figures": [asdict(f) for f in figures],
         "all_gbps": {f"{s} {d}": [round(f.gbps, 3) for f in fs] for (s, d), fs in samples.items()},
         "ratios": ratios,
+        "skipped": skipped,
     }

@@ -116,7 +116,14 @@ def _disk_plans(args: argparse.Namespace) -> list[Any]:
     allocated if host memory cannot hold a plan."""
     from offload_engine.bench.disk import DiskBenchPlan
     from offload_engine.bench.machine import available_memory_bytes
+    from offload_engine.disk.store import MAX_QUEUE_DEPTH
     from offload_engine.errors import InsufficientMemoryError
+
+    if args.queue_depth > MAX_QUEUE_DEPTH:
+        args.parser.error(
+            f"--queue-depth {args.queue_depth} is too large (at most {MAX_QUEUE_DEPTH} I/O "
+            "threads per direction)"
+        )
 
     if args.chunk_mib:
         sizes = args.chunk_mib
@@ -184,6 +191,8 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     out.print(f"disk bench on {report['machine']}, {report['date']}", markup=False)
     for r in runs:
         out.print(_disk_table(r))
+    for name, why in runs[0]["skipped"].items():
+        out.print(f"note: no {name} rows: {why}", markup=False)
     out.print(f"wrote {out_dir / 'disk-report.json'}", markup=False)
     return 0
 

@@ -44,6 +44,7 @@ from offload_engine.keyed import LayoutDigest
 from offload_engine.vocabulary import as_keys
 
 __all__ = [
+    "MAX_QUEUE_DEPTH",
     "PACK_BYTES",
     "PAGE",
     "SEGMENT_BYTES",
@@ -54,6 +55,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("offload_engine.disk")
+
+MAX_QUEUE_DEPTH = 256
+"""The most I/O threads per direction a store starts (``queue_depth``): far more
+requests than a drive's queue overlaps, well under what a process may start."""
 
 PACK_BYTES = 2**20
 """The least bytes of objects one record holds, and the most one read request
@@ -174,7 +179,7 @@ class DiskStore:
         if not isinstance(digest, LayoutDigest):
             raise ConfigError(f"DiskStore takes a LayoutDigest, got {type(digest).__name__}")
         check_int(capacity_bytes, "DiskStore capacity_bytes")
-        check_int(queue_depth, "DiskStore queue_depth")
+        check_int(queue_depth, "DiskStore queue_depth", maximum=MAX_QUEUE_DEPTH)
         pack_bytes = PACK_BYTES if pack_bytes is None else pack_bytes
         check_int(pack_bytes, "DiskStore pack_bytes", minimum=0)
         if segment_bytes is not None:
