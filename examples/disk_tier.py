@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from offload_engine import (
+    ConfigError,
     DiskStore,
     LayoutDigest,
     SyncOffloadingEngine,
+    TierUnavailableError,
     TransferSpec,
     cpu_blocks,
     disk_blocks,
@@ -81,6 +83,8 @@ def load(path: Path) -> None:
         stats = disk.stats()
         hit = disk.contains(keys)
         print(f"restarted: {stats.recovered} objects on disk; {hit} of {len(keys)} keys stored")
+        if not hit:
+            raise SystemExit(f"nothing to load: no block is stored in {path} (run --phase store)")
         ids = list(range(hit))[::-1]  # load into other slots than they came from
         job = engine.submit(TransferSpec(disk_blocks(keys[:hit]), cpu_blocks(ids)))
         [result] = engine.wait([job])
@@ -97,10 +101,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("dir", type=Path, help="an existing, writable directory")
     parser.add_argument("--phase", choices=("both", "store", "load"), default="both")
     args = parser.parse_args(argv)
-    if args.phase in ("both", "store"):
-        store(args.dir)
-    if args.phase in ("both", "load"):
-        load(args.dir)
+    try:
+        if args.phase in ("both", "store"):
+            store(args.dir)
+        if args.phase in ("both", "load"):
+            load(args.dir)
+    except (TierUnavailableError, ConfigError) as exc:  # a missing or foreign directory
+        raise SystemExit(f"disk_tier.py: error: {exc}") from None
     return 0
 
 

@@ -25,8 +25,15 @@ from offload_engine.device.handler import (
     pinned_host_tier,
 )
 from offload_engine.device.runtimes.base import DeviceRuntime
-from offload_engine.disk.handler import DiskHandler, disk_handlers, page_aligned_tier
-from offload_engine.disk.store import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
+from offload_engine.disk import (
+    DiskHandler,
+    DiskStore,
+    DiskStoreStats,
+    EvictionPolicy,
+    LRUPolicy,
+    disk_handlers,
+    page_aligned_tier,
+)
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.engine.manager import OffloadingQueueManager
 from offload_engine.engine.stats import EngineStats, HandlerStats

@@ -511,33 +511,11 @@ def test_bench_disk_chunks_too_large_for_memory_are_one_line(
     assert main([*argv, "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert err.splitlines() == [
-        "offload-engine bench: error: 100000 MiB chunks: the disk bench holds its 32 chunks of "
-        "97.7 GiB twice (the bytes written and the buffer they move through), which needs "
-        "6.1 TiB of host memory, but only " + err.split("but only ", 1)[1].rstrip("\n")
+        "offload-engine bench: error: 32 chunks of 100000 MiB need 9.2 TiB of host memory (the "
+        "data, the host tier and vLLM's buffer), but only "
+        + err.split("but only ", 1)[1].rstrip("\n")
     ]
     assert list(tmp_path.iterdir()) == []  # refused before any directory or file
-
-
-def test_bench_disk_says_which_rows_it_skips(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    import shutil
-
-    from offload_engine.bench import disk
-
-    real_which = shutil.which
-    monkeypatch.setattr(shutil, "which", lambda name: None if name == "fio" else real_which(name))
-    monkeypatch.setitem(sys.modules, "vllm.v1.kv_offload.tiering.fs.manager", None)
-    fake = {"plan": {"chunk_bytes": 2**20}, "repeats": 1, "figures": [], "ratios": {}}
-    monkeypatch.setattr(disk, "run_disk_bench", lambda *a, **k: fake)
-    argv = ["bench", "--quick", "--tier", "disk", "--dir", str(tmp_path), "-o", str(tmp_path)]
-    assert main(argv) == 0
-    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
-    assert notes == [
-        "note: fio skipped: fio is not installed (apt-get install fio); vllm-fs skipped: vLLM's "
-        "fs tier (vllm.v1.kv_offload.tiering.fs) does not import; install the vllm extra "
-        "(their rows and ratios are left out)"
-    ]
 
 
 def test_memory_check_counts_the_cache_and_the_tier() -> None:

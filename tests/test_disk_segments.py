@@ -1,7 +1,7 @@
 """The segment layout (``DiskStore(segment_bytes=)``): records appended to preallocated
 segment files, each object verified alone, a record indexed only once its header is
-written after its slots, segments recycled whole under a new generation.
-(Concurrent stores and loads: tests/test_disk.py, parametrized over the layouts.)"""
+written after its slots, segments recycled whole under a new generation; a directory
+of an older layout refused or wiped. (Concurrent stores and loads: tests/test_disk.py.)"""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from offload_engine import (
     LayoutMismatchError,
     SyncOffloadingEngine,
     TierFullError,
+    TierUnavailableError,
     TrailerError,
 )
-from offload_engine.disk import _pack
-from offload_engine.disk import store as disk_mod
+from offload_engine.disk import _io, _record
 from offload_engine.disk.handler import disk_handlers
 from offload_engine.disk.store import PAGE, DiskStore
 from offload_engine.host.tier import HostTier
@@ -31,6 +31,7 @@ from tests.test_disk import _mounted, in_threads, killed_mid_write
 from tests.test_disk_pack import (
     BLOCK,
     PACK,
+    SEG,
     SLOT,
     data,
     digest,
@@ -41,8 +42,6 @@ from tests.test_disk_pack import (
     make_tier,
     store,
 )
-
-SEG = 2**20  # 1 MiB segments: page 0 is the head, 1020 KiB for records
 
 
 def keys(a: int, b: int) -> list[bytes]:
@@ -79,17 +78,17 @@ def on_disk(path: Path) -> int:
 
 @contextlib.contextmanager
 def counting(monkeypatch: pytest.MonkeyPatch, call: str) -> Iterator[list[tuple[int, int]]]:
-    """Record the store's ``_pwritev``/``_preadv`` calls as (offset, bytes)."""
+    """Record the store's ``pwritev``/``preadv`` calls as (offset, bytes)."""
     calls: list[tuple[int, int]] = []
-    real = getattr(disk_mod, call)
+    real = getattr(_io, call)
 
     def counted(fd: int, bufs: list[memoryview], offset: int) -> int:
         calls.append((offset, sum(memoryview(b).nbytes for b in bufs)))
         return int(real(fd, bufs, offset))
 
-    monkeypatch.setattr(disk_mod, call, counted)
+    monkeypatch.setattr(_io, call, counted)
     yield calls
-    monkeypatch.setattr(disk_mod, call, real)
+    monkeypatch.setattr(_io, call, real)
 
 
 # ------------------------------------------------------------------ round trips
@@ -117,15 +116,6 @@ def test_round_trips_bit_exact_at_chunk_sizes(tmp_path: Path, mib: float) -> Non
         tier.memory[4:].zero_()
         assert load(engine, ks[::-1], [4, 5, 6, 7]).success  # type: ignore[attr-defined]
         assert [data(tier, 4 + i) for i in range(4)] == [data(tier, 3 - i) for i in range(4)]
-
-
-@pytest.mark.parametrize("record", [False, True])
-def test_a_header_is_as_long_as_its_size_says_at_every_key_count(record: bool) -> None:
-    # a record's fixed fields are 8 bytes longer than a pack's: around a page
-    # boundary (110 keys of 36 bytes) the record's header needs one more page
-    for n in range(1, _pack.MAX_PACK_SLOTS + 1):
-        header = _pack.PackHeader(tuple(keys(0, n)), SLOT, 7 if record else None)
-        assert len(header.encode(PAGE)) == header.size(PAGE), n
 
 
 def test_a_record_whose_header_crosses_a_page_by_its_generation_round_trips(
@@ -191,7 +181,7 @@ def test_a_record_is_slots_then_its_header_and_a_run_is_one_read(
     ks = keys(0, 8)
     # pack_bytes of 4 slots: a read request covers up to 4
     with engine_on(tmp_path, tier, queue_depth=2, pack_bytes=PACK) as (disk, engine):
-        with counting(monkeypatch, "_pwritev") as writes:
+        with counting(monkeypatch, "pwritev") as writes:
             assert store(engine, list(range(8)), ks).success  # type: ignore[attr-defined]
         # 8 objects, 2 threads: two records of 4, each slots first and then its header;
         # the segment's head before any of them
@@ -210,7 +200,7 @@ def test_a_record_is_slots_then_its_header_and_a_run_is_one_read(
             assert writes.index((base, PAGE)) > slots
         assert disk.location(ks[5]) == (segments(tmp_path)[0], PAGE + record(4) + PAGE + SLOT, SLOT)
         tier.memory[8:].zero_()
-        with counting(monkeypatch, "_preadv") as reads:
+        with counting(monkeypatch, "preadv") as reads:
             assert load(engine, ks, list(range(8, 16))).success  # type: ignore[attr-defined]
         assert sorted(reads) == [(2 * PAGE, 4 * SLOT), (PAGE + record(4) + PAGE, 4 * SLOT)]
         assert [data(tier, 8 + i) for i in range(8)] == [data(tier, i) for i in range(8)]
@@ -225,7 +215,7 @@ def test_a_read_request_stops_at_pack_bytes(
     with engine_on(tmp_path, tier, pack_bytes=2 * SLOT) as (_, engine):
         assert store(engine, list(range(8)), ks).success  # type: ignore[attr-defined]
         tier.memory[8:].zero_()
-        with counting(monkeypatch, "_preadv") as reads:
+        with counting(monkeypatch, "preadv") as reads:
             assert load(engine, ks, list(range(8, 16))).success  # type: ignore[attr-defined]
         assert sorted(reads) == [(2 * PAGE + i * 2 * SLOT, 2 * SLOT) for i in range(4)]
         assert [data(tier, 8 + i) for i in range(8)] == [data(tier, i) for i in range(8)]
@@ -240,39 +230,87 @@ def test_bad_segment_settings_are_config_errors(tmp_path: Path) -> None:
         DiskStore(tmp_path, digest(), capacity_bytes=SEG - PAGE, segment_bytes=SEG)
     with pytest.raises(ConfigError, match="segment_bytes"):
         DiskStore(tmp_path, digest(), capacity_bytes=SEG, segment_bytes=-1)
+    with pytest.raises(ConfigError, match="segment_bytes"):  # 0 meant the older layout
+        DiskStore(tmp_path, digest(), capacity_bytes=SEG, segment_bytes=0)
 
 
 def test_a_directory_is_read_only_in_the_layout_it_was_written_in(tmp_path: Path) -> None:
     tier = make_tier(4)
-    seg_dir, file_dir, new_dir = tmp_path / "seg", tmp_path / "files", tmp_path / "new"
-    for d in (seg_dir, file_dir, new_dir):
+    seg_dir, new_dir = tmp_path / "seg", tmp_path / "new"
+    for d in (seg_dir, new_dir):
         d.mkdir()
     with engine_on(seg_dir, tier) as (_disk, engine):
         assert store(engine, [0], [key(0)]).success  # type: ignore[attr-defined]
     config = json.loads((seg_dir / "config.json").read_text())
     assert config["store"] == {"format": "segments", "segment_bytes": SEG}
-    with pytest.raises(LayoutMismatchError, match="files and packs"):
-        DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=0)
     with pytest.raises(LayoutMismatchError, match="segment_bytes"):
         DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=2 * SEG)
-    with DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own layout
+    with DiskStore(seg_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own size
         assert disk.segment_bytes == SEG and disk.contains([key(0)]) == 1
-    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=0):
-        pass
-    assert "store" not in json.loads((file_dir / "config.json").read_text())
-    with pytest.raises(LayoutMismatchError, match="files and packs"):
-        DiskStore(file_dir, digest(), capacity_bytes=8 * SEG, segment_bytes=SEG)
-    with DiskStore(file_dir, digest(), capacity_bytes=8 * SEG) as disk:  # its own layout
-        assert disk.segment_bytes == 0 and disk.pack_slots > 0
     # a new directory, no segment_bytes: segments of a 16th of the cap
     with DiskStore(new_dir, digest(), capacity_bytes=32 * SEG) as disk:
-        assert disk.segment_bytes == 2 * SEG and disk.pack_slots == 0
+        assert disk.segment_bytes == 2 * SEG
     config = json.loads((new_dir / "config.json").read_text())
     assert config["store"] == {"format": "segments", "segment_bytes": 2 * SEG}
     config["store"] = {"format": "log"}
     (new_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(LayoutMismatchError, match="unknown store layout"):
+    with pytest.raises(TierUnavailableError, match="unknown store layout"):
         DiskStore(new_dir, digest(), capacity_bytes=32 * SEG)
+
+
+def _older_layout(path: Path) -> list[Path]:
+    """What a directory of the files-and-packs layout held: a config.json without a
+    "store" entry, object files and pack files. Returns those files."""
+    config = {"layout": json.loads(digest().to_json())}
+    (path / "config.json").write_text(json.dumps(config))
+    shard = path / "objects" / "ab" / "cd"
+    shard.mkdir(parents=True)
+    (shard / f"{key(0).hex()}.kv").write_bytes(bytes(SLOT))
+    packs = path / "packs" / "00"
+    packs.mkdir(parents=True)
+    (packs / "000000000000.pk").write_bytes(bytes(2 * SLOT))
+    return [shard / f"{key(0).hex()}.kv", packs / "000000000000.pk"]
+
+
+def test_a_directory_of_an_older_layout_is_refused_and_left_alone(tmp_path: Path) -> None:
+    files = _older_layout(tmp_path)
+    before = (tmp_path / "config.json").read_text()
+    with pytest.raises(TierUnavailableError) as info:
+        DiskStore(tmp_path, digest(), capacity_bytes=8 * SEG)
+    message = str(info.value)
+    assert "files-and-packs layout" in message and "older offload-engine" in message
+    assert "on_foreign_layout='wipe'" in message and str(tmp_path) in message
+    assert all(f.exists() for f in files) and (tmp_path / "config.json").read_text() == before
+    # the same with only the files of that layout and no config.json at all
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(TierUnavailableError, match=r"files-and-packs layout \(objects/ and packs/"):
+        DiskStore(tmp_path, digest(), capacity_bytes=8 * SEG, on_foreign_layout="error")
+    assert all(f.exists() for f in files)
+
+
+def test_a_directory_of_an_older_layout_is_wiped_when_asked(tmp_path: Path) -> None:
+    files = _older_layout(tmp_path)
+    (tmp_path / "notes.txt").write_text("not the tier's")
+    tier = make_tier(4)
+    with engine_on(tmp_path, tier, on_foreign_layout="wipe") as (disk, engine):
+        assert not (tmp_path / "objects").exists() and not (tmp_path / "packs").exists()
+        assert not any(f.exists() for f in files)
+        assert (tmp_path / "notes.txt").read_text() == "not the tier's"  # only the tier's go
+        stats = disk.stats()
+        assert (stats.recovered, stats.objects, stats.used_bytes) == (0, 0, 0)
+        assert disk.contains([key(0)]) == 0
+        assert store(engine, [0, 1], keys(0, 2)).success  # type: ignore[attr-defined]
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["store"] == {"format": "segments", "segment_bytes": SEG}
+    # a directory in the segment layout is never wiped
+    with engine_on(tmp_path, tier, on_foreign_layout="wipe") as (disk, _engine):
+        assert disk.stats().recovered == 2
+
+
+def test_on_foreign_layout_is_checked(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"on_foreign_layout must be error\|wipe"):
+        DiskStore(tmp_path, digest(), capacity_bytes=8 * SEG, on_foreign_layout="delete")  # type: ignore[arg-type]
+    assert not (tmp_path / "config.json").exists()  # refused before the directory is touched
 
 
 # ------------------------------------------------------------------ restart
@@ -291,7 +329,7 @@ def test_restart_walks_record_headers_and_appends_to_a_new_segment(
     with engine_on(tmp_path, tier, pack_bytes=PACK) as (disk, engine):
         stats = disk.stats()
         assert (stats.recovered, stats.removed_at_start, stats.used_bytes) == (12, 1, SEG)
-        with counting(monkeypatch, "_preadv") as reads:
+        with counting(monkeypatch, "preadv") as reads:
             assert load(engine, keys(0, 12), list(range(16, 28))).success  # type: ignore[attr-defined]
         assert len(reads) == 3  # a record's 4 consecutive slots (pack_bytes): one read
         assert all(data(tier, 16 + i) == data(tier, i) for i in range(12))
@@ -345,8 +383,8 @@ def test_a_recycled_segment_never_serves_its_earlier_keys(tmp_path: Path) -> Non
     # c is exactly as long as a1 was: the walk lands on a2's old header, whole and
     # valid but of the earlier generation, and must stop there
     raw = seg0.read_bytes()
-    head = _pack.SegmentHead.decode(raw[:PAGE])
-    stale = _pack.PackHeader.decode(raw[PAGE + record(7) :][:PAGE])
+    head = _record.SegmentHead.decode(raw[:PAGE])
+    stale = _record.RecordHeader.decode(raw[PAGE + record(7) :][:PAGE])
     assert stale.keys == tuple(a2) and stale.generation != head.generation
     originals = [data(tier, 28 + i) for i in range(7)]
     tier.memory[35:].zero_()
@@ -501,7 +539,7 @@ def test_enospc_writing_a_record_leaves_a_hole_the_restart_steps_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     tier = make_tier()
-    real = disk_mod._pwritev
+    real = _io.pwritev
     fail = [True]
 
     def pwritev(fd: int, bufs: list[memoryview], offset: int) -> int:
@@ -510,7 +548,7 @@ def test_enospc_writing_a_record_leaves_a_hole_the_restart_steps_over(
             raise OSError(errno.ENOSPC, "No space left on device")
         return int(real(fd, bufs, offset))
 
-    monkeypatch.setattr(disk_mod, "_pwritev", pwritev)
+    monkeypatch.setattr(_io, "pwritev", pwritev)
     with engine_on(tmp_path, tier) as (disk, engine):
         assert store(engine, [0, 1], keys(0, 2)).success  # type: ignore[attr-defined]
         r = store(engine, [2, 3, 4], keys(2, 5))
@@ -535,12 +573,12 @@ def test_enospc_writing_a_record_leaves_a_hole_the_restart_steps_over(
 _WRITER = r"""
 import os, sys, threading
 from offload_engine.disk.handler import disk_handlers
-from offload_engine.disk import store as disk_mod
+from offload_engine.disk import _io
 from offload_engine.disk.store import DiskStore
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, disk_blocks
 from tests.test_disk_segments import BLOCK, SEG, digest, keys, make_tier
 
-real = disk_mod._pwritev
+real = _io.pwritev
 count = [0]
 where = sys.argv[2]  # "slots": die halfway through the second record's slots
                      # "header": die after its slots, before its header
@@ -556,7 +594,7 @@ def pwritev(fd, bufs, offset):
         threading.Event().wait()  # until SIGKILL
     return real(fd, bufs, offset)
 
-disk_mod._pwritev = pwritev
+_io.pwritev = pwritev
 tier = make_tier(8, seed=11)
 store = DiskStore(
     sys.argv[1], digest(), capacity_bytes=4 * SEG, segment_bytes=SEG, pack_bytes=0, queue_depth=1
@@ -576,7 +614,7 @@ def test_a_writer_killed_mid_record_leaves_nothing_of_it_in_the_index(
     [seg0] = segments(tmp_path)
     # the second record's header page was never written (preallocated: zeros)
     with pytest.raises(TrailerError, match="magic"):
-        _pack.PackHeader.needed(seg0.read_bytes()[PAGE + record(4) :][:PAGE])
+        _record.RecordHeader.needed(seg0.read_bytes()[PAGE + record(4) :][:PAGE])
     tier = make_tier(16, seed=11)  # the writer's data in blocks 0..7
     with engine_on(tmp_path, tier, capacity_bytes=4 * SEG) as (disk, engine):
         stats = disk.stats()

@@ -403,8 +403,6 @@ LAYER_ALLOWANCES = {
     #          chunk_descriptors, map_transfer, merge_runs)
     ("offload_engine.device", "offload_engine.host.layout"),
     ("offload_engine.device", "offload_engine.host.tier"),
-    # disk/: from offload_engine.host import HostTier
-    ("offload_engine.disk", "offload_engine.host.tier"),
 }
 
 

@@ -118,7 +118,7 @@ def test_a_corrupt_chunk_is_a_partial_failure_with_the_verified_keys(tmp_path: P
     try:
         tier.submit_store(job(1, keys, [0, 1, 2], False))
         assert finish(tier)[1].success
-        where = tier.store.location(keys[1])  # its own file, or its slot in a pack
+        where = tier.store.location(keys[1])  # its slot in a segment
         assert where is not None
         path, offset, _length = where
         with open(path, "r+b") as f:
@@ -144,7 +144,7 @@ def test_lookup_says_retry_while_the_chunk_is_being_written(
     view, _array = primary_view()
     tier = make_tier(tmp_path, view)
     try:
-        with gated(monkeypatch, "_pwritev") as (entered, release):
+        with gated(monkeypatch, "pwritev") as (entered, release):
             tier.submit_store(job(1, [key(0)], [0], False))
             assert entered.wait(10)
             assert tier.lookup(key(0), ReqContext("r")) is LookupResult.RETRY

@@ -7,11 +7,11 @@ Load it under vLLM's tiering spec (or ``EngineTieringSpec``) with no patching::
 
 Optional keys: ``queue_depth`` (I/O threads per direction, default 4),
 ``direct`` (``null`` probes O_DIRECT, ``false`` forces buffered I/O),
-``fsync`` (``never`` | ``data`` | ``always``), ``pack_bytes`` (chunks smaller than this
-are written several to a pack file, one request; default 1 MiB, 0: one file per chunk;
-with segments, the least bytes of one record), ``segment_bytes`` (``null``, the default:
-the directory's layout, segments for a new one; 0: files and packs; N: segments of N
-bytes), ``locality``.
+``fsync`` (``never`` | ``data`` | ``always``), ``pack_bytes`` (the least bytes of chunks
+one record holds, and the most one read request covers; default 1 MiB),
+``segment_bytes`` (``null``, the default: the directory's, a 16th of the cap for a new
+one; N: segments of N bytes), ``on_foreign_layout`` (``error``, the default, refuses a
+directory written in an older on-disk layout; ``wipe`` deletes it), ``locality``.
 
 vLLM calls every method from its scheduler, which must never wait on I/O:
 
@@ -119,6 +119,7 @@ class EngineDiskTier(SecondaryTierManager):
         locality: str | None = None,
         pack_bytes: int | None = None,
         segment_bytes: int | None = None,
+        on_foreign_layout: str = "error",
         backpressure_detector: BackpressureDetector | None = None,
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -133,6 +134,7 @@ class EngineDiskTier(SecondaryTierManager):
             queue_depth=queue_depth,
             pack_bytes=pack_bytes,
             segment_bytes=segment_bytes,
+            on_foreign_layout=on_foreign_layout,  # type: ignore[arg-type]
         )
         try:
             self.engine = SyncOffloadingEngine(

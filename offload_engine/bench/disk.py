@@ -4,24 +4,19 @@ All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
 the same directory with the same queue depth, O_DIRECT where the filesystem
 takes it:
 
-* **engine**: a :class:`~offload_engine.disk.store.DiskStore` in its default
-  layout (segments) with ``queue_depth`` threads per direction, driven through
-  the sync facade with ``chunks_per_job`` chunks per job, ``jobs_in_flight``
-  jobs at once; segments sized an eighth of the bytes moved (at most 128 MiB),
-  preallocated on first use;
+* **engine**: a :class:`~offload_engine.DiskStore` with ``queue_depth``
+  threads per direction, driven through the sync facade with ``chunks_per_job``
+  chunks per job, ``jobs_in_flight`` jobs at once; segments sized an eighth of
+  the bytes moved (at most 128 MiB), preallocated on first use;
 * **engine-reuse**: a second pass of new keys into the same store, whose cap
-  holds one pass and one segment more: its records go mostly into segments
-  emptied by eviction (a full tier's steady state);
-* **engine-packs**: the file-and-pack layout (``segment_bytes=0``): one file per
-  chunk of >= 1 MiB, pack files of smaller chunks (one request per pack);
-* **engine-files** (chunks under 1 MiB only): the same with ``pack_bytes=0``,
-  one file and one request per chunk, to show what packing changes;
+  holds one pass and one segment more (:func:`engine_sizes`): its records go
+  mostly into segments emptied by eviction (a full tier's steady state);
 * **fio**: ``--ioengine=psync --direct=1 --bs=<chunk> --numjobs=<queue depth>``
   (each job one synchronous request at a time, as each engine thread), write
   then read of the same bytes into new files, then **fio-over**: the same files
   written a second time (blocks already allocated and written, what
   ``engine-reuse`` is compared with); for chunks under 1 MiB also **fio-1m**, the same
-  bytes in 1 MiB requests (what the drive gives to requests of the size packs make);
+  bytes in 1 MiB requests (what the drive gives to requests of the size records make);
 * **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
   ``SecondaryTierManager`` API on a memoryview, the same jobs. Its pool's
   read-priority and write-priority threads both drain either queue, so a phase
@@ -36,6 +31,7 @@ Every figure is **cold**: O_DIRECT bypasses the page cache for all three
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import mmap
 import os
@@ -47,13 +43,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
 
-from offload_engine.disk.handler import disk_handlers, page_aligned_tier
-from offload_engine.disk.store import PACK_BYTES, SEGMENT_BYTES, DiskStore
+from offload_engine.disk import DiskStore, disk_handlers, page_aligned_tier
+from offload_engine.disk.store import PACK_BYTES, SEGMENT_BYTES
 from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
 from offload_engine.vocabulary import TransferSpec, cpu_blocks, disk_blocks
@@ -68,15 +64,25 @@ class DiskBenchPlan:
     queue_depth: int = 4
 
     @classmethod
-    def quick(cls) -> DiskBenchPlan:
-        return cls(chunk_bytes=2**20, chunks=32, chunks_per_job=8)
+    def quick(cls, chunk_bytes: int = 2**20, volume_mib: int | None = None) -> DiskBenchPlan:
+        """A CI-sized plan: 32 chunks of ``chunk_bytes``, or ``volume_mib`` of them,
+        8 a job."""
+        if volume_mib is None:
+            return cls(chunk_bytes=chunk_bytes, chunks=32, chunks_per_job=8)
+        return cls.of_volume(chunk_bytes, volume_mib, chunks_per_job=8)
 
     @classmethod
     def of_volume(cls, chunk_bytes: int, volume_mib: int, **fields: int) -> DiskBenchPlan:
-        """Chunks of ``chunk_bytes`` making ``volume_mib`` (at least 16 chunks)."""
-        return cls(
-            chunk_bytes=chunk_bytes, chunks=max(16, volume_mib * 2**20 // chunk_bytes), **fields
-        )
+        """Chunks of ``chunk_bytes`` making ``volume_mib`` (at least 16 chunks),
+        rounded up to whole jobs."""
+        per = fields.get("chunks_per_job", cls.chunks_per_job)
+        chunks = max(16, volume_mib * 2**20 // chunk_bytes)
+        return cls(chunk_bytes=chunk_bytes, chunks=-(-chunks // per) * per, **fields)
+
+    def host_bytes(self) -> int:
+        """Host memory the bench holds at once: the random chunks, the engine's host
+        tier, and the buffer vLLM's fs tier reads from."""
+        return 3 * self.chunks * self.chunk_bytes
 
     def random_chunks(self) -> np.ndarray:
         """What every system writes: seeded random bytes, one row per chunk."""
@@ -117,41 +123,48 @@ def _drive(
     return time.perf_counter() - t0, cpu
 
 
-Layout = Literal["packs", "files", "segments"]
+def engine_sizes(plan: DiskBenchPlan) -> tuple[int, int]:
+    """``(segment_bytes, capacity_bytes)`` of the engine's store: segments of an
+    eighth of the bytes moved and 1 MiB (at most :data:`SEGMENT_BYTES`), and a cap
+    that holds one pass of the plan's chunks and one segment more, asked of the
+    store itself (:meth:`DiskStore.capacity_for`), so the second pass writes into
+    segments emptied by eviction and never finds the tier full."""
+    slot = -(-(plan.chunk_bytes + 4096) // 4096) * 4096  # payload, trailer page, padding
+    segment = min(SEGMENT_BYTES, -(-plan.chunks * slot // 8 // 4096) * 4096 + 2**20)
+    one_pass = DiskStore.capacity_for(plan.chunks, plan.chunk_bytes, segment_bytes=segment)
+    return segment, one_pass + segment
 
 
-def bench_engine(
-    path: Path, plan: DiskBenchPlan, data: np.ndarray, *, layout: Layout = "packs"
-) -> list[DiskFigure]:
-    """Write then read the plan's chunks. ``segments`` (``engine``, the default
-    layout) also runs a second pass (``engine-reuse``): new keys into a store whose
-    cap holds one pass plus a segment, so it writes mostly into segments emptied by
-    eviction (a full tier's steady state)."""
+def disk_bytes_needed(plan: DiskBenchPlan, repeats: int) -> int:
+    """Drive space one :func:`run_disk_bench` of ``plan`` takes at its peak: every
+    repeat's directories stay until the end (the engine's preallocated segments,
+    fio's files, fio-1m's for small chunks, vLLM's files, a page of metadata each)."""
+    volume = plan.chunks * (plan.chunk_bytes + 4096)
+    others = 3 if plan.chunk_bytes < PACK_BYTES else 2
+    return repeats * (engine_sizes(plan)[1] + others * volume)
+
+
+def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
+    """Write then read the plan's chunks (``engine``), then a second pass of new
+    keys (``engine-reuse``) into the same store, whose cap holds one pass plus a
+    segment: it writes mostly into segments emptied by eviction (a full tier's
+    steady state)."""
     n, per = plan.chunks, plan.chunks_per_job
     tier = page_aligned_tier(n, plan.chunk_bytes)
     tier.memory.copy_(torch.from_numpy(data))
     digest = LayoutDigest(
         model="bench", dtype="uint8", block_size=16, chunk_blocks=1, page_bytes=plan.chunk_bytes
     )
-    name = {"packs": "engine-packs", "files": "engine-files", "segments": "engine"}[layout]
     jobs = n // per
     out: list[DiskFigure] = []
-    volume = n * (plan.chunk_bytes + 4096)
-    segment = min(SEGMENT_BYTES, -(-volume // 8 // 4096) * 4096 + 2**20)
-    capacity = 2 * volume
-    if layout == "segments":  # one pass and one segment: the second pass reuses the first's
-        # (a segment's rest that cannot take one more object stays empty, and every
-        # record has a header page: at most a slot and 1 MiB a segment)
-        usable = segment - plan.chunk_bytes - 4096 - 2**20
-        capacity = (-(-volume // usable) + 1) * segment
+    segment, capacity = engine_sizes(plan)
     with (
         DiskStore(
             path,
             digest,
             capacity_bytes=capacity,
             queue_depth=plan.queue_depth,
-            pack_bytes=0 if layout == "files" else None,
-            segment_bytes=segment if layout == "segments" else 0,
+            segment_bytes=segment,
         ) as disk,
         SyncOffloadingEngine(disk_handlers(disk, tier)) as engine,
     ):
@@ -163,10 +176,8 @@ def bench_engine(
                 raise r.error  # type: ignore[misc]
             return 1
 
-        passes = [(name, _keys(n, name))]
-        if layout == "segments":
-            passes.append(("engine-reuse", _keys(n, "engine-reuse")))
-        for system, keys in passes:
+        for system in ("engine", "engine-reuse"):
+            keys = _keys(n, system)
             for direction in ("write", "read"):
                 if direction == "read":
                     tier.memory.zero_()
@@ -304,6 +315,16 @@ def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Dis
     return out
 
 
+def missing_systems() -> dict[str, str]:
+    """The systems this machine cannot run, and why (their rows are left out)."""
+    missing: dict[str, str] = {}
+    if shutil.which("fio") is None:
+        missing["fio"] = "fio is not on PATH"
+    if importlib.util.find_spec("vllm") is None:
+        missing["vllm-fs"] = "vllm is not installed (pip install 'offload-engine[vllm]')"
+    return missing
+
+
 def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) -> dict[str, Any]:
     """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
     each round starting one system later (so none always follows the same one),
@@ -311,15 +332,12 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     the median of each (system, direction)."""
     data = plan.random_chunks()
     runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
-        ("engine", lambda p: bench_engine(p, plan, data, layout="segments")),
-        ("engine-packs", lambda p: bench_engine(p, plan, data, layout="packs")),
+        ("engine", lambda p: bench_engine(p, plan, data)),
         ("fio", lambda p: bench_fio(p, plan, again=True)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
     ]
-    small = plan.chunk_bytes < PACK_BYTES
-    if small:  # what packing changes, and what the drive gives to pack-sized requests
-        runs.insert(1, ("engine-files", lambda p: bench_engine(p, plan, data, layout="files")))
-        runs.insert(4, ("fio-1m", lambda p: bench_fio(p, plan, bs=2**20)))
+    if plan.chunk_bytes < PACK_BYTES:  # what the drive gives to record-sized requests
+        runs.insert(2, ("fio-1m", lambda p: bench_fio(p, plan, bs=2**20)))
     samples: dict[tuple[str, str], list[DiskFigure]] = {}
     made: list[Path] = []
     try:
@@ -337,12 +355,12 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
         for where in made:
             shutil.rmtree(where, ignore_errors=True)
     figures = [sorted(fs, key=lambda f: f.gbps)[len(fs) // 2] for fs in samples.values()]
+    measured = {f.system for f in figures}
+    skipped = {name: why for name, why in missing_systems().items() if name not in measured}
     by = {(f.system, f.direction): f for f in figures}
     ratios: dict[str, float] = {}
-    pairs = [
-        ("engine", other) for other in ("fio", "fio-1m", "vllm-fs", "engine-packs", "engine-files")
-    ] + [
-        ("engine-reuse", "fio-over"), ("engine-reuse", "vllm-fs"), ("engine-reuse", "engine-packs"),
+    pairs = [("engine", other) for other in ("fio", "fio-1m", "vllm-fs")] + [
+        ("engine-reuse", "fio-over"), ("engine-reuse", "vllm-fs"),
     ]  # fmt: skip
     for d in ("write", "read"):
         for mine, other in pairs:
@@ -356,4 +374,5 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
         "figures": [asdict(f) for f in figures],
         "all_gbps": {f"{s} {d}": [round(f.gbps, 3) for f in fs] for (s, d), fs in samples.items()},
         "ratios": ratios,
+        "skipped": skipped,
     }

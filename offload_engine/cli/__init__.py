@@ -236,17 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--chunk-kib",
         type=positive_int,
-        default=2048,
+        default=None,
         action=_Given,
-        help="--tier disk: bytes per chunk (one object), in KiB (default 2048)",
+        help="--tier disk: bytes per chunk (one object), in KiB (default 2048, 1024 with --quick)",
     )
     bench.add_argument(
         "--volume-mib",
         type=positive_int,
-        default=512,
+        default=None,
         action=_Given,
         help="--tier disk: bytes each system writes and reads per chunk size, in MiB "
-        "(default 512; more gives steadier figures on a noisy drive)",
+        "(default 512, 32 chunks with --quick; more gives steadier figures on a noisy drive)",
     )
     bench.add_argument(
         "--chunk-mib",

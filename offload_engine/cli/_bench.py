@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ THROUGHPUT_PNG = "throughput.png"
 LATENCY_PNG = "latency.png"
 OVERHEAD_JOBS = (100_000, 3000)  # jobs, latency samples
 QUICK_OVERHEAD_JOBS = (5000, 300)
+DISK_VOLUME_MIB = 512  # bench --tier disk: MiB each system writes and reads per chunk size
 
 
 def _label(medium: str, strategy: str) -> str:
@@ -113,41 +115,37 @@ def _disk_table(report: dict[str, Any]) -> Any:
     return table
 
 
-def check_disk_memory(plans: list[Any], *, available: int | None = None) -> None:
-    """Refuse, before anything is allocated, a disk plan whose chunks do not fit in
-    host memory twice: the bytes every system writes, and the buffer they move through."""
-    from offload_engine.bench.machine import check_host_memory, memory_size
+def _disk_plans(args: argparse.Namespace) -> list[Any]:
+    """One plan per chunk size: ``--chunk-mib`` or ``--chunk-kib`` (default 2 MiB,
+    1 MiB with ``--quick``), ``--volume-mib`` of them (default 512 MiB, 32 chunks
+    with ``--quick``); :class:`InsufficientMemoryError` before anything is
+    allocated if host memory cannot hold a plan."""
+    from offload_engine.bench.disk import DiskBenchPlan
+    from offload_engine.bench.machine import available_memory_bytes, memory_size
+    from offload_engine.errors import InsufficientMemoryError
 
-    for plan in plans:
-        check_host_memory(
-            2 * plan.chunks * plan.chunk_bytes,
-            f"{plan.chunk_bytes / 2**20:g} MiB chunks: the disk bench holds its {plan.chunks} "
-            f"chunks of {memory_size(plan.chunk_bytes)} twice (the bytes written and the "
-            "buffer they move through), which needs",
-            available=available,
-        )
-
-
-def skipped_disk_systems() -> list[str]:
-    """Which of the disk bench's comparisons cannot run here, and why."""
-    import shutil
-    import warnings
-
-    skipped = []
-    if shutil.which("fio") is None:
-        skipped.append("fio skipped: fio is not installed (apt-get install fio)")
-    try:
-        with warnings.catch_warnings():  # vLLM's imports warn about torch APIs; not ours
-            warnings.simplefilter("ignore", DeprecationWarning)
-            from vllm.v1.kv_offload.tiering.fs.manager import (  # noqa: F401
-                FileSystemTierManager,
+    if args.chunk_mib:
+        sizes = args.chunk_mib
+    elif args.chunk_kib is not None:
+        sizes = [args.chunk_kib * 1024]
+    else:
+        sizes = [2**20 if args.quick else 2 * 2**20]
+    plans = []
+    for chunk in sizes:
+        if args.quick:
+            plan = DiskBenchPlan.quick(chunk, args.volume_mib)
+        else:
+            plan = DiskBenchPlan.of_volume(chunk, args.volume_mib or DISK_VOLUME_MIB)
+        plan = replace(plan, queue_depth=args.queue_depth)
+        free = available_memory_bytes()
+        if free is not None and plan.host_bytes() > free:
+            raise InsufficientMemoryError(
+                f"{plan.chunks} chunks of {chunk / 2**20:g} MiB need "
+                f"{memory_size(plan.host_bytes())} of host memory (the data, the host tier "
+                f"and vLLM's buffer), but only {memory_size(free)} is available"
             )
-    except ImportError:
-        skipped.append(
-            "vllm-fs skipped: vLLM's fs tier (vllm.v1.kv_offload.tiering.fs) does not import; "
-            "install the vllm extra"
-        )
-    return skipped
+        plans.append(plan)
+    return plans
 
 
 def cmd_bench_disk(args: argparse.Namespace) -> int:
@@ -155,33 +153,24 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     per chunk size (``--chunk-mib``), ratios per size."""
     from rich.console import Console
 
-    from offload_engine.bench.disk import DiskBenchPlan, run_disk_bench
+    from offload_engine.bench.disk import disk_bytes_needed, run_disk_bench
     from offload_engine.bench.machine import Machine
 
     directory = Path(args.dir)
     if not directory.is_dir():
         raise OSError(f"--dir {directory} is not a directory")
-    sizes = args.chunk_mib or [args.chunk_kib * 1024]
-    plans = []
-    for chunk in sizes:
-        plan = (
-            DiskBenchPlan.quick() if args.quick else DiskBenchPlan.of_volume(chunk, args.volume_mib)
-        )
-        plan = DiskBenchPlan(
-            chunk_bytes=plan.chunk_bytes if args.quick and not args.chunk_mib else chunk,
-            chunks=plan.chunks,
-            chunks_per_job=plan.chunks_per_job,
-            jobs_in_flight=plan.jobs_in_flight,
-            queue_depth=args.queue_depth,
-        )
-        plans.append(plan)
-    check_disk_memory(plans)
-    skipped = skipped_disk_systems()
-    if skipped:
-        Console(highlight=False, soft_wrap=True).print(
-            "note: " + "; ".join(skipped) + " (their rows and ratios are left out)", markup=False
-        )
-    runs = [run_disk_bench(directory, plan, repeats=1 if args.quick else 3) for plan in plans]
+    plans = _disk_plans(args)
+    repeats = 1 if args.quick else 3
+    free = shutil.disk_usage(directory).free
+    for plan in plans:
+        need = disk_bytes_needed(plan, repeats)
+        if need > free:
+            raise OSError(
+                f"--dir {directory}: {plan.chunks} chunks of {plan.chunk_bytes / 2**20:g} MiB "
+                f"need {need / 2**30:.2f} GiB of free space ({repeats} repeat(s) of every "
+                f"system), but only {free / 2**30:.2f} GiB is free; lower --volume-mib"
+            )
+    runs = [run_disk_bench(directory, plan, repeats=repeats) for plan in plans]
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "command": shlex.join(["offload-engine", *args.argv]),
@@ -201,6 +190,8 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     out.print(f"disk bench on {report['machine']}, {report['date']}", markup=False)
     for r in runs:
         out.print(_disk_table(r))
+    for name, why in runs[0]["skipped"].items():
+        out.print(f"note: no {name} rows: {why}", markup=False)
     out.print(f"wrote {out_dir / 'disk-report.json'}", markup=False)
     return 0
 

@@ -27,7 +27,7 @@ from offload_engine.errors import (
     InvalidTransferError,
     LayoutError,
 )
-from offload_engine.host.tier import HostTier
+from offload_engine.host import HostTier
 from offload_engine.keyed import KeyedTransfer, map_keyed
 from offload_engine.vocabulary import Medium, TransferSpec
 
