@@ -26,14 +26,14 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
-    DevicePlan,
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.plan import DevicePlan
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.host.layout import byte_view, merge_runs
 from offload_engine.testing import (

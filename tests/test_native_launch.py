@@ -35,7 +35,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,

@@ -143,7 +143,7 @@ def main() -> int:
 
 def engine_loads(rt: CudaRuntime, a: torch.Tensor, bm: torch.Tensor, gemm: Any) -> None:
     from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-    from offload_engine.device.handler import (
+    from offload_engine.device import (
         CopyStrategy,
         DeviceHandlerConfig,
         make_device_handlers,
@@ -226,11 +226,7 @@ def spread(rt: CudaRuntime, layout: Any, tier: Any, specs: list[Any], nbytes: in
     alternate streams, straight into a staging-sized buffer), 20 rounds interleaved:
     are the engine's occasional slow rounds the link's or the engine's?"""
     from offload_engine import SyncOffloadingEngine
-    from offload_engine.device.handler import (
-        CopyStrategy,
-        DeviceHandlerConfig,
-        make_device_handlers,
-    )
+    from offload_engine.device import CopyStrategy, DeviceHandlerConfig, make_device_handlers
 
     dmas = [rt.new_stream(), rt.new_stream()]
     staging = torch.empty(2 * PER_PIECE * MB2, dtype=torch.uint8, device="cuda")
@@ -291,11 +287,7 @@ def harness(
     import threading
 
     from offload_engine import SyncOffloadingEngine
-    from offload_engine.device.handler import (
-        CopyStrategy,
-        DeviceHandlerConfig,
-        make_device_handlers,
-    )
+    from offload_engine.device import CopyStrategy, DeviceHandlerConfig, make_device_handlers
 
     cfg = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, max_inflight=8)
     with SyncOffloadingEngine(list(make_device_handlers(rt, layout, tier, cfg))) as engine:

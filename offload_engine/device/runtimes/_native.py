@@ -69,6 +69,46 @@ CALL_NAMES = {
 HOLD_GIL_OPS = 12
 HOLD_GIL_DESCRIPTORS = 64
 
+
+class StagedHeader(ctypes.Structure):
+    """What ``oe_staged_build`` plans a staged job from: ``struct oe_staged_header``
+    in ``_native_launch.c``, field for field (the library checks the size when it
+    loads). Addresses are plain integers. The first fields hold a stream set's
+    facts, whatever the job; the rest are the job's. ``tail`` points at
+    ``buffers`` words (each staging buffer's last event, 0: none), then per group
+    three (its blocks, its bytes per block, the address of its launch op
+    template), then two events per piece (its first half done, its second)."""
+
+    _fields_ = (
+        ("store", ctypes.c_int64),  # 1: store (gather, then DMA), 0: load
+        ("sm_stream", ctypes.c_int64),
+        ("dma_streams", ctypes.c_int64 * 2),  # a piece's DMA stream, by its parity
+        ("buffers", ctypes.c_int64),  # staging buffers
+        ("rows", ctypes.c_int64),  # rows per staging buffer
+        ("row_bytes", ctypes.c_int64),  # a staging row's bytes (a tier slot's)
+        ("batch_template", ctypes.c_void_p),  # a batch op's words (BATCH_WORDS)
+        ("buffer_addresses", ctypes.c_void_p),  # ``buffers`` int64 addresses
+        ("tier_base", ctypes.c_uint64),
+        ("slot_bytes", ctypes.c_uint64),
+        ("factor", ctypes.c_uint64),  # tier slots per tier block
+        # slot s is at (s / factor) * block_stride + (s % factor) * slot_bytes
+        ("block_stride", ctypes.c_uint64),
+        ("words", ctypes.c_void_p),  # where the program's words go
+        ("descriptors", ctypes.c_void_p),  # the descriptor array
+        ("first_descriptor", ctypes.c_int64),  # its first free word
+        # the groups' tier slots (int64, group after group), replaced by their tier
+        # addresses, sorted; and the groups' cache ids in the id buffer's host memory,
+        # sorted with them
+        ("slots", ctypes.c_void_p),
+        ("host_ids", ctypes.c_void_p),
+        ("device_ids", ctypes.c_int64),  # those ids' device address
+        ("next_buffer", ctypes.c_int64),  # the staging buffer the first piece takes
+        ("pieces_before", ctypes.c_int64),  # pieces staged before this job (parity)
+        ("groups", ctypes.c_int64),
+        ("tail", ctypes.c_void_p),
+    )
+
+
 _LIB: dict[str, tuple[Any, Any, Any, Any] | str] = {}  # "lib": the loaded library or why not
 _LIB_LOCK = threading.Lock()
 
@@ -158,8 +198,15 @@ def _load() -> tuple[Any, Any, Any, Any] | str:
         check = ctypes.PyDLL(str(path)).oe_check_pairs
         check.argtypes = (ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int64,) * 4
         check.restype = ctypes.c_int64
+        header_size = ctypes.PyDLL(str(path)).oe_staged_header_size
+        header_size.restype = ctypes.c_int64
     except (OSError, AttributeError) as exc:
         return f"cannot load {path}: {exc}"
+    if header_size() != ctypes.sizeof(StagedHeader):
+        return (
+            f"{SOURCE.name}'s struct oe_staged_header has {header_size()} bytes, "
+            f"StagedHeader {ctypes.sizeof(StagedHeader)}"
+        )
     return entry[0], entry[1], build, check
 
 
@@ -242,8 +289,8 @@ class LaunchProgram:
         self._desc_at = self._desc.ctypes.data
         self._out = (ctypes.c_int64 * 3)()  # oe_staged_build's counts
         self._out_at = ctypes.addressof(self._out)
-        self._header: Any = (ctypes.c_int64 * 64)()
-        self._header_at = ctypes.addressof(self._header)
+        self._tail: Any = (ctypes.c_int64 * 64)()  # a staged job's StagedHeader.tail
+        self._tail_at = ctypes.addressof(self._tail)
 
     def begin(self) -> None:
         """Start a new job's program (dropping whatever a failed launch left)."""
@@ -280,20 +327,24 @@ class LaunchProgram:
             self._desc = grown
             self._desc_at = grown.ctypes.data
 
-    def build_staged(self, header: list[int], words: int, descriptors: int) -> None:
-        """Append a staged job's pieces, planned by ``oe_staged_build``
-        (``_native_launch.c`` describes ``header``, whose words 13 to 15 this
-        fills in): at most ``words`` words and ``descriptors`` descriptor words."""
+    def build_staged(
+        self, header: StagedHeader, tail: list[int], words: int, descriptors: int
+    ) -> None:
+        """Append a staged job's pieces, planned by ``oe_staged_build``: ``header``
+        with every field but the program's own (``words``, ``descriptors``,
+        ``first_descriptor``, ``tail``, filled in here), ``tail`` its variable part.
+        At most ``words`` words and ``descriptors`` descriptor words are written."""
         self._reserve(words)
         self._reserve_descriptors(descriptors)
-        header[13] = self._buffer_at + 8 * self._n
-        header[14] = self._desc_at
-        header[15] = self._ndesc
-        if len(header) > len(self._header):
-            self._header = (ctypes.c_int64 * (2 * len(header)))()
-            self._header_at = ctypes.addressof(self._header)
-        self._header[: len(header)] = header
-        if self._build(self._header_at, self._out_at):
+        header.words = self._buffer_at + 8 * self._n
+        header.descriptors = self._desc_at
+        header.first_descriptor = self._ndesc
+        if len(tail) > len(self._tail):
+            self._tail = (ctypes.c_int64 * (2 * len(tail)))()
+            self._tail_at = ctypes.addressof(self._tail)
+        self._tail[: len(tail)] = tail
+        header.tail = self._tail_at
+        if self._build(ctypes.addressof(header), self._out_at):
             raise MemoryError("the staged launch's planner could not allocate memory")
         out = self._out
         self._n += out[0]

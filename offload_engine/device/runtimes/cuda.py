@@ -40,6 +40,7 @@ import torch
 
 from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
 from offload_engine.device.runtimes._native import (
+    HOLD_GIL_DESCRIPTORS,
     OP_BATCH,
     OP_HTOD,
     OP_LAUNCH,
@@ -92,8 +93,6 @@ _BATCH_V12 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
 _BATCH_V13_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
 _BATCH_V12_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
 _MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
-#: batched copies of at most this many descriptors keep the GIL (see above)
-HOLD_GIL_DESCRIPTORS = 64
 #: descriptors per batched driver call (see memcpy_batch)
 CALL_DESCRIPTORS = 256
 
@@ -344,6 +343,12 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         rc = self._driver.stream_wait_event(stream.cuda_stream, event.cuda_event, 0)
         self._check(rc, "cuStreamWaitEvent")
 
+    def stream_handle(self, stream: Any) -> int:
+        return int(stream.cuda_stream)
+
+    def event_handle(self, event: Any) -> int:
+        return int(event.cuda_event)
+
     def synchronize(self, event: Any) -> None:
         # an event already reached (the common case by the time the watcher looks)
         # costs one query holding the GIL; only a pending one sleeps in torch's
@@ -538,7 +543,16 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             _address(d.memcpy_htod),
         )
         try:
-            return _CudaProgram(self, entries)
+            return _CudaProgram(
+                entries,
+                d.error_name,
+                batch_attrs=self._attr_addresses if self.batched else None,
+                batch_variant=12 if d.batch_has_fail_idx else 13,
+                batch_step=min(self.max_batch, CALL_DESCRIPTORS),
+                kernel=self._direct,
+                id_view=self._id_view,
+                bind_thread=self._bind_thread,
+            )
         except OSError as exc:
             if self._native_note is None:  # noted once: every handler asks
                 self._native_note = f"native launch unavailable ({exc}): launches call from Python"
@@ -548,17 +562,36 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
 class _CudaProgram(LaunchProgram):
     """The calls a handler makes on :class:`CudaRuntime` while launching a job,
-    recorded as the same driver calls and issued in one native call."""
+    recorded as the same driver calls and issued in one native call. The runtime
+    hands it what those calls need: the batched copies' attributes per direction
+    (``None``: no batched copy, one cuMemcpyAsync per descriptor), the batched
+    call's ABI (12: with failIdx, 13: without) and descriptors per call, the
+    block-copy kernel, the id buffer's device views and the call that binds the
+    device's context to a thread."""
 
     # oe_staged_build fills in these words of batch_row (stream, descriptor columns,
     # count: 1 to 5) and launch_row (grid x: 2, and DriverBlockCopy.launch_args's
     # parameters 4 and 6, the cache ids and the slot base: 11 + 4 and 11 + 6)
 
-    def __init__(self, runtime: CudaRuntime, entries: tuple[int, ...]) -> None:
-        super().__init__(entries, runtime._driver.error_name)
-        self._rt = runtime
-        self._variant = 12 if runtime._driver.batch_has_fail_idx else 13
-        self._step = min(runtime.max_batch, CALL_DESCRIPTORS)
+    def __init__(
+        self,
+        entries: tuple[int, ...],
+        error_name: Callable[[int], str],
+        *,
+        batch_attrs: dict[Direction, int] | None,
+        batch_variant: int,
+        batch_step: int,
+        kernel: DriverBlockCopy,
+        id_view: Callable[[IdBuffer, int], torch.Tensor],
+        bind_thread: Callable[[], None],
+    ) -> None:
+        super().__init__(entries, error_name)
+        self._attrs = batch_attrs
+        self._variant = batch_variant
+        self._step = batch_step
+        self._kernel = kernel
+        self._id_view = id_view
+        self._bind_thread = bind_thread
 
     def record(self, event: Any, stream: Any) -> None:
         self.op(OP_RECORD, event.cuda_event, stream.cuda_stream)
@@ -572,34 +605,28 @@ class _CudaProgram(LaunchProgram):
             return 0
         handle = stream.cuda_stream
         d, s, z = self.descriptors(dst, src, sizes)
-        rt = self._rt
-        if not rt.batched or not handle:  # as CudaRuntime.memcpy_batch: one call each
+        if self._attrs is None or not handle:  # as CudaRuntime.memcpy_batch: one call each
             self.op(OP_BATCH, handle, d, s, z, n, 1, 0, 0)
             return n
         step = self._step
-        self.op(OP_BATCH, handle, d, s, z, n, step, rt._attr_addresses[kind], self._variant)
+        self.op(OP_BATCH, handle, d, s, z, n, step, self._attrs[kind], self._variant)
         return -(-n // step)
 
-    # -- the staged planner's templates and addresses (DeviceCopyHandler._staged_native)
+    # -- the staged planner's templates and addresses (offload_engine.device.staged_native)
 
     def batch_row(self, kind: Direction) -> Any:
         """A batched copy op's words (:meth:`memcpy_batch`'s op) with its stream,
-        descriptor offsets and count left at 0 (columns ``BATCH_*``): a job's
-        pieces fill them in (on handler streams, never the legacy default stream)."""
-        rt = self._rt
-        if not rt.batched:
+        descriptor offsets and count left at 0: a job's pieces fill them in (on
+        handler streams, never the legacy default stream)."""
+        if self._attrs is None:
             return np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
-        attrs = rt._attr_addresses[kind]
+        attrs = self._attrs[kind]
         return np.array([OP_BATCH, 0, 0, 0, 0, 0, self._step, attrs, self._variant], np.int64)
 
     def launch_row(self, template: BlockCopy, stream: Any) -> Any:
         """``template``'s launch op (:meth:`copy_blocks`'s) on ``stream``, whose block
-        count, cache id address and slot base a job's pieces fill in (columns
-        ``LAUNCH_*``; slot ids: none)."""
-        direct = self._rt._direct
-        if direct is None:  # pragma: no cover - refused by native_program
-            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
-        args = direct.launch_args(template)
+        count, cache id address and slot base a job's pieces fill in (slot ids: none)."""
+        args = self._kernel.launch_args(template)
         if args is None:  # pragma: no cover - a template copies blocks
             raise ValueError("the template copies no blocks")
         func, shape, values = args
@@ -607,17 +634,14 @@ class _CudaProgram(LaunchProgram):
         return np.array(words, dtype=np.int64)
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
-        direct = self._rt._direct
-        if direct is None:  # pragma: no cover - refused by native_program
-            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
-        args = direct.launch_args(copy)
+        args = self._kernel.launch_args(copy)
         if args is not None:
             func, shape, values = args
             self.op(OP_LAUNCH, func, *shape, stream.cuda_stream, len(values), *values)
 
     def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
         self.upload_ids_at(stream, buffer, count)
-        return self._rt._id_view(buffer, count)
+        return self._id_view(buffer, count)
 
     def upload_ids_at(self, stream: Any, buffer: IdBuffer, count: int) -> int:
         """:meth:`upload_ids`'s op; the ids' device address."""
@@ -631,5 +655,5 @@ class _CudaProgram(LaunchProgram):
         return int(buffer.keep[1])
 
     def run(self) -> None:
-        self._rt._bind_thread()  # the calls need the device's context on this thread
+        self._bind_thread()  # the calls need the device's context on this thread
         super().run()
