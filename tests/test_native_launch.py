@@ -44,8 +44,9 @@ from offload_engine.device import (
 )
 from offload_engine.device.runtimes import _native
 from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.device.runtimes._cuda_driver import MemcpyAttributes as _MemcpyAttributes
 from offload_engine.device.runtimes.base import IdBuffer
-from offload_engine.device.runtimes.cuda import CudaRuntime, _MemcpyAttributes
+from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.host.layout import KVLayout
 from offload_engine.host.tier import HostTier
 from offload_engine.testing import FakeRuntime, build_layout

@@ -32,9 +32,17 @@ from typing import Any
 import numpy as np
 
 from offload_engine._loop import ThreadSignal, join_threads
-from offload_engine.device import launch as launching
 from offload_engine.device.config import CopyStrategy, DeviceHandlerConfig
 from offload_engine.device.kernel import upload_ids
+from offload_engine.device.launch import (
+    STOP,
+    enqueue,
+    launch,
+    launch_loop,
+    poll,
+    watch,
+    watch_loop,
+)
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers, stream_sets
 from offload_engine.device.runtimes._native import LaunchProgram
@@ -252,12 +260,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._threads_done = ThreadSignal(context.call_soon)
         name = f"offload-engine-{self.runtime.name}-{self.direction.value}"
         self._threads = [
-            threading.Thread(
-                target=launching.launch_loop, args=(self,), name=f"{name}-launch", daemon=True
-            ),
-            threading.Thread(
-                target=launching.watch_loop, args=(self,), name=f"{name}-watch", daemon=True
-            ),
+            threading.Thread(target=launch_loop, args=(self,), name=f"{name}-launch", daemon=True),
+            threading.Thread(target=watch_loop, args=(self,), name=f"{name}-watch", daemon=True),
         ]
         for t in self._threads:
             t.start()
@@ -277,7 +281,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             return
         self._started = False
         self.watch(1)  # jobs never polled (abandoned at close) are awaited by the watcher
-        self._launch_q.put(launching.STOP)  # the launcher passes it on to the watcher
+        self._launch_q.put(STOP)  # the launcher passes it on to the watcher
         await join_threads(
             self._threads,
             self._threads_done,
@@ -308,19 +312,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ launch and completion
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
-        launching.launch(self, job)
+        launch(self, job)
 
     def poll(self) -> None:
         """Report the leading run of finished jobs (event queries, no waiting)."""
-        launching.poll(self)
+        poll(self)
 
     def watch(self, delta: int) -> None:
         """While someone waits, the watcher thread reports each job as it finishes."""
-        launching.watch(self, delta)
+        watch(self, delta)
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams (jobs take effect in submission order)."""
-        launching.enqueue(self, plan)
+        enqueue(self, plan)
 
     def _recycle(self, plan: DevicePlan) -> None:
         """Hand a finished job's events and id buffer back to the pools."""

@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -39,6 +38,19 @@ import numpy as np
 import torch
 
 from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.device.runtimes._cuda_driver import (
+    CALL_DESCRIPTORS,
+    CU_MEM_LOCATION_TYPE_DEVICE,
+    CU_MEM_LOCATION_TYPE_HOST,
+    CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+    CUDA_ERROR_NOT_READY,
+    CUDA_HOST_REGISTER_PORTABLE_MAPPED,
+    Driver,
+    MemcpyAttributes,
+    MemLocation,
+    address_of,
+    direct_copy,
+)
 from offload_engine.device.runtimes._native import (
     HOLD_GIL_DESCRIPTORS,
     OP_BATCH,
@@ -62,140 +74,6 @@ from offload_engine.device.runtimes.base import (
 from offload_engine.device.runtimes.probe import connections_note
 from offload_engine.errors import RuntimeUnavailableError, TransferError
 from offload_engine.vocabulary import Direction, Medium
-
-_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_LOCATION_TYPE_HOST = 2
-_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
-_CUDA_ERROR_NOT_READY = 600
-
-
-class _MemLocation(ctypes.Structure):
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = (
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _MemLocation),
-        ("dstLocHint", _MemLocation),
-        ("flags", ctypes.c_uint),
-    )
-
-
-_P = ctypes.c_void_p
-_Z = ctypes.c_size_t
-_BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
-_BATCH_V12 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
-# the same calls holding the GIL: for a handful of descriptors the driver returns in
-# a few microseconds, and releasing the GIL would hand it to another thread and
-# wait to win it back (up to the 5 ms switch interval behind a busy thread)
-_BATCH_V13_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
-_BATCH_V12_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
-_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
-#: descriptors per batched driver call (see memcpy_batch)
-CALL_DESCRIPTORS = 256
-
-
-class _Driver:
-    """Driver entry points, resolved once."""
-
-    def __init__(self) -> None:
-        self.batch: Any = None
-        self.batch_hold: Any = None
-        self.batch_has_fail_idx = False
-        self.memcpy: Any = None
-        self.error_name: Callable[[int], str] = lambda rc: f"CUresult {rc}"
-        self.notes: list[str] = []
-        # microsecond calls, made holding the GIL (PyDLL): event record and wait, and
-        # the upload of a job's block ids
-        held = ctypes.PyDLL("libcuda.so.1")
-        self.event_record = held.cuEventRecord
-        self.event_record.argtypes = (_P, _P)
-        self.stream_wait_event = held.cuStreamWaitEvent
-        self.stream_wait_event.argtypes = (_P, _P, ctypes.c_uint)
-        self.memcpy_htod = held.cuMemcpyHtoDAsync_v2
-        self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
-        self.event_query = held.cuEventQuery
-        self.event_query.argtypes = (_P,)
-        self.batch_address = 0  # the batched copy's entry point, for the native launch
-        try:
-            from cuda.bindings import driver as drv
-        except ImportError:
-            self.notes.append("cuda-python is not installed: copies go one cuMemcpyAsync each")
-            lib = ctypes.CDLL("libcuda.so.1")
-            self.memcpy = _MEMCPY(("cuMemcpyAsync", lib))
-            return
-
-        def name(rc: int) -> str:
-            err, text = drv.cuGetErrorName(drv.CUresult(rc))
-            return text.decode() if err == 0 and text else f"CUresult {rc}"
-
-        self.error_name = name
-        err, version = drv.cuDriverGetVersion()
-        if int(err) != 0:
-            raise RuntimeUnavailableError(f"cuDriverGetVersion failed: {name(int(err))}")
-        flags = 0  # CU_GET_PROC_ADDRESS_DEFAULT
-
-        def resolve(symbol: bytes, ver: int) -> int | None:
-            rc, ptr, status = drv.cuGetProcAddress(symbol, ver, flags)
-            ok = int(rc) == 0 and int(status) == 0 and ptr
-            return int(ptr) if ok else None
-
-        mem = resolve(b"cuMemcpyAsync", min(int(version), 13000))
-        if mem is None:
-            raise RuntimeUnavailableError("the CUDA driver has no cuMemcpyAsync entry point")
-        self.memcpy = _MEMCPY(mem)
-        if int(version) >= 13000:
-            ptr = resolve(b"cuMemcpyBatchAsync", 13000)
-            if ptr is not None:
-                self.batch_address = ptr
-                self.batch = _BATCH_V13(ptr)
-                self.batch_hold = _BATCH_V13_HOLD(ptr)
-        elif int(version) >= 12080:
-            ptr = resolve(b"cuMemcpyBatchAsync", 12080)
-            if ptr is not None:
-                self.batch_address = ptr
-                self.batch = _BATCH_V12(ptr)
-                self.batch_hold = _BATCH_V12_HOLD(ptr)
-                self.batch_has_fail_idx = True
-        if self.batch is None:
-            self.notes.append(
-                f"driver {version} has no cuMemcpyBatchAsync: copies go one cuMemcpyAsync each"
-            )
-
-
-def _address(fn: Any) -> int:
-    """A ctypes function pointer's address."""
-    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
-
-
-_DIRECT: dict[int, DriverBlockCopy | None] = {}
-_DIRECT_LOCK = threading.Lock()
-
-
-def _direct_copy(index: int, notes: list[str]) -> DriverBlockCopy | None:
-    """The NVRTC block-copy kernel for device ``index``, compiled once per process."""
-    with _DIRECT_LOCK:
-        if index not in _DIRECT:
-            try:
-                with warnings.catch_warnings(record=True) as seen, torch.cuda.device(index):
-                    warnings.simplefilter("always")
-                    _DIRECT[index] = DriverBlockCopy()
-            except Exception as exc:  # noqa: BLE001 - the Triton kernel remains
-                _DIRECT[index] = None
-                _DIRECT_NOTES[index] = f"NVRTC block copy unavailable ({exc}): Triton launches it"
-            else:
-                if seen:
-                    _DIRECT_NOTES[index] = f"NVRTC compile warned: {seen[0].message}"
-        note = _DIRECT_NOTES.get(index)
-        if note is not None:
-            notes.append(note)
-        return _DIRECT[index]
-
-
-_DIRECT_NOTES: dict[int, str] = {}
-
 
 log = logging.getLogger("offload_engine.cuda")
 _warned: set[str] = set()
@@ -240,7 +118,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         )
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        driver = _Driver()
+        driver = Driver()
         connections = connections_note()
         if connections is not None:
             driver.notes.append(connections)
@@ -255,7 +133,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 kernel = launch_block_copy
         # the same copy as a CUDA C kernel launched straight through the driver (a few
         # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
-        direct = _direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
+        direct = direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
         self._init_calls(driver, kernel, direct, max_batch=max_batch, batched=batched)
         # the calling thread's current stream as a raw handle, without torch.cuda's
         # device-index parsing (the call Triton's launcher makes); None if torch lacks it
@@ -273,7 +151,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         batched: bool,
     ) -> None:
         """Everything the enqueueing calls use: the driver entry points (``driver``: a
-        :class:`_Driver`, or in tests an object with the same attributes), the block
+        :class:`Driver`, or in tests an object with the same attributes), the block
         copy kernels and the batched copies' attributes."""
         self.max_batch = max_batch
         self._driver = driver
@@ -281,13 +159,13 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         self._kernel = kernel
         self._direct = direct
         self._local = threading.local()
-        self._attrs: dict[Direction, _MemcpyAttributes] = {}
+        self._attrs: dict[Direction, MemcpyAttributes] = {}
         index = self.device.index or 0
         for kind in (Direction.STORE, Direction.LOAD):
-            dev = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index)
-            host = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
+            dev = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, index)
+            host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
             src, dst = (dev, host) if kind is Direction.STORE else (host, dev)
-            self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
+            self._attrs[kind] = MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
         self._fail_idx_at = ctypes.addressof(self._fail_idx)
@@ -355,7 +233,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         # synchronize, which releases it
         self._bind_thread()
         rc = self._driver.event_query(event.cuda_event)
-        if rc == _CUDA_ERROR_NOT_READY:
+        if rc == CUDA_ERROR_NOT_READY:
             event.synchronize()
         else:
             self._check(rc, "cuEventQuery")
@@ -363,7 +241,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     def query(self, event: Any) -> bool:
         self._bind_thread()
         rc = self._driver.event_query(event.cuda_event)
-        if rc == _CUDA_ERROR_NOT_READY:
+        if rc == CUDA_ERROR_NOT_READY:
             return False
         self._check(rc, "cuEventQuery")
         return True
@@ -399,7 +277,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 cudart.cudaHostUnregister(registered.pop())
 
         for offset, size in pin_chunks(total, row, MAX_PIN_CHUNK_BYTES):
-            rc = cudart.cudaHostRegister(base + offset, size, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+            rc = cudart.cudaHostRegister(base + offset, size, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
             if int(rc) != 0:
                 release()
                 raise RuntimeUnavailableError(
@@ -535,12 +413,12 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             raise RuntimeUnavailableError("the batched copy's entry point is unknown")
         d = self._driver
         entries = (
-            _address(d.event_record),
-            _address(d.stream_wait_event),
+            address_of(d.event_record),
+            address_of(d.stream_wait_event),
             d.batch_address,
-            _address(d.memcpy),
+            address_of(d.memcpy),
             self._direct.launch_address,
-            _address(d.memcpy_htod),
+            address_of(d.memcpy_htod),
         )
         try:
             return _CudaProgram(
