@@ -1,4 +1,4 @@
-"""The launcher's Python per job, without a GPU (issue 14, stepperf7).
+"""The launcher's Python per job, without a GPU.
 
     PYTHONPATH=$PWD python benchmarks/device/profile_launcher_local.py [--jobs 300] [--profile]
 

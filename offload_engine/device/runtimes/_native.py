@@ -3,8 +3,8 @@
 A CUDA job's launch is a few dozen driver calls (event waits and records,
 batched copies, kernel launches, the id upload). Made one by one through
 ``ctypes`` each pays Python's and ctypes' overhead and holds the GIL, and
-while the engine's other threads run each costs about twice as much
-(docs/performance.md, stepperf5). With ``native_launch`` the handler's launch
+while the engine's other threads are busy each costs about twice as much (the
+launching thread waits to win the GIL back between calls). With ``native_launch`` the handler's launch
 code runs unchanged against a :class:`LaunchProgram` instead of the runtime:
 each call appends an op to a flat int64 program (descriptors go to one uint64
 array), and :meth:`LaunchProgram.run` hands the whole program to
@@ -221,7 +221,8 @@ class PairCheck:
     """A submit's checks of the common job (one KV group, one slot per tier block) in
     one foreign call (``oe_check_pairs``): every id in range, destinations distinct.
     At a few hundred ids this replaces five numpy calls, each of which costs tens of
-    microseconds in a thread that has been idle (docs/performance.md, stepperf8)."""
+    microseconds in a thread that has been idle (its code and data have left the
+    CPU's caches)."""
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
