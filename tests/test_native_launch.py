@@ -51,6 +51,7 @@ from offload_engine.host.layout import KVLayout
 from offload_engine.host.tier import HostTier
 from offload_engine.testing import FakeRuntime, build_layout
 from offload_engine.vocabulary import Direction
+from tests.staged_reference import use_reference
 
 needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None,
@@ -495,3 +496,66 @@ def test_a_malformed_program_is_refused() -> None:
         prog = (ctypes.c_int64 * len(words))(*words)
         assert released(ctypes.addressof(prog), len(words), None, entries, fail) == -1
     assert released(None, 0, None, entries, fail) == 0
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("kind", "rows", "buffers", "batched", "factor", "blocks"),
+    [
+        ("cross-layer", 3, 2, True, 1, 24),
+        ("cross-layer", 64, 3, True, 1, 600),
+        ("groups", 5, 4, True, 1, 24),
+        ("flash-attention", 5, 2, False, 1, 24),
+        ("mla", 4, 3, True, 1, 24),
+        ("cross-layer", 3, 2, True, 4, 24),
+        ("groups", 2, 2, True, 4, 24),
+    ],
+)
+def test_the_native_planner_makes_the_reference_plans_calls(
+    kind: str, rows: int, buffers: int, batched: bool, factor: int, blocks: int
+) -> None:
+    """The library's one staged planner (``oe_staged_build``, on the native launch and
+    behind the Python launch alike) against the slow Python reference
+    (``tests/staged_reference.py``): random stores and loads, over random slots and
+    an allocator's runs, several pieces and tier blocks of several slots, make the
+    same driver calls with the same arguments in the same order."""
+    layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=blocks)
+    n_tier = 2 * blocks // factor
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, n_tier, factor=factor)
+    groups = len(layout.groups)
+    rng = np.random.default_rng(rows + factor + blocks)
+    todo = []
+    for store, cache, slots, sizes in jobs(rng, blocks, n_tier, 30, groups):
+        per = sizes[0]
+        start = int(rng.integers(0, factor)) if factor > 1 and per else 0
+        need = -(-(per + start) // factor)  # tier blocks per group
+        tier_ids = slots[: need * groups] if len(slots) >= need * groups else []
+        if len(tier_ids) < need * groups:
+            continue
+        todo.append((store, cache, tier_ids, per, start))
+    logs = {}
+    for how in ("reference", "python", "native"):
+        with pytest.MonkeyPatch.context() as mp:
+            if how == "reference":
+                use_reference(mp)
+            driver, store_h, load_h = handlers(
+                layout, tier, how == "native", rows=rows, buffers=buffers, batched=batched
+            )
+            with SyncOffloadingEngine([store_h, load_h]) as engine:
+                for is_store, cache, tier_ids, per, start in todo:
+                    cache_blocks = gpu_blocks(
+                        cache, group_sizes=(per,) * groups, block_indices=(start,) * groups
+                    )
+                    spec = (
+                        TransferSpec(cache_blocks, cpu_blocks(tier_ids))
+                        if is_store
+                        else TransferSpec(cpu_blocks(tier_ids), cache_blocks)
+                    )
+                    [r] = engine.wait([engine.submit(spec)])
+                    assert r.success, r.error
+        logs[how] = driver.calls
+    assert {"launch", "htod"} <= {c[0] for c in logs["reference"]}
+    for how in ("python", "native"):
+        assert len(logs[how]) == len(logs["reference"]), how
+        for i, (a, b) in enumerate(zip(logs["reference"], logs[how], strict=True)):
+            assert a == b, f"{how}: call {i}"

@@ -33,24 +33,17 @@ import numpy as np
 
 from offload_engine._loop import ThreadSignal, join_threads
 from offload_engine.device.config import CopyStrategy, DeviceHandlerConfig
-from offload_engine.device.kernel import upload_ids
-from offload_engine.device.launch import (
-    STOP,
-    enqueue,
-    launch,
-    launch_loop,
-    poll,
-    watch,
-    watch_loop,
-)
+from offload_engine.device.launch import STOP, enqueue, launch_loop, watch_loop
+from offload_engine.device.launch import launch as launch_job
+from offload_engine.device.launch import poll as poll_jobs
+from offload_engine.device.launch import watch as watch_jobs
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers, stream_sets
-from offload_engine.device.runtimes._native import LaunchProgram
-from offload_engine.device.runtimes.base import BlockCopy, DeviceRuntime
-from offload_engine.device.staged import plan_runs
+from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
+from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
-from offload_engine.host.layout import GroupMapping, KVLayout
+from offload_engine.host.layout import KVLayout
 from offload_engine.host.tier import HostTier, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
@@ -185,19 +178,20 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._watchers = 0
         self._poll_lock = threading.Lock()
         self._stage_rows = _staging_rows(runtime, layout, tier, config)
+        self._native, self.native_note = self._native_program()
         # what prepare needs per job, fixed here (it runs in the caller's thread, often
         # after that thread sat idle, when each line is cold): the strategy, what a
         # launch costs per block of each group (dma: a descriptor per region), the name
         # errors give, and a large common job's checks in one native call
         self._strategy = _strategy(layout, config, self._stage_rows)
+        self._planner = self._staged_planner()
         regions = [len(g) for g in layout.groups]
         self._unit_regions = regions if self._strategy is CopyStrategy.DMA else [1] * len(regions)
         self._who = self.name
-        self._native, self.native_note = self._native_program()
         # what the launch code calls to enqueue work: the program, or the runtime
         self._ops: Any = runtime if self._native is None else self._native
         self._check = None if self._native is None else self._native.check_pairs
-        self._native_sets: dict[int, Any] = {}  # the native planner's facts per stream set
+        self._native_sets: dict[Any, Any] = {}  # the planner's facts per stream set
         # a staged job's tier slots, for the native planner (which makes them addresses)
         self._slots = np.empty(1024, dtype=np.int64)
         self._slots_at = self._slots.ctypes.data
@@ -216,6 +210,27 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 raise ConfigError(f"native_launch is True, but {exc}") from None
             log.info("%s launches from Python: %s", self.name, exc)
             return None, str(exc)
+
+    def _staged_planner(self) -> StagedPlanner | None:
+        """The staged strategy's planner (the native launch's program, or one of its
+        own), or None where jobs are not staged. Without the native library there is
+        none: an explicit ``STAGED`` is refused and ``AUTO`` falls back to ``dma``."""
+        if self._strategy is not CopyStrategy.STAGED:
+            return None
+        if self._native is not None:
+            return self._native
+        try:
+            return StagedPlanner()
+        except OSError as exc:
+            if self.config.strategy is CopyStrategy.STAGED:
+                raise ConfigError(
+                    f"the staged strategy is planned by the native library, which is "
+                    f"unavailable: {exc}"
+                ) from None
+            log.info("%s copies with dma: the staged planner is unavailable: %s", self.name, exc)
+            self._strategy = CopyStrategy.DMA
+            self._stage_rows = 0
+            return None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -312,15 +327,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ launch and completion
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
-        launch(self, job)
+        launch_job(self, job)
 
     def poll(self) -> None:
         """Report the leading run of finished jobs (event queries, no waiting)."""
-        poll(self)
+        poll_jobs(self)
 
     def watch(self, delta: int) -> None:
         """While someone waits, the watcher thread reports each job as it finishes."""
-        watch(self, delta)
+        watch_jobs(self, delta)
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams (jobs take effect in submission order)."""
@@ -329,22 +344,3 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def _recycle(self, plan: DevicePlan) -> None:
         """Hand a finished job's events and id buffer back to the pools."""
         self._resources.recycle(plan)
-
-    # ------------------------------------------------------------ for tests and probes
-
-    def _upload_ids(self, plan: DevicePlan, stream: Any, arrays: list[Any]) -> list[Any]:
-        return upload_ids(self, plan, stream, arrays)
-
-    def _block_copy(
-        self,
-        m: GroupMapping,
-        ids: Any,
-        slot_ids: Any,
-        count: int,
-        slot_base: int,
-        slot_view: Any,
-    ) -> BlockCopy:
-        return self._tables.block_copy(m, ids, slot_ids, count, slot_base, slot_view)
-
-    def _runs(self, group: int, tier_rows: Any, staging: StagingBuffers) -> tuple[Any, ...] | None:
-        return plan_runs(self.layout, group, tier_rows, staging)

@@ -51,6 +51,8 @@ def enqueue_kernel(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> None:
         ids = upload_ids(h, plan, stream, arrays)
         for k, m in enumerate(plan.groups):
             n = int(m.cache_ids.shape[0])
-            copy = h._tables.block_copy(m, ids[2 * k], ids[2 * k + 1], n, h._tier_base, tier_view)
+            copy = h._tables.block_copy(
+                m.group, ids[2 * k], ids[2 * k + 1], n, h._tier_base, tier_view
+            )
             h._ops.copy_blocks(stream, copy)
     h._last_effect = [(mark(h, plan, stream), stream)]

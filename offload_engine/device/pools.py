@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from offload_engine.device.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
-from offload_engine.host.layout import GroupMapping, KVLayout
+from offload_engine.host.layout import KVLayout
 from offload_engine.vocabulary import Direction
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class RegionTables:
 
     def block_copy(
         self,
-        m: GroupMapping,
+        group: int,
         ids: torch.Tensor,
         slot_ids: torch.Tensor | None,
         count: int,
@@ -151,7 +151,7 @@ class RegionTables:
     ) -> BlockCopy:
         """A copy of ``count`` blocks of the group between the cache and slot rows: a
         staging buffer filled in order (``slot_ids`` None) or the tier itself."""
-        base, stride, size, offset, max_size = self.tables[m.group]
+        base, stride, size, offset, max_size = self.tables[group]
         return BlockCopy(
             region_base=base,
             region_stride=stride,
@@ -164,7 +164,7 @@ class RegionTables:
             slot_base=slot_base,
             slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
             direction=self._direction,
-            cache_views=self.views[m.group],
+            cache_views=self.views[group],
             slot_view=slot_view,
-            slot_offsets=self._layout.slot_offsets[m.group],
+            slot_offsets=self._layout.slot_offsets[group],
         )

@@ -11,16 +11,22 @@ halves do, and consecutive pieces' DMAs alternate between the two DMA streams.
 The job's writes (store: the DMAs, load: the scatters) wait for the previous
 job's writes; the other half of each piece is only held by buffer reuse. Every
 piece records events the watcher checks, since a device error surfaces at the
-next event recorded on its own stream.
+next event recorded on its own stream. Each group's blocks go through staging in
+tier-address order, so a run of consecutive tier slots (ascending or descending
+in the job, as an allocator that reuses freed slots last-in first-out hands them
+out) fills consecutive staging rows and moves as one DMA descriptor.
 
-Each group's blocks go through staging in tier-address order, so a run of
-consecutive tier slots (ascending or descending in the job, as an allocator that
-reuses freed slots last-in first-out hands them out) fills consecutive staging
-rows and moves as one DMA descriptor.
-
-This module issues the pieces call by call on the runtime (NPU, the fakes, and
-CUDA without the native launch); :mod:`offload_engine.device.staged_native`
-has the native library plan the same pieces.
+**One planner.** The pieces are planned by the native library
+(``oe_staged_build`` in ``runtimes/_native_launch.c``, through a
+:class:`~offload_engine.device.runtimes._native.StagedPlanner`), which writes
+them as launch-program ops: planning them in Python costs more CPU than a native
+launch of the whole job. With the native launch
+(:mod:`offload_engine.device.staged_native`) those ops are issued as driver
+calls; a runtime that launches from Python (NPU, the fakes, CUDA without the
+native launch) gets them here, planned with stream and event *indices* for
+handles, and this module makes the same calls on the runtime, op by op. Without
+the native library (no C compiler) there is no staged strategy: ``AUTO`` picks
+``dma`` and an explicit ``STAGED`` is refused.
 """
 
 from __future__ import annotations
@@ -30,163 +36,204 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from offload_engine.device.kernel import upload_ids
 from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
+from offload_engine.device.runtimes._native import (
+    OP_BATCH,
+    OP_LAUNCH,
+    OP_RECORD,
+    OP_WAIT,
+    StagedHeader,
+    StagedPlanner,
+)
+from offload_engine.device.runtimes.base import IdBuffer
 from offload_engine.errors import ConfigError
-from offload_engine.host.layout import GroupMapping, KVLayout, merge_runs
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler
 
-
-def tier_order(h: DeviceCopyHandler, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
-    """The group's cache ids and tier row addresses, sorted by tier address
-    (stable: blocks bound for one slot keep their order)."""
-    rows = tier_base + h.tier.slot_offsets(m.slots)
-    if rows.shape[0] < 2 or bool((rows[1:] > rows[:-1]).all()):
-        return m.cache_ids, rows
-    order = np.argsort(rows, kind="stable")
-    return m.cache_ids[order], rows[order]
+#: the stream indices the planner is given for a Python launch
+_SM, _DMA0, _DMA1 = 1, 2, 3
+#: a launch op template for a Python launch: the group in the function's word, the
+#: SM stream's index, and seven parameter words of which the planner sets the
+#: block count (word 2), the ids' byte offset (15) and the staging buffer (17)
+_LAUNCH_WORDS = 18
 
 
-def plan_runs(
-    layout: KVLayout, group: int, tier_rows: Any, staging: StagingBuffers
-) -> tuple[Any, ...] | None:
-    """A group's runs of consecutive tier slots, cut at piece boundaries, planned
-    once per job: each run's tier address, its staging row's address in each
-    buffer, its bytes, and per piece where its runs begin (and end), so a piece
-    only slices them. None when no two neighbours continue each other
-    (scattered slots, or a group that does not fill a staging row, so staging
-    rows cannot merge): the descriptors are then one per block. These are the
-    descriptors ``merge_runs`` makes from each piece's rows."""
-    size = layout.group_bytes[group]
-    n = int(tier_rows.shape[0])
-    if n < 2 or size != layout.slot_bytes:
-        return None
-    run_starts = np.empty(n, dtype=np.bool_)
-    np.not_equal(tier_rows[1:], tier_rows[:-1] + np.uint64(size), out=run_starts[1:])
-    if run_starts[1:].all():
-        return None
-    rows_per = staging.rows
-    run_starts[::rows_per] = True  # a piece starts a run
-    starts = np.flatnonzero(run_starts)
-    ends = np.empty_like(starts)
-    ends[:-1] = starts[1:]
-    ends[-1] = n
-    run_bytes = (ends - starts).astype(np.uint64) * np.uint64(size)
-    offsets = (starts % rows_per).astype(np.uint64) * np.uint64(layout.slot_bytes)
-    run_rows = [offsets + np.uint64(a) for a in staging.addresses]
-    cuts = np.searchsorted(starts, np.arange(0, n + rows_per, rows_per)).tolist()
-    return tier_rows[starts], run_rows, run_bytes, cuts
+def gather(h: DeviceCopyHandler, plan: DevicePlan, total: int) -> IdBuffer:
+    """The job's cache ids into a reused id buffer and its tier slots into the
+    handler's slot array, group after group (the planner sorts both in place by
+    tier address); the id buffer."""
+    buffer = h._resources.id_buffer(plan, total)
+    host = buffer.host
+    slots = h._slots
+    if total > slots.shape[0]:
+        slots = h._slots = np.empty(2 * total, dtype=np.int64)
+        h._slots_at = slots.ctypes.data
+    at = 0
+    for m in plan.groups:
+        n = int(m.cache_ids.shape[0])
+        host[at : at + n] = m.cache_ids
+        slots[at : at + n] = m.slots
+        at += n
+    return buffer
+
+
+def leave_state(
+    h: DeviceCopyHandler,
+    plan: DevicePlan,
+    streams: tuple[Any, tuple[Any, Any]],
+    staging: StagingBuffers,
+    events: list[Any],
+    pieces: int,
+) -> None:
+    """The handler's state after a staged job of ``pieces`` pieces (at least one):
+    the staging buffers' last events and turn, the pieces' parity, the job's
+    checks and last effect."""
+    sm, dmas = streams
+    nbuf = len(staging.buffers)
+    first = staging.next
+    staging.next = (first + pieces) % nbuf
+    h._pieces += pieces
+    for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
+        staging.free[(first + i) % nbuf] = events[2 * i + 1]
+    plan.checks += events
+    last = h._pieces % 2
+    if h._store and pieces >= 2:  # the last piece of each parity: the last two pieces
+        ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
+        h._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
+    else:
+        h._last_effect = [(events[2 * pieces - 1], dmas[last] if h._store else sm)]
+
+
+def empty_job(
+    h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any], event: Any
+) -> None:
+    """An empty job still takes its place in the order: one event on the stream its
+    writes would have gone on."""
+    stream = dmas[0] if h._store else sm
+    h._ops.record(event, stream)
+    plan.checks.append(event)
+    h._last_effect = [(event, stream)]
 
 
 @dataclass
-class _Group:
-    """One KV group of a staged job, sorted by tier address."""
+class _PythonSet:
+    """The planner's facts for a Python launch, whatever the job."""
 
-    mapping: GroupMapping
-    ids: Any  # the group's cache ids on the device
-    tier_rows: Any  # their tier row addresses
-    runs: tuple[Any, ...] | None  # plan_runs, for a group of several pieces
-
-
-def _piece_descriptors(
-    h: DeviceCopyHandler, g: _Group, k: int, lo: int, hi: int, b: int, staging: StagingBuffers
-) -> tuple[Any, Any, Any]:
-    """A piece's DMA descriptors (dst, src, sizes)."""
-    if g.runs is None:  # a single piece, or no two neighbours continue
-        tier = g.tier_rows[lo:hi]
-        rows = staging.row_addresses[b][: hi - lo]
-        sizes = h._used_sizes[g.mapping.group][: hi - lo]
-        if int(g.mapping.cache_ids.shape[0]) <= staging.rows:
-            tier, rows, sizes = merge_runs(tier, rows, sizes)  # symmetric in its two sides
-    else:  # one per run of consecutive tier slots within the piece
-        run_tier, run_rows, run_bytes, cuts = g.runs
-        c0, c1 = cuts[k], cuts[k + 1]
-        tier, rows, sizes = run_tier[c0:c1], run_rows[b][c0:c1], run_bytes[c0:c1]
-    return (tier, rows, sizes) if h._store else (rows, tier, sizes)
+    header: StagedHeader
+    batch: Any  # the batch op template
+    groups: list[tuple[int, int]]  # per group: bytes per block, launch template's address
+    templates: list[Any]  # kept alive with their addresses
+    buffer_index: dict[int, int]  # a staging buffer's address -> its index
 
 
-def _piece(
-    h: DeviceCopyHandler,
-    staging: StagingBuffers,
-    g: _Group,
-    k: int,
-    lo: int,
-    streams: tuple[Any, Any],
-    events: tuple[Any, Any],
-) -> None:
-    """Enqueue one piece: [wait for its buffer] first half, record, wait, second
-    half, record; a store gathers (SM) then DMAs, a load the reverse."""
-    ops = h._ops
-    n = int(g.mapping.cache_ids.shape[0])
-    hi = min(lo + staging.rows, n)
-    b = staging.take()
-    first, second = streams
-    full, end = events
-    dst, src, sizes = _piece_descriptors(h, g, k, lo, hi, b, staging)
-    piece_ids = g.ids if lo == 0 and hi == n else g.ids[lo:hi]
-    copy = h._tables.block_copy(
-        g.mapping, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
+def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
+    found: _PythonSet | None = h._native_sets.get("python")
+    if found is not None:
+        return found
+    tier = h.tier
+    # one descriptor per batch op call: memcpy_batch cuts its own driver calls
+    batch = np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
+    header = StagedHeader(
+        store=h._store,
+        sm_stream=_SM,
+        dma_streams=(_DMA0, _DMA1),
+        buffers=len(staging.buffers),
+        rows=staging.rows,
+        row_bytes=h.layout.slot_bytes,
+        batch_template=batch.ctypes.data,
+        buffer_addresses=staging.addresses_at,
+        tier_base=h._tier_base,
+        slot_bytes=tier.slot_bytes,
+        factor=tier.factor,
+        block_stride=tier.block_stride,
+        device_ids=0,  # the launch ops' id words are then byte offsets into the job's ids
     )
-    sm_stream, dma_stream = (first, second) if h._store else (second, first)
-    if staging.free[b] is not None:
-        ops.wait_event(first, staging.free[b])
-    for half in (0, 1):
-        if (half == 0) == h._store:
-            ops.copy_blocks(sm_stream, copy)
-        else:
-            ops.memcpy_batch(dma_stream, dst, src, sizes, h.direction)
-        if half == 0:
-            ops.record(full, first)
-            ops.wait_event(second, full)
-    ops.record(end, second)
-    staging.free[b] = end
+    groups, templates = [], []
+    for g, size in enumerate(h.layout.group_bytes):
+        template = np.zeros(_LAUNCH_WORDS, dtype=np.int64)
+        template[:2] = (OP_LAUNCH, g)
+        template[9:11] = (_SM, _LAUNCH_WORDS - 11)
+        templates.append(template)
+        groups.append((size, template.ctypes.data))
+    index = {a: b for b, a in enumerate(staging.addresses)}
+    found = h._native_sets["python"] = _PythonSet(header, batch, groups, templates, index)
+    return found
 
 
 def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
-    """Put a staged job's pieces on the streams, call by call on ``h._ops``."""
-    staging = h._staging
-    if staging is None:  # pragma: no cover - guarded at construction
-        raise ConfigError("no staging memory")
-    store = h._store
+    """Plan a staged job with the native planner and make its calls on the runtime."""
+    staging, planner = h._staging, h._planner
+    if staging is None or planner is None:  # pragma: no cover - guarded at construction
+        raise ConfigError("no staging memory or no staged planner")
     h._ops.wait_event(sm, plan.ready)
-    after_last_effect(h, dmas if store else (sm,))
-    tier_base = np.uint64(h._tier_base)
-    order = [tier_order(h, m, tier_base) for m in plan.groups]
-    # every group's ids in one upload, before any piece
-    ids = upload_ids(h, plan, sm, [cache_ids for cache_ids, _ in order])
-    rows_per = staging.rows
-    groups = []
-    for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
-        # a group of one piece merges that piece (fewer numpy calls than planning)
-        several = int(m.cache_ids.shape[0]) > rows_per
-        runs = plan_runs(h.layout, m.group, tier_rows, staging) if several else None
-        groups.append(_Group(m, group_ids, tier_rows, runs))
-    pieces = sum(-(-int(m.cache_ids.shape[0]) // rows_per) for m in plan.groups)
-    # two events per piece (its first half done, its second half done; an empty
-    # job records one), taken from the pool at once
+    after_last_effect(h, dmas if h._store else (sm,))
+    sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
+    total = sum(sizes_n)
+    pieces = sum(-(-n // staging.rows) for n in sizes_n)
+    buffer = gather(h, plan, total)
     events = h._resources.events(max(2 * pieces, 1))
     plan.events.extend(events)
-    last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
-    at = 0
-    for g in groups:
-        for k, lo in enumerate(range(0, int(g.mapping.cache_ids.shape[0]), rows_per)):
-            h._pieces += 1
-            dma = dmas[h._pieces % 2]
-            streams = (sm, dma) if store else (dma, sm)
-            _piece(h, staging, g, k, lo, streams, (events[at], events[at + 1]))
-            last[h._pieces % 2] = events[at + 1]
-            at += 2
-    plan.checks += events[:at]
-    if pieces == 0:  # an empty job still takes its place in the order
-        stream = dmas[0] if store else sm
-        h._ops.record(events[0], stream)
-        plan.checks.append(events[0])
-        h._last_effect = [(events[0], stream)]
-    elif store and len(last) == 2:
-        # the next job's DMA streams wait for both ends (no join needed)
-        h._last_effect = [(last[0], dmas[0]), (last[1], dmas[1])]
-    else:
-        h._last_effect = [(events[at - 1], dmas[h._pieces % 2] if store else sm)]
+    if pieces:
+        found = _python_set(h, staging)
+        objects = [None, *(e for e in staging.free if e is not None), *events]
+        handles, k = [], 1
+        for e in staging.free:
+            k += e is not None
+            handles.append(k - 1 if e is not None else 0)
+        header = found.header
+        header.slots = h._slots_at
+        header.host_ids = buffer.host.ctypes.data
+        header.next_buffer = staging.next
+        header.pieces_before = h._pieces
+        header.groups = len(plan.groups)
+        tail = handles
+        for m, n in zip(plan.groups, sizes_n, strict=True):
+            tail += (n, *found.groups[m.group])
+        tail += range(k, k + len(events))
+        planner.begin()
+        planner.build_staged(header, tail, (12 + 9 + _LAUNCH_WORDS) * pieces, 3 * total)
+    ids = h._ops.upload_ids(sm, buffer, total)
+    if not pieces:
+        empty_job(h, plan, sm, dmas, events[0])
+        return
+    _issue(h, planner, (sm, *dmas), objects, ids, staging, found.buffer_index)
+    leave_state(h, plan, (sm, dmas), staging, events, pieces)
+
+
+def _issue(
+    h: DeviceCopyHandler,
+    planner: StagedPlanner,
+    streams: tuple[Any, ...],
+    objects: list[Any],
+    ids: Any,
+    staging: StagingBuffers,
+    buffer_index: dict[int, int],
+) -> None:
+    """Make the planned ops' calls on the runtime, in order."""
+    ops = h._ops
+    words = planner.words.tolist()
+    desc = planner.descriptor_array
+    at, n = 0, len(words)
+    while at < n:
+        code = words[at]
+        if code == OP_WAIT:
+            ops.wait_event(streams[words[at + 1] - 1], objects[words[at + 2]])
+            at += 3
+        elif code == OP_RECORD:
+            ops.record(objects[words[at + 1]], streams[words[at + 2] - 1])
+            at += 3
+        elif code == OP_BATCH:
+            _, stream, d, s, z, count = words[at : at + 6]
+            batch = (desc[d : d + count], desc[s : s + count], desc[z : z + count])
+            ops.memcpy_batch(streams[stream - 1], *batch, h.direction)
+            at += 9
+        else:  # OP_LAUNCH: the group, the block count, the ids' offset, the buffer
+            group, count = words[at + 1], words[at + 2]
+            first, address = words[at + 15] // 8, words[at + 17]
+            piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
+            b = buffer_index[address]
+            copy = h._tables.block_copy(group, piece_ids, None, count, address, staging.views[b])
+            ops.copy_blocks(streams[words[at + 9] - 1], copy)
+            at += _LAUNCH_WORDS

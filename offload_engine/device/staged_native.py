@@ -1,10 +1,10 @@
-"""The ``staged`` strategy with the native launch: the pieces that
-:mod:`offload_engine.device.staged` issues call by call are planned and written
-as program ops by the native library (``oe_staged_build``), in the same order
-with the same operands. Python only gathers the job's cache ids (into the id
-buffer) and tier slots, fills the planner's :class:`StagedHeader`, and keeps the
-handler's state (staging buffers' last events, the pieces' parity, the job's
-last effect) as the call-by-call path leaves it.
+"""The ``staged`` strategy with the native launch: the planner
+(``oe_staged_build``) writes the job's pieces straight into the launch program,
+with the driver's stream and event handles, and the program issues them with
+the rest of the job's calls in one native call. Python only gathers the job's
+cache ids (into the id buffer) and tier slots, fills the planner's
+:class:`StagedHeader`, and keeps the handler's state
+(:func:`~offload_engine.device.staged.leave_state`).
 
 The header's stream-set fields, the batch op template and each group's launch
 op template are made once per stream set (:class:`NativeStreamSet`).
@@ -15,13 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 
 from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import StagedHeader
-from offload_engine.host.layout import GroupMapping
+from offload_engine.device.staged import empty_job, gather, leave_state
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler
@@ -69,34 +68,13 @@ def native_stream_set(
     templates = [batch]
     ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
     for g in range(len(h.layout.groups)):
-        mapping = GroupMapping(g, np.zeros(1, np.int64), np.zeros(1, np.int64))
-        template = h._tables.block_copy(
-            mapping, ids, None, 1, staging.addresses[0], staging.views[0]
-        )
+        template = h._tables.block_copy(g, ids, None, 1, staging.addresses[0], staging.views[0])
         words = program.launch_row(template, sm)
         templates.append(words)
         groups.append((h.layout.group_bytes[g], words.ctypes.data))
     piece_words = _PIECE_WORDS + len(batch) + max(len(t) for t in templates[1:])
     found = h._native_sets[id(sm)] = NativeStreamSet(header, groups, piece_words, templates)
     return found
-
-
-def _gather(h: DeviceCopyHandler, plan: DevicePlan, total: int) -> Any:
-    """The job's cache ids into a reused id buffer and its tier slots into the
-    handler's slot array, group after group; the id buffer."""
-    buffer = h._resources.id_buffer(plan, total)
-    host = buffer.host
-    slots = h._slots
-    if total > slots.shape[0]:
-        slots = h._slots = np.empty(2 * total, dtype=np.int64)
-        h._slots_at = slots.ctypes.data
-    at = 0
-    for m in plan.groups:
-        n = int(m.cache_ids.shape[0])
-        host[at : at + n] = m.cache_ids
-        slots[at : at + n] = m.slots
-        at += n
-    return buffer
 
 
 def enqueue_staged_native(
@@ -115,15 +93,12 @@ def enqueue_staged_native(
     sizes_n = [int(m.cache_ids.shape[0]) for m in groups]
     total = sum(sizes_n)
     pieces = sum(-(-n // staging.rows) for n in sizes_n)
-    buffer = _gather(h, plan, total)
+    buffer = gather(h, plan, total)
     ids_device = program.upload_ids_at(sm, buffer, total)
     events = h._resources.events(max(2 * pieces, 1))
     plan.events.extend(events)
-    if pieces == 0:  # an empty job still takes its place in the order
-        stream = dmas[0] if store else sm
-        program.record(events[0], stream)
-        plan.checks.append(events[0])
-        h._last_effect = [(events[0], stream)]
+    if pieces == 0:
+        empty_job(h, plan, sm, dmas, events[0])
         return
     found = native_stream_set(h, program, sm, dmas, staging)
     header = found.header
@@ -139,29 +114,4 @@ def enqueue_staged_native(
         tail += (n, *found.groups[m.group])
     tail += [handle(e) for e in events]
     program.build_staged(header, tail, found.piece_words * pieces, 3 * total)
-    _leave_state(h, plan, dmas, sm, staging, events, pieces)
-
-
-def _leave_state(
-    h: DeviceCopyHandler,
-    plan: DevicePlan,
-    dmas: tuple[Any, Any],
-    sm: Any,
-    staging: StagingBuffers,
-    events: list[Any],
-    pieces: int,
-) -> None:
-    """The handler's state as the call-by-call path leaves it."""
-    nbuf = len(staging.buffers)
-    first = staging.next
-    staging.next = (first + pieces) % nbuf
-    h._pieces += pieces
-    for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
-        staging.free[(first + i) % nbuf] = events[2 * i + 1]
-    plan.checks += events
-    last = h._pieces % 2
-    if h._store and pieces >= 2:  # the last piece of each parity: the last two pieces
-        ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
-        h._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
-    else:
-        h._last_effect = [(events[2 * pieces - 1], dmas[last] if h._store else sm)]
+    leave_state(h, plan, (sm, dmas), staging, events, pieces)

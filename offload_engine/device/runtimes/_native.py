@@ -4,17 +4,21 @@ A CUDA job's launch is a few dozen driver calls (event waits and records,
 batched copies, kernel launches, the id upload). Made one by one through
 ``ctypes`` each pays Python's and ctypes' overhead and holds the GIL, and
 while the engine's other threads are busy each costs about twice as much (the
-launching thread waits to win the GIL back between calls). With ``native_launch`` the handler's launch
-code runs unchanged against a :class:`LaunchProgram` instead of the runtime:
-each call appends an op to a flat int64 program (descriptors go to one uint64
-array), and :meth:`LaunchProgram.run` hands the whole program to
-``_native_launch.c``, which makes the same driver calls in the same order,
-through ``ctypes.CDLL`` (the GIL is released for the call). A short program
-(:data:`HOLD_GIL_OPS`) is run holding the GIL instead, as the Python path does
-for microsecond calls: handing the GIL over costs more than such a call. A
-staged job's pieces are planned by the library as well
-(:meth:`LaunchProgram.build_staged`, ``oe_staged_build``), since in Python that
-planning cost more than the calls it makes.
+launching thread waits to win the GIL back between calls). With
+``native_launch`` the handler's launch code runs unchanged against a
+:class:`LaunchProgram` instead of the runtime: each call appends an op to a
+flat int64 program (descriptors go to one uint64 array), and
+:meth:`LaunchProgram.run` hands the whole program to ``_native_launch.c``,
+which makes the same driver calls in the same order, through ``ctypes.CDLL``
+(the GIL is released for the call). A short program (:data:`HOLD_GIL_OPS`) is
+run holding the GIL instead, as the Python path does for microsecond calls:
+handing the GIL over costs more than such a call.
+
+A staged job's pieces are planned by the library too, and only there
+(``oe_staged_build``, through :class:`StagedPlanner`): planning them in Python
+costs more CPU than the native launch of the whole job. The planner writes the
+pieces as program ops; a :class:`LaunchProgram` issues them, and a runtime that
+launches from Python has :mod:`offload_engine.device.staged` make their calls.
 
 The C file ships in the package and is compiled on first use with the system
 C compiler (``$CC`` or ``cc``) into a per-user cache
@@ -250,36 +254,23 @@ class PairCheck:
         return found == 0
 
 
-class LaunchProgram:
-    """One job's driver calls, recorded as a program and issued by one native call.
+class StagedPlanner:
+    """The staged strategy's planner (``oe_staged_build``) and the program it writes
+    into: flat int64 words (ops) and one uint64 descriptor array.
 
-    A runtime subclass supplies the same enqueueing methods the handler calls on
-    the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
-    ``upload_ids``), each appending its op with :meth:`op` and its descriptors
-    with :meth:`descriptors`; a staged job's pieces are planned and appended by
-    the C library itself (:meth:`build_staged`). The handler calls :meth:`begin`,
-    its launch code, then :meth:`run`; one handler's launches never overlap, so a
-    program serves one handler.
+    It is the one planner of a staged job's pieces. A :class:`LaunchProgram` (the
+    native launch) issues the words it writes as driver calls; a runtime that
+    launches from Python has :mod:`offload_engine.device.staged` read them back
+    and make the same calls on the runtime. One handler's launches never overlap,
+    so a planner serves one handler.
     """
 
-    def __init__(
-        self,
-        entries: tuple[int, ...],
-        error_name: Any,
-        library: tuple[Any, Any, Any, Any] | None = None,
-    ) -> None:
-        if len(entries) != len(ENTRY_NAMES):
-            raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
+    def __init__(self, library: tuple[Any, Any, Any, Any] | None = None) -> None:
         found = native_library() if library is None else library
         if isinstance(found, str):
             raise OSError(found)
         self._released, self._held, self._build, check = found
         self.check_pairs = PairCheck(check)
-        self._entries = (ctypes.c_void_p * len(entries))(*entries)
-        self._entries_at = ctypes.addressof(self._entries)
-        self._error_name = error_name
-        self._fail = (ctypes.c_int64 * 4)()
-        self._fail_at = ctypes.addressof(self._fail)
         self._words: list[int] = []  # ops recorded since the last flush to the buffer
         self._n = 0  # words in the buffer
         self._ops = 0
@@ -292,6 +283,17 @@ class LaunchProgram:
         self._out_at = ctypes.addressof(self._out)
         self._tail: Any = (ctypes.c_int64 * 64)()  # a staged job's StagedHeader.tail
         self._tail_at = ctypes.addressof(self._tail)
+
+    @property
+    def words(self) -> Any:
+        """The program's words so far (an int64 view, valid until the next append)."""
+        self._reserve(0)
+        return self._buffer[: self._n]
+
+    @property
+    def descriptor_array(self) -> Any:
+        """The descriptor array (uint64; valid until the next append)."""
+        return self._desc
 
     def begin(self) -> None:
         """Start a new job's program (dropping whatever a failed launch left)."""
@@ -351,6 +353,33 @@ class LaunchProgram:
         self._n += out[0]
         self._ops += out[1]
         self._ndesc = out[2]
+
+
+class LaunchProgram(StagedPlanner):
+    """One job's driver calls, recorded as a program and issued by one native call.
+
+    A runtime subclass supplies the same enqueueing methods the handler calls on
+    the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
+    ``upload_ids``), each appending its op with :meth:`op` and its descriptors
+    with :meth:`descriptors`; a staged job's pieces are planned and appended by
+    the C library itself (:meth:`build_staged`). The handler calls :meth:`begin`,
+    its launch code, then :meth:`run`.
+    """
+
+    def __init__(
+        self,
+        entries: tuple[int, ...],
+        error_name: Any,
+        library: tuple[Any, Any, Any, Any] | None = None,
+    ) -> None:
+        if len(entries) != len(ENTRY_NAMES):
+            raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
+        super().__init__(library)
+        self._entries = (ctypes.c_void_p * len(entries))(*entries)
+        self._entries_at = ctypes.addressof(self._entries)
+        self._error_name = error_name
+        self._fail = (ctypes.c_int64 * 4)()
+        self._fail_at = ctypes.addressof(self._fail)
 
     def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
         """Append one batch's descriptors; their columns' offsets (in words) in the
