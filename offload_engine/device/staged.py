@@ -39,6 +39,13 @@ import numpy as np
 from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import (
+    BATCH_WORDS,
+    LAUNCH_GRID_X,
+    LAUNCH_IDS,
+    LAUNCH_NPARAMS,
+    LAUNCH_PARAMS,
+    LAUNCH_SLOT_BASE,
+    LAUNCH_STREAM,
     OP_BATCH,
     OP_LAUNCH,
     OP_RECORD,
@@ -55,9 +62,10 @@ if TYPE_CHECKING:
 #: the stream indices the planner is given for a Python launch
 _SM, _DMA0, _DMA1 = 1, 2, 3
 #: a launch op template for a Python launch: the group in the function's word, the
-#: SM stream's index, and seven parameter words of which the planner sets the
-#: block count (word 2), the ids' byte offset (15) and the staging buffer (17)
-_LAUNCH_WORDS = 18
+#: SM stream's index, and seven parameter words, of which the planner sets the
+#: ids' (a byte offset into the job's ids) and the slot base (a staging buffer's
+#: address), and the block count in the grid's x
+_LAUNCH_WORDS = LAUNCH_SLOT_BASE + 1
 
 
 def gather(h: DeviceCopyHandler, plan: DevicePlan, total: int) -> IdBuffer:
@@ -154,7 +162,8 @@ def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
     for g, size in enumerate(h.layout.group_bytes):
         template = np.zeros(_LAUNCH_WORDS, dtype=np.int64)
         template[:2] = (OP_LAUNCH, g)
-        template[9:11] = (_SM, _LAUNCH_WORDS - 11)
+        template[LAUNCH_STREAM] = _SM
+        template[LAUNCH_NPARAMS] = _LAUNCH_WORDS - LAUNCH_PARAMS
         templates.append(template)
         groups.append((size, template.ctypes.data))
     index = {a: b for b, a in enumerate(staging.addresses)}
@@ -193,7 +202,9 @@ def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[
             tail += (n, *found.groups[m.group])
         tail += range(k, k + len(events))
         planner.begin()
-        planner.build_staged(header, tail, (12 + 9 + _LAUNCH_WORDS) * pieces, 3 * total)
+        # a piece: at most two waits and two records (3 words each), a batch, a launch
+        piece_words = 4 * 3 + BATCH_WORDS + _LAUNCH_WORDS
+        planner.build_staged(header, tail, piece_words * pieces, 3 * total)
     ids = h._ops.upload_ids(sm, buffer, total)
     if not pieces:
         empty_job(h, plan, sm, dmas, events[0])
@@ -225,15 +236,15 @@ def _issue(
             ops.record(objects[words[at + 1]], streams[words[at + 2] - 1])
             at += 3
         elif code == OP_BATCH:
-            _, stream, d, s, z, count = words[at : at + 6]
+            _, stream, d, s, z, count = words[at : at + 6]  # (BATCH_STREAM to BATCH_COUNT)
             batch = (desc[d : d + count], desc[s : s + count], desc[z : z + count])
             ops.memcpy_batch(streams[stream - 1], *batch, h.direction)
-            at += 9
+            at += BATCH_WORDS
         else:  # OP_LAUNCH: the group, the block count, the ids' offset, the buffer
-            group, count = words[at + 1], words[at + 2]
-            first, address = words[at + 15] // 8, words[at + 17]
+            group, count = words[at + 1], words[at + LAUNCH_GRID_X]
+            first, address = words[at + LAUNCH_IDS] // 8, words[at + LAUNCH_SLOT_BASE]
             piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
             b = buffer_index[address]
             copy = h._tables.block_copy(group, piece_ids, None, count, address, staging.views[b])
-            ops.copy_blocks(streams[words[at + 9] - 1], copy)
+            ops.copy_blocks(streams[words[at + LAUNCH_STREAM] - 1], copy)
             at += _LAUNCH_WORDS

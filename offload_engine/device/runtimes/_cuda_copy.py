@@ -105,6 +105,7 @@ class DriverBlockCopy:
         tiles = -(-copy.max_region_size // TILE)
         if regions > _MAX_GRID_YZ or tiles > _MAX_GRID_YZ:
             raise ValueError(f"{regions} regions of up to {copy.max_region_size} bytes is too many")
+        # the staged planner sets parameters 4 and 6 (_native.LAUNCH_IDS, LAUNCH_SLOT_BASE)
         values = [
             copy.region_base.data_ptr(),
             copy.region_stride.data_ptr(),

@@ -68,6 +68,17 @@ CALL_NAMES = {
     OP_LAUNCH: "cuLaunchKernel",
     OP_HTOD: "cuMemcpyHtoDAsync",
 }
+#: the words of a batch op that the staged planner sets per piece (the same names in
+#: ``_native_launch.c``): OP_BATCH, stream, the dst, src and sizes columns' word
+#: offsets in the descriptor array, count, descriptors per call, attributes, variant
+BATCH_STREAM, BATCH_DST, BATCH_SRC, BATCH_SIZES, BATCH_COUNT = 1, 2, 3, 4, 5
+BATCH_WORDS = 9
+#: a launch op: OP_LAUNCH, function, grid x y z, block x y z, shared bytes, stream,
+#: parameter count, then one word per parameter; the staged planner sets the grid's x
+#: (the piece's blocks) and two parameters of the block-copy kernel
+#: (``DriverBlockCopy.launch_args``): the cache ids' address and the slot base
+LAUNCH_GRID_X, LAUNCH_STREAM, LAUNCH_NPARAMS, LAUNCH_PARAMS = 2, 9, 10, 11
+LAUNCH_IDS, LAUNCH_SLOT_BASE = LAUNCH_PARAMS + 4, LAUNCH_PARAMS + 6
 #: a program of at most this many ops and :data:`HOLD_GIL_DESCRIPTORS` descriptors
 #: runs holding the GIL (it returns in microseconds; see the module doc)
 HOLD_GIL_OPS = 12

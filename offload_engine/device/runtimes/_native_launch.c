@@ -48,6 +48,13 @@ typedef int (*launch_fn)(void *function, unsigned int gx, unsigned int gy, unsig
 typedef int (*htod_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);
 
 enum { OP_WAIT = 1, OP_RECORD = 2, OP_BATCH = 3, OP_LAUNCH = 4, OP_HTOD = 5 };
+/* the words of a batch and a launch op that oe_staged_build sets per piece (the same
+   names in _native.py): a batch's stream, descriptor columns and count; a launch's
+   grid x and the block-copy kernel's cache ids (parameter 4) and slot base (6) */
+enum { BATCH_STREAM = 1, BATCH_DST = 2, BATCH_SRC = 3, BATCH_SIZES = 4, BATCH_COUNT = 5,
+       BATCH_WORDS = 9 };
+enum { LAUNCH_GRID_X = 2, LAUNCH_NPARAMS = 10, LAUNCH_PARAMS = 11,
+       LAUNCH_IDS = LAUNCH_PARAMS + 4, LAUNCH_SLOT_BASE = LAUNCH_PARAMS + 6 };
 enum { E_RECORD = 0, E_WAIT = 1, E_BATCH = 2, E_MEMCPY = 3, E_LAUNCH = 4, E_HTOD = 5 };
 #define MAX_PARAMS 32
 
@@ -286,7 +293,7 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
     for (int64_t g = 0; g < ngroups; g++) {
         const int64_t n = groups[3 * g], size = groups[3 * g + 1];
         const int64_t *launch_tpl = (const int64_t *)(intptr_t)groups[3 * g + 2];
-        const int64_t launch_words = 11 + launch_tpl[10];
+        const int64_t launch_words = LAUNCH_PARAMS + launch_tpl[LAUNCH_NPARAMS];
         const int merge = size == pitch;
         for (int64_t i = at; i < at + n; i++) { /* slots to tier addresses, in place */
             const uint64_t slot = tier[i];
@@ -321,13 +328,13 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
                 memmove(dst + k, src, (size_t)k * sizeof *src);
                 memmove(dst + 2 * k, sizes, (size_t)k * sizeof *sizes);
             }
-            int64_t batch[9];
+            int64_t batch[BATCH_WORDS];
             memcpy(batch, batch_tpl, sizeof batch);
-            batch[1] = dma;
-            batch[2] = nd;
-            batch[3] = nd + k;
-            batch[4] = nd + 2 * k;
-            batch[5] = k;
+            batch[BATCH_STREAM] = dma;
+            batch[BATCH_DST] = nd;
+            batch[BATCH_SRC] = nd + k;
+            batch[BATCH_SIZES] = nd + 2 * k;
+            batch[BATCH_COUNT] = k;
             nd += 3 * k;
             if (last[b]) {
                 w[nw++] = OP_WAIT;
@@ -340,13 +347,13 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
                 if (launch) {
                     int64_t *op = w + nw;
                     memcpy(op, launch_tpl, (size_t)launch_words * sizeof *op);
-                    op[2] = count;
-                    op[15] = ids_device + 8 * (at + lo);
-                    op[17] = (int64_t)row0;
+                    op[LAUNCH_GRID_X] = count;
+                    op[LAUNCH_IDS] = ids_device + 8 * (at + lo);
+                    op[LAUNCH_SLOT_BASE] = (int64_t)row0;
                     nw += launch_words;
                 } else {
                     memcpy(w + nw, batch, sizeof batch);
-                    nw += 9;
+                    nw += BATCH_WORDS;
                 }
                 w[nw++] = OP_RECORD;
                 w[nw++] = half == 0 ? full : end;

@@ -447,9 +447,8 @@ class _CudaProgram(LaunchProgram):
     block-copy kernel, the id buffer's device views and the call that binds the
     device's context to a thread."""
 
-    # oe_staged_build fills in these words of batch_row (stream, descriptor columns,
-    # count: 1 to 5) and launch_row (grid x: 2, and DriverBlockCopy.launch_args's
-    # parameters 4 and 6, the cache ids and the slot base: 11 + 4 and 11 + 6)
+    # oe_staged_build fills in the words of batch_row and launch_row that _native.py
+    # names (BATCH_* and LAUNCH_*)
 
     def __init__(
         self,
