@@ -559,3 +559,27 @@ def test_the_native_planner_makes_the_reference_plans_calls(
         assert len(logs[how]) == len(logs["reference"]), how
         for i, (a, b) in enumerate(zip(logs["reference"], logs[how], strict=True)):
             assert a == b, f"{how}: call {i}"
+
+
+def test_without_a_compiler_there_is_no_staged_strategy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The staged planner is the native library's: without a compiler ``AUTO`` copies
+    with dma (and the bytes still arrive) and an explicit ``STAGED`` is refused."""
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("OFFLOAD_ENGINE_CACHE_DIR", str(tmp_path))
+    _native.reset_library()
+    fake = FakeRuntime(inline=True)
+    layout = build_layout("cross-layer", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 8)
+    auto = DeviceHandlerConfig(staging_bytes=2 * layout.slot_bytes)
+    store, load = make_device_handlers(fake, layout, tier, auto)
+    assert store._strategy is CopyStrategy.DMA and store._planner is None
+    with SyncOffloadingEngine([store, load]) as engine:
+        results = run_jobs(engine, [(True, [1, 2, 3], [4, 5, 6]), (False, [4, 5, 6], [4, 5, 6])])
+    assert all(r.success for r in results)
+    assert fake.block_copies == 0
+    with pytest.raises(ConfigError, match=r"staged strategy .*native library.*no C compiler"):
+        make_device_handlers(fake, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.STAGED))
+    tier.release()
+    fake.close()

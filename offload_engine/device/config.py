@@ -35,7 +35,10 @@ class DeviceHandlerConfig:
     pieces can be gathered ahead of the copy engine, which hides gathers that
     wait for SMs a concurrent GEMM holds. ``dma_min_chunk_bytes``: ``AUTO`` picks
     ``dma`` when every region of a block is at least this large, else
-    ``staged`` when there is staging memory. ``streams``: stream sets jobs
+    ``staged`` when there is staging memory. The staged strategy's pieces are
+    planned by the native library (built with the system C compiler on first
+    use): without it ``AUTO`` picks ``dma`` and ``STAGED`` is refused.
+    ``streams``: stream sets jobs
     rotate over (``None``: one with a batched copy API, four without).
     ``max_inflight``: jobs launched and not yet finished.
     ``close_timeout``: how long close waits for device work already abandoned
