@@ -209,8 +209,11 @@ def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[
     if not pieces:
         empty_job(h, plan, sm, dmas, events[0])
         return
-    _issue(h, planner, (sm, *dmas), objects, ids, staging, found.buffer_index)
+    # the state first, as the native launch leaves it before its program runs (a
+    # failing call then leaves both paths alike)
+    index = found.buffer_index
     leave_state(h, plan, (sm, dmas), staging, events, pieces)
+    _issue(h, planner, (sm, *dmas), objects, ids, staging, index)
 
 
 def _issue(
