@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from offload_engine.device.plan import DevicePlan, after_last_effect, mark
-from offload_engine.host.layout import chunk_descriptors
+from offload_engine.host import chunk_descriptors
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler

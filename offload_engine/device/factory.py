@@ -10,8 +10,7 @@ from offload_engine._checks import check_int
 from offload_engine.device.config import DeviceHandlerConfig
 from offload_engine.device.handler import DeviceCopyHandler
 from offload_engine.device.runtimes.base import DeviceRuntime
-from offload_engine.host.layout import KVLayout
-from offload_engine.host.tier import HostTier
+from offload_engine.host import HostTier, KVLayout
 from offload_engine.vocabulary import Direction
 
 

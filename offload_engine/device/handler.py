@@ -43,8 +43,7 @@ from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
-from offload_engine.host.layout import KVLayout
-from offload_engine.host.tier import HostTier, map_transfer
+from offload_engine.host import HostTier, KVLayout, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
 log = logging.getLogger("offload_engine.device")

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.runtimes.base import IdBuffer
-from offload_engine.host.layout import GroupMapping
+from offload_engine.host import GroupMapping
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from offload_engine.device.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
-from offload_engine.host.layout import KVLayout
+from offload_engine.host import KVLayout
 from offload_engine.vocabulary import Direction
 
 if TYPE_CHECKING:
