@@ -82,6 +82,9 @@ LAUNCH_IDS, LAUNCH_SLOT_BASE = LAUNCH_PARAMS + 4, LAUNCH_PARAMS + 6
 #: a program of at most this many ops and :data:`HOLD_GIL_DESCRIPTORS` descriptors
 #: runs holding the GIL (it returns in microseconds; see the module doc)
 HOLD_GIL_OPS = 12
+#: the most descriptors a driver call made holding the GIL carries, here and in
+#: ``CudaRuntime.memcpy_batch``: below it the batched copy returns in a few
+#: microseconds, less than handing the GIL to another thread and winning it back
 HOLD_GIL_DESCRIPTORS = 64
 
 
