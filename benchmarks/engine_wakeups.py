@@ -37,8 +37,8 @@ import torch
 
 from offload_engine import SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.device.handler import DeviceHandlerConfig, make_device_handlers
-from offload_engine.device.handler import pinned_host_tier as tier_for
+from offload_engine.device import DeviceHandlerConfig, make_device_handlers
+from offload_engine.device import pinned_host_tier as tier_for
 from offload_engine.testing import FakeHandler, FakeRuntime, build_layout
 from offload_engine.vocabulary import Medium
 

@@ -66,7 +66,7 @@ from offload_engine import (
     UnknownJobError,
     cpu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,

@@ -20,7 +20,7 @@ from offload_engine.bench.machine import Machine, check_host_memory, memory_size
 from offload_engine.bench.plots import draw_latency, draw_throughput
 from offload_engine.bench.rigs import RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.transfers import run_rig_cases
-from offload_engine.device.handler import CopyStrategy
+from offload_engine.device import CopyStrategy
 from offload_engine.errors import InsufficientMemoryError
 from offload_engine.testing import FakeHandler, FakeRuntime
 

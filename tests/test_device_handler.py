@@ -26,14 +26,14 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
-    DevicePlan,
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.plan import DevicePlan
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.host.layout import byte_view, merge_runs
 from offload_engine.testing import (
@@ -45,6 +45,7 @@ from offload_engine.testing import (
     cache_block_bytes,
 )
 from offload_engine.vocabulary import Direction
+from tests.staged_reference import plan_runs
 
 POISON = 0xA5
 
@@ -602,11 +603,11 @@ def test_staged_jobs_move_runs_of_consecutive_tier_slots_as_one_descriptor(
 
 @pytest.mark.parametrize("kind", ["cross-layer", "groups"])
 def test_staged_runs_planned_per_job_are_merge_runs_per_piece(fake: FakeRuntime, kind: str) -> None:
-    """The runs a staged job plans once (``_runs``) are, piece by piece, exactly the
-    descriptors ``merge_runs`` makes from that piece's tier and staging rows."""
+    """The runs the reference staged planner plans once per job (``plan_runs``) are,
+    piece by piece, exactly the descriptors ``merge_runs`` makes from that piece's
+    tier and staging rows."""
     layout = build_layout(kind, fake.empty, num_blocks=8)
     tier = pinned_host_tier(fake, layout, 64)
-    store, _ = make_device_handlers(fake, layout, tier)
     rng = np.random.default_rng(7)
     base = np.uint64(1 << 40)
     pitch = layout.slot_bytes
@@ -624,7 +625,7 @@ def test_staged_runs_planned_per_job_are_merge_runs_per_piece(fake: FakeRuntime,
             slots += run[::-1] if rng.random() < 0.5 else run
         tier_rows = np.sort(np.array(slots[:n], dtype=np.uint64) * np.uint64(pitch))
         staging = SimpleNamespace(rows=rows_per, addresses=[int(base), int(base) + 5 * pitch])
-        runs = store._runs(group, tier_rows, staging)  # type: ignore[arg-type]
+        runs = plan_runs(layout, group, tier_rows, staging)  # type: ignore[arg-type]
         for k, lo in enumerate(range(0, n, rows_per)):
             hi = min(lo + rows_per, n)
             b = k % 2  # pieces take the staging buffers in turn

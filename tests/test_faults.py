@@ -35,7 +35,7 @@ from offload_engine import (
     gpu_blocks,
     host_cache_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,

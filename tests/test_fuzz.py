@@ -54,7 +54,7 @@ from offload_engine import (
 )
 from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.config import parse_extra_config
-from offload_engine.device.handler import (
+from offload_engine.device import (
     DeviceCopyHandler,
     DeviceHandlerConfig,
     make_device_handlers,

@@ -394,17 +394,6 @@ MEDIA = ("host", "device", "disk", "remote")
 KEYED = "offload_engine.keyed"
 KEYED_USERS = ("disk", "remote")
 
-# Imports that still break the rule, as (importing folder, imported module), each with the import
-# that fixes it (the names are re-exported by offload_engine.host). Once an import is fixed its
-# entry goes (test_the_layer_allowances_are_still_needed fails on a stale one): the list is meant
-# to be empty.
-LAYER_ALLOWANCES = {
-    # device/: from offload_engine.host import (GroupMapping, HostTier, KVLayout,
-    #          chunk_descriptors, map_transfer, merge_runs)
-    ("offload_engine.device", "offload_engine.host.layout"),
-    ("offload_engine.device", "offload_engine.host.tier"),
-}
-
 
 def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
@@ -479,28 +468,12 @@ def layer_breaks(
     return out
 
 
-def _allowed(importer: str, target: str) -> tuple[str, str] | None:
-    for folder, module in LAYER_ALLOWANCES:
-        if _within(importer, folder) and target == module:
-            return folder, module
-    return None
-
-
 PACKAGE = sorted((ROOT / "offload_engine").rglob("*.py"))
 
 
 def test_each_layer_imports_only_what_it_stands_on() -> None:
-    broken = [
-        f"{where}: imports {target}"
-        for where, importer, target in layer_breaks(PACKAGE)
-        if _allowed(importer, target) is None
-    ]
+    broken = [f"{where}: imports {target}" for where, _, target in layer_breaks(PACKAGE)]
     assert broken == [], "docs/architecture.md, 'What may import what'"
-
-
-def test_the_layer_allowances_are_still_needed() -> None:
-    used = {_allowed(importer, target) for _, importer, target in layer_breaks(PACKAGE)}
-    assert LAYER_ALLOWANCES - used == set(), "fixed: drop these from LAYER_ALLOWANCES"
 
 
 def test_the_layer_check_catches_each_kind_of_break(tmp_path: pathlib.Path) -> None:

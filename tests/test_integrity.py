@@ -43,7 +43,7 @@ from offload_engine import (
     TransferSpec,
     cpu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,

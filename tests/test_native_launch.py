@@ -35,7 +35,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
@@ -44,12 +44,14 @@ from offload_engine.device.handler import (
 )
 from offload_engine.device.runtimes import _native
 from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.device.runtimes._cuda_driver import MemcpyAttributes as _MemcpyAttributes
 from offload_engine.device.runtimes.base import IdBuffer
-from offload_engine.device.runtimes.cuda import CudaRuntime, _MemcpyAttributes
+from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.host.layout import KVLayout
 from offload_engine.host.tier import HostTier
 from offload_engine.testing import FakeRuntime, build_layout
 from offload_engine.vocabulary import Direction
+from tests.staged_reference import use_reference
 
 needs_cc = pytest.mark.skipif(
     shutil.which(os.environ.get("CC") or "cc") is None,
@@ -494,3 +496,90 @@ def test_a_malformed_program_is_refused() -> None:
         prog = (ctypes.c_int64 * len(words))(*words)
         assert released(ctypes.addressof(prog), len(words), None, entries, fail) == -1
     assert released(None, 0, None, entries, fail) == 0
+
+
+@needs_cc
+@pytest.mark.parametrize(
+    ("kind", "rows", "buffers", "batched", "factor", "blocks"),
+    [
+        ("cross-layer", 3, 2, True, 1, 24),
+        ("cross-layer", 64, 3, True, 1, 600),
+        ("groups", 5, 4, True, 1, 24),
+        ("flash-attention", 5, 2, False, 1, 24),
+        ("mla", 4, 3, True, 1, 24),
+        ("cross-layer", 3, 2, True, 4, 24),
+        ("groups", 2, 2, True, 4, 24),
+    ],
+)
+def test_the_native_planner_makes_the_reference_plans_calls(
+    kind: str, rows: int, buffers: int, batched: bool, factor: int, blocks: int
+) -> None:
+    """The library's one staged planner (``oe_staged_build``, on the native launch and
+    behind the Python launch alike) against the slow Python reference
+    (``tests/staged_reference.py``): random stores and loads, over random slots and
+    an allocator's runs, several pieces and tier blocks of several slots, make the
+    same driver calls with the same arguments in the same order."""
+    layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=blocks)
+    n_tier = 2 * blocks // factor
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, n_tier, factor=factor)
+    groups = len(layout.groups)
+    rng = np.random.default_rng(rows + factor + blocks)
+    todo = []
+    for store, cache, slots, sizes in jobs(rng, blocks, n_tier, 30, groups):
+        per = sizes[0]
+        start = int(rng.integers(0, factor)) if factor > 1 and per else 0
+        need = -(-(per + start) // factor)  # tier blocks per group
+        tier_ids = slots[: need * groups] if len(slots) >= need * groups else []
+        if len(tier_ids) < need * groups:
+            continue
+        todo.append((store, cache, tier_ids, per, start))
+    logs = {}
+    for how in ("reference", "python", "native"):
+        with pytest.MonkeyPatch.context() as mp:
+            if how == "reference":
+                use_reference(mp)
+            driver, store_h, load_h = handlers(
+                layout, tier, how == "native", rows=rows, buffers=buffers, batched=batched
+            )
+            with SyncOffloadingEngine([store_h, load_h]) as engine:
+                for is_store, cache, tier_ids, per, start in todo:
+                    cache_blocks = gpu_blocks(
+                        cache, group_sizes=(per,) * groups, block_indices=(start,) * groups
+                    )
+                    spec = (
+                        TransferSpec(cache_blocks, cpu_blocks(tier_ids))
+                        if is_store
+                        else TransferSpec(cpu_blocks(tier_ids), cache_blocks)
+                    )
+                    [r] = engine.wait([engine.submit(spec)])
+                    assert r.success, r.error
+        logs[how] = driver.calls
+    assert {"launch", "htod"} <= {c[0] for c in logs["reference"]}
+    for how in ("python", "native"):
+        assert len(logs[how]) == len(logs["reference"]), how
+        for i, (a, b) in enumerate(zip(logs["reference"], logs[how], strict=True)):
+            assert a == b, f"{how}: call {i}"
+
+
+def test_without_a_compiler_there_is_no_staged_strategy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The staged planner is the native library's: without a compiler ``AUTO`` copies
+    with dma (and the bytes still arrive) and an explicit ``STAGED`` is refused."""
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    monkeypatch.setenv("OFFLOAD_ENGINE_CACHE_DIR", str(tmp_path))
+    _native.reset_library()
+    fake = FakeRuntime(inline=True)
+    layout = build_layout("cross-layer", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 8)
+    auto = DeviceHandlerConfig(staging_bytes=2 * layout.slot_bytes)
+    store, load = make_device_handlers(fake, layout, tier, auto)
+    assert store._strategy is CopyStrategy.DMA and store._planner is None
+    with SyncOffloadingEngine([store, load]) as engine:
+        results = run_jobs(engine, [(True, [1, 2, 3], [4, 5, 6]), (False, [4, 5, 6], [4, 5, 6])])
+    assert all(r.success for r in results)
+    assert fake.block_copies == 0
+    with pytest.raises(ConfigError, match=r"staged strategy .*native library.*no C compiler"):
+        make_device_handlers(fake, layout, tier, DeviceHandlerConfig(strategy=CopyStrategy.STAGED))
+    tier.release()
+    fake.close()

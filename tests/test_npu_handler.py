@@ -23,7 +23,7 @@ from offload_engine import (
     cpu_blocks,
     npu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,

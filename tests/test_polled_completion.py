@@ -26,14 +26,14 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,
-    DevicePlan,
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.plan import DevicePlan
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.testing import FakeDeviceError, FakeRuntime, build_layout, cache_block_bytes
 

@@ -35,7 +35,7 @@ from offload_engine.connectors.vllm.testing import (
     fake_canonical_kv_caches,
     page_bytes,
 )
-from offload_engine.device.handler import DeviceCopyHandler
+from offload_engine.device import DeviceCopyHandler
 from offload_engine.device.runtimes.npu import ACL_MEM_LOCATION_TYPE_HOST, NpuRuntime
 from offload_engine.testing import FakeAscend
 

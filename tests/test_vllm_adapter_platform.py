@@ -24,7 +24,7 @@ from offload_engine.connectors.vllm.config import parse_extra_config
 from offload_engine.connectors.vllm.layout import layout_from_canonical
 from offload_engine.connectors.vllm.platform import select_backend
 from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
-from offload_engine.device.handler import DeviceCopyHandler
+from offload_engine.device import DeviceCopyHandler
 from offload_engine.testing import FakeRuntime, cache_block_bytes
 
 

@@ -43,7 +43,7 @@ import torch
 from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.bench.slots import allocator_slots
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceCopyHandler,
     DeviceHandlerConfig,

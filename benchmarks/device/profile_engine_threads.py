@@ -30,7 +30,7 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.bench.step import LAUNCH_MODES
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,

@@ -1,4 +1,4 @@
-"""The launcher's Python per job, without a GPU (issue 14, stepperf7).
+"""The launcher's Python per job, without a GPU.
 
     PYTHONPATH=$PWD python benchmarks/device/profile_launcher_local.py [--jobs 300] [--profile]
 
@@ -35,13 +35,13 @@ import torch
 
 from offload_engine import KVLayout, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.bench.slots import allocator_slots
-from offload_engine.device import handler as device
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.launch import STOP
 from offload_engine.device.runtimes.cuda import CudaRuntime
 
 ROWS = 64  # staging rows per buffer (256 MiB / 2 buffers / 2 MiB blocks)
@@ -156,7 +156,7 @@ def main() -> int:
                 if prof is not None:
                     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     for h in (store, load):
-        h._launch_q.put(device._STOP)
+        h._launch_q.put(STOP)
         for t in h._threads:
             t.join()
     tier.release()

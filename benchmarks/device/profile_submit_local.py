@@ -1,4 +1,4 @@
-"""Where a submit's CPU goes in the caller's thread, without a GPU (issue 14, stepperf8).
+"""Where a submit's CPU goes in the caller's thread, without a GPU.
 
     PYTHONPATH=$PWD python benchmarks/device/profile_submit_local.py [--jobs 200] [--profile]
 

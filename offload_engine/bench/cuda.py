@@ -32,7 +32,7 @@ from offload_engine.bench import BenchPlan, CaseResults
 from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
-from offload_engine.device.handler import CopyStrategy
+from offload_engine.device import CopyStrategy
 from offload_engine.device.runtimes import probe as runtimes
 from offload_engine.device.runtimes.cuda import CudaRuntime
 from offload_engine.device.runtimes.probe import RuntimeInfo

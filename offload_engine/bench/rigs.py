@@ -17,7 +17,7 @@ from typing import Any, Literal
 import torch
 
 from offload_engine.bench.machine import available_memory_bytes, memory_size
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,

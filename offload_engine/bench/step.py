@@ -53,7 +53,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,

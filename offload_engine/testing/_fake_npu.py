@@ -384,6 +384,26 @@ class FakeAscendCL:
             return None
         return f"memory location type {location} is not supported here"
 
+    def _batch_refusal(
+        self, fail: Any, num: int, arrays: tuple[int | None, ...], num_attrs: int
+    ) -> tuple[int, str] | None:
+        """What ``aclrtMemcpyBatchAsync`` refuses before it reads a descriptor: the
+        error and why, or None."""
+        if not self._context():
+            return ACL_ERROR_RT_CONTEXT_NULL, "no device set on this thread"
+        if self.batch_unsupported:
+            return ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "batch copies not supported"
+        with self._lock:
+            injected = self._fail_batch.pop(0) if self._fail_batch else None
+        if injected is not None:
+            fail.value = injected[1]
+            return injected[0], "injected batch failure"
+        if not num or num > self.max_batch:
+            return ACL_ERROR_INVALID_PARAM, f"numBatches {num} not in 1..{self.max_batch}"
+        if not (all(arrays) and num_attrs):
+            return ACL_ERROR_INVALID_PARAM, "a NULL array or no attributes"
+        return None
+
     def _batch_async(
         self,
         dsts: int | None,
@@ -401,31 +421,21 @@ class FakeAscendCL:
             return self._refuse(ACL_ERROR_INVALID_PARAM, "failIndex is NULL")
         fail = ctypes.c_size_t.from_address(fail_index)
         fail.value = SIZE_MAX
-        if not self._context():
-            return self._refuse(ACL_ERROR_RT_CONTEXT_NULL, "no device set on this thread")
-        if self.batch_unsupported:
-            return self._refuse(ACL_ERROR_RT_FEATURE_NOT_SUPPORT, "batch copies not supported")
-        with self._lock:
-            injected = self._fail_batch.pop(0) if self._fail_batch else None
-        if injected is not None:
-            fail.value = injected[1]
-            return self._refuse(injected[0], "injected batch failure")
-        if not num or num > self.max_batch:
-            return self._refuse(
-                ACL_ERROR_INVALID_PARAM, f"numBatches {num} not in 1..{self.max_batch}"
-            )
-        if not (dsts and dest_maxs and srcs and sizes and attrs and attrs_indexes and num_attrs):
-            return self._refuse(ACL_ERROR_INVALID_PARAM, "a NULL array or no attributes")
+        arrays = (dsts, dest_maxs, srcs, sizes, attrs, attrs_indexes)
+        refused = self._batch_refusal(fail, num, arrays, num_attrs)
+        if refused is not None:
+            return self._refuse(*refused)
         target = self._ascend.stream_for(stream)
         if target is None:
             return self._refuse(ACL_ERROR_RT_PARAM_INVALID, f"unknown stream {stream}")
 
-        def read(address: int, count: int = num) -> list[int]:
-            return [int(v) for v in (ctypes.c_uint64 * count).from_address(address)]
+        def read(address: int | None, count: int = num) -> list[int]:
+            # (every array was checked non-NULL above)
+            return [int(v) for v in (ctypes.c_uint64 * count).from_address(address or 0)]
 
         d, m, s, z = read(dsts), read(dest_maxs), read(srcs), read(sizes)
         index = read(attrs_indexes, num_attrs)
-        table = (AclMemcpyBatchAttr * num_attrs).from_address(attrs)
+        table = (AclMemcpyBatchAttr * num_attrs).from_address(attrs or 0)
         described = tuple((a.dstLoc.type, a.dstLoc.id, a.srcLoc.type, a.srcLoc.id) for a in table)
         if index[0] != 0 or sorted(index) != index or index[-1] >= num:
             return self._refuse(ACL_ERROR_INVALID_PARAM, f"bad attrsIndexes {index}")

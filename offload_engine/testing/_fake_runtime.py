@@ -238,6 +238,12 @@ class FakeRuntime(DeviceRuntime):
     def new_event(self) -> FakeEvent:
         return FakeEvent(threading.Lock())
 
+    def stream_handle(self, stream: Any) -> int:
+        return id(stream)  # a fake stream has no driver handle: its identity stands in
+
+    def event_handle(self, event: Any) -> int:
+        return id(event)
+
     def record(self, event: Any, stream: Any) -> None:
         with event._cond:
             event.recorded += 1

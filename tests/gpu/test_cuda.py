@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_engine import ConfigError, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.device.handler import (
+from offload_engine.device import (
     CopyStrategy,
     DeviceHandlerConfig,
     make_device_handlers,
@@ -212,7 +212,7 @@ def test_a_refused_copy_fails_its_job_and_the_next_job_runs(cuda: object, native
 
 
 def test_the_native_launch_is_on_by_default_where_it_builds(cuda: object) -> None:
-    from offload_engine.device.handler import NATIVE_LAUNCH_DEFAULT
+    from offload_engine.device.config import NATIVE_LAUNCH_DEFAULT
 
     layout = build_layout("mla", gpu_empty, num_blocks=4)
     tier = pinned_host_tier(cuda, layout, 4)  # type: ignore[arg-type]

@@ -5,8 +5,8 @@ CTA copies one 8 KiB tile of one region of one block, ``grid = (blocks,
 regions, tiles)``, addresses from the int64 region tables plus the job's block
 ids, 8-byte words (the runtime checks alignment).
 
-Why a second kernel: a Triton launch costs 100-200 us of Python on the H100
-machine measured here (argument binding and specialisation, launcher hooks),
+Why a second kernel: a Triton launch costs 100-200 us of Python on an H100 host
+(argument binding and specialisation, launcher hooks),
 more than all the rest of a small job's launch together. This kernel is compiled
 once with NVRTC (through torch's ``torch.cuda._compile_kernel``) and launched
 with one ``cuLaunchKernel`` call made through ``ctypes`` while holding the GIL:
@@ -105,6 +105,7 @@ class DriverBlockCopy:
         tiles = -(-copy.max_region_size // TILE)
         if regions > _MAX_GRID_YZ or tiles > _MAX_GRID_YZ:
             raise ValueError(f"{regions} regions of up to {copy.max_region_size} bytes is too many")
+        # the staged planner sets parameters 4 and 6 (_native.LAUNCH_IDS, LAUNCH_SLOT_BASE)
         values = [
             copy.region_base.data_ptr(),
             copy.region_stride.data_ptr(),

@@ -3,18 +3,22 @@
 A CUDA job's launch is a few dozen driver calls (event waits and records,
 batched copies, kernel launches, the id upload). Made one by one through
 ``ctypes`` each pays Python's and ctypes' overhead and holds the GIL, and
-while the engine's other threads run each costs about twice as much
-(docs/performance.md, stepperf5). With ``native_launch`` the handler's launch
-code runs unchanged against a :class:`LaunchProgram` instead of the runtime:
-each call appends an op to a flat int64 program (descriptors go to one uint64
-array), and :meth:`LaunchProgram.run` hands the whole program to
-``_native_launch.c``, which makes the same driver calls in the same order,
-through ``ctypes.CDLL`` (the GIL is released for the call). A short program
-(:data:`HOLD_GIL_OPS`) is run holding the GIL instead, as the Python path does
-for microsecond calls: handing the GIL over costs more than such a call. A
-staged job's pieces are planned by the library as well
-(:meth:`LaunchProgram.build_staged`, ``oe_staged_build``), since in Python that
-planning cost more than the calls it makes.
+while the engine's other threads are busy each costs about twice as much (the
+launching thread waits to win the GIL back between calls). With
+``native_launch`` the handler's launch code runs unchanged against a
+:class:`LaunchProgram` instead of the runtime: each call appends an op to a
+flat int64 program (descriptors go to one uint64 array), and
+:meth:`LaunchProgram.run` hands the whole program to ``_native_launch.c``,
+which makes the same driver calls in the same order, through ``ctypes.CDLL``
+(the GIL is released for the call). A short program (:data:`HOLD_GIL_OPS`) is
+run holding the GIL instead, as the Python path does for microsecond calls:
+handing the GIL over costs more than such a call.
+
+A staged job's pieces are planned by the library too, and only there
+(``oe_staged_build``, through :class:`StagedPlanner`): planning them in Python
+costs more CPU than the native launch of the whole job. The planner writes the
+pieces as program ops; a :class:`LaunchProgram` issues them, and a runtime that
+launches from Python has :mod:`offload_engine.device.staged` make their calls.
 
 The C file ships in the package and is compiled on first use with the system
 C compiler (``$CC`` or ``cc``) into a per-user cache
@@ -64,10 +68,64 @@ CALL_NAMES = {
     OP_LAUNCH: "cuLaunchKernel",
     OP_HTOD: "cuMemcpyHtoDAsync",
 }
+#: the words of a batch op that the staged planner sets per piece (the same names in
+#: ``_native_launch.c``): OP_BATCH, stream, the dst, src and sizes columns' word
+#: offsets in the descriptor array, count, descriptors per call, attributes, variant
+BATCH_STREAM, BATCH_DST, BATCH_SRC, BATCH_SIZES, BATCH_COUNT = 1, 2, 3, 4, 5
+BATCH_WORDS = 9
+#: a launch op: OP_LAUNCH, function, grid x y z, block x y z, shared bytes, stream,
+#: parameter count, then one word per parameter; the staged planner sets the grid's x
+#: (the piece's blocks) and two parameters of the block-copy kernel
+#: (``DriverBlockCopy.launch_args``): the cache ids' address and the slot base
+LAUNCH_GRID_X, LAUNCH_STREAM, LAUNCH_NPARAMS, LAUNCH_PARAMS = 2, 9, 10, 11
+LAUNCH_IDS, LAUNCH_SLOT_BASE = LAUNCH_PARAMS + 4, LAUNCH_PARAMS + 6
 #: a program of at most this many ops and :data:`HOLD_GIL_DESCRIPTORS` descriptors
 #: runs holding the GIL (it returns in microseconds; see the module doc)
 HOLD_GIL_OPS = 12
+#: the most descriptors a driver call made holding the GIL carries, here and in
+#: ``CudaRuntime.memcpy_batch``: below it the batched copy returns in a few
+#: microseconds, less than handing the GIL to another thread and winning it back
 HOLD_GIL_DESCRIPTORS = 64
+
+
+class StagedHeader(ctypes.Structure):
+    """What ``oe_staged_build`` plans a staged job from: ``struct oe_staged_header``
+    in ``_native_launch.c``, field for field (the library checks the size when it
+    loads). Addresses are plain integers. The first fields hold a stream set's
+    facts, whatever the job; the rest are the job's. ``tail`` points at
+    ``buffers`` words (each staging buffer's last event, 0: none), then per group
+    three (its blocks, its bytes per block, the address of its launch op
+    template), then two events per piece (its first half done, its second)."""
+
+    _fields_ = (
+        ("store", ctypes.c_int64),  # 1: store (gather, then DMA), 0: load
+        ("sm_stream", ctypes.c_int64),
+        ("dma_streams", ctypes.c_int64 * 2),  # a piece's DMA stream, by its parity
+        ("buffers", ctypes.c_int64),  # staging buffers
+        ("rows", ctypes.c_int64),  # rows per staging buffer
+        ("row_bytes", ctypes.c_int64),  # a staging row's bytes (a tier slot's)
+        ("batch_template", ctypes.c_void_p),  # a batch op's words (BATCH_WORDS)
+        ("buffer_addresses", ctypes.c_void_p),  # ``buffers`` int64 addresses
+        ("tier_base", ctypes.c_uint64),
+        ("slot_bytes", ctypes.c_uint64),
+        ("factor", ctypes.c_uint64),  # tier slots per tier block
+        # slot s is at (s / factor) * block_stride + (s % factor) * slot_bytes
+        ("block_stride", ctypes.c_uint64),
+        ("words", ctypes.c_void_p),  # where the program's words go
+        ("descriptors", ctypes.c_void_p),  # the descriptor array
+        ("first_descriptor", ctypes.c_int64),  # its first free word
+        # the groups' tier slots (int64, group after group), replaced by their tier
+        # addresses, sorted; and the groups' cache ids in the id buffer's host memory,
+        # sorted with them
+        ("slots", ctypes.c_void_p),
+        ("host_ids", ctypes.c_void_p),
+        ("device_ids", ctypes.c_int64),  # those ids' device address
+        ("next_buffer", ctypes.c_int64),  # the staging buffer the first piece takes
+        ("pieces_before", ctypes.c_int64),  # pieces staged before this job (parity)
+        ("groups", ctypes.c_int64),
+        ("tail", ctypes.c_void_p),
+    )
+
 
 _LIB: dict[str, tuple[Any, Any, Any, Any] | str] = {}  # "lib": the loaded library or why not
 _LIB_LOCK = threading.Lock()
@@ -158,8 +216,15 @@ def _load() -> tuple[Any, Any, Any, Any] | str:
         check = ctypes.PyDLL(str(path)).oe_check_pairs
         check.argtypes = (ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int64,) * 4
         check.restype = ctypes.c_int64
+        header_size = ctypes.PyDLL(str(path)).oe_staged_header_size
+        header_size.restype = ctypes.c_int64
     except (OSError, AttributeError) as exc:
         return f"cannot load {path}: {exc}"
+    if header_size() != ctypes.sizeof(StagedHeader):
+        return (
+            f"{SOURCE.name}'s struct oe_staged_header has {header_size()} bytes, "
+            f"StagedHeader {ctypes.sizeof(StagedHeader)}"
+        )
     return entry[0], entry[1], build, check
 
 
@@ -174,7 +239,8 @@ class PairCheck:
     """A submit's checks of the common job (one KV group, one slot per tier block) in
     one foreign call (``oe_check_pairs``): every id in range, destinations distinct.
     At a few hundred ids this replaces five numpy calls, each of which costs tens of
-    microseconds in a thread that has been idle (docs/performance.md, stepperf8)."""
+    microseconds in a thread that has been idle (its code and data have left the
+    CPU's caches)."""
 
     def __init__(self, fn: Any) -> None:
         self._fn = fn
@@ -202,36 +268,23 @@ class PairCheck:
         return found == 0
 
 
-class LaunchProgram:
-    """One job's driver calls, recorded as a program and issued by one native call.
+class StagedPlanner:
+    """The staged strategy's planner (``oe_staged_build``) and the program it writes
+    into: flat int64 words (ops) and one uint64 descriptor array.
 
-    A runtime subclass supplies the same enqueueing methods the handler calls on
-    the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
-    ``upload_ids``), each appending its op with :meth:`op` and its descriptors
-    with :meth:`descriptors`; a staged job's pieces are planned and appended by
-    the C library itself (:meth:`build_staged`). The handler calls :meth:`begin`,
-    its launch code, then :meth:`run`; one handler's launches never overlap, so a
-    program serves one handler.
+    It is the one planner of a staged job's pieces. A :class:`LaunchProgram` (the
+    native launch) issues the words it writes as driver calls; a runtime that
+    launches from Python has :mod:`offload_engine.device.staged` read them back
+    and make the same calls on the runtime. One handler's launches never overlap,
+    so a planner serves one handler.
     """
 
-    def __init__(
-        self,
-        entries: tuple[int, ...],
-        error_name: Any,
-        library: tuple[Any, Any, Any, Any] | None = None,
-    ) -> None:
-        if len(entries) != len(ENTRY_NAMES):
-            raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
+    def __init__(self, library: tuple[Any, Any, Any, Any] | None = None) -> None:
         found = native_library() if library is None else library
         if isinstance(found, str):
             raise OSError(found)
         self._released, self._held, self._build, check = found
         self.check_pairs = PairCheck(check)
-        self._entries = (ctypes.c_void_p * len(entries))(*entries)
-        self._entries_at = ctypes.addressof(self._entries)
-        self._error_name = error_name
-        self._fail = (ctypes.c_int64 * 4)()
-        self._fail_at = ctypes.addressof(self._fail)
         self._words: list[int] = []  # ops recorded since the last flush to the buffer
         self._n = 0  # words in the buffer
         self._ops = 0
@@ -242,8 +295,19 @@ class LaunchProgram:
         self._desc_at = self._desc.ctypes.data
         self._out = (ctypes.c_int64 * 3)()  # oe_staged_build's counts
         self._out_at = ctypes.addressof(self._out)
-        self._header: Any = (ctypes.c_int64 * 64)()
-        self._header_at = ctypes.addressof(self._header)
+        self._tail: Any = (ctypes.c_int64 * 64)()  # a staged job's StagedHeader.tail
+        self._tail_at = ctypes.addressof(self._tail)
+
+    @property
+    def words(self) -> Any:
+        """The program's words so far (an int64 view, valid until the next append)."""
+        self._reserve(0)
+        return self._buffer[: self._n]
+
+    @property
+    def descriptor_array(self) -> Any:
+        """The descriptor array (uint64; valid until the next append)."""
+        return self._desc
 
     def begin(self) -> None:
         """Start a new job's program (dropping whatever a failed launch left)."""
@@ -280,25 +344,56 @@ class LaunchProgram:
             self._desc = grown
             self._desc_at = grown.ctypes.data
 
-    def build_staged(self, header: list[int], words: int, descriptors: int) -> None:
-        """Append a staged job's pieces, planned by ``oe_staged_build``
-        (``_native_launch.c`` describes ``header``, whose words 13 to 15 this
-        fills in): at most ``words`` words and ``descriptors`` descriptor words."""
+    def build_staged(
+        self, header: StagedHeader, tail: list[int], words: int, descriptors: int
+    ) -> None:
+        """Append a staged job's pieces, planned by ``oe_staged_build``: ``header``
+        with every field but the program's own (``words``, ``descriptors``,
+        ``first_descriptor``, ``tail``, filled in here), ``tail`` its variable part.
+        At most ``words`` words and ``descriptors`` descriptor words are written."""
         self._reserve(words)
         self._reserve_descriptors(descriptors)
-        header[13] = self._buffer_at + 8 * self._n
-        header[14] = self._desc_at
-        header[15] = self._ndesc
-        if len(header) > len(self._header):
-            self._header = (ctypes.c_int64 * (2 * len(header)))()
-            self._header_at = ctypes.addressof(self._header)
-        self._header[: len(header)] = header
-        if self._build(self._header_at, self._out_at):
+        header.words = self._buffer_at + 8 * self._n
+        header.descriptors = self._desc_at
+        header.first_descriptor = self._ndesc
+        if len(tail) > len(self._tail):
+            self._tail = (ctypes.c_int64 * (2 * len(tail)))()
+            self._tail_at = ctypes.addressof(self._tail)
+        self._tail[: len(tail)] = tail
+        header.tail = self._tail_at
+        if self._build(ctypes.addressof(header), self._out_at):
             raise MemoryError("the staged launch's planner could not allocate memory")
         out = self._out
         self._n += out[0]
         self._ops += out[1]
         self._ndesc = out[2]
+
+
+class LaunchProgram(StagedPlanner):
+    """One job's driver calls, recorded as a program and issued by one native call.
+
+    A runtime subclass supplies the same enqueueing methods the handler calls on
+    the runtime (``record``, ``wait_event``, ``memcpy_batch``, ``copy_blocks``,
+    ``upload_ids``), each appending its op with :meth:`op` and its descriptors
+    with :meth:`descriptors`; a staged job's pieces are planned and appended by
+    the C library itself (:meth:`build_staged`). The handler calls :meth:`begin`,
+    its launch code, then :meth:`run`.
+    """
+
+    def __init__(
+        self,
+        entries: tuple[int, ...],
+        error_name: Any,
+        library: tuple[Any, Any, Any, Any] | None = None,
+    ) -> None:
+        if len(entries) != len(ENTRY_NAMES):
+            raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
+        super().__init__(library)
+        self._entries = (ctypes.c_void_p * len(entries))(*entries)
+        self._entries_at = ctypes.addressof(self._entries)
+        self._error_name = error_name
+        self._fail = (ctypes.c_int64 * 4)()
+        self._fail_at = ctypes.addressof(self._fail)
 
     def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
         """Append one batch's descriptors; their columns' offsets (in words) in the

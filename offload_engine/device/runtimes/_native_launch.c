@@ -48,6 +48,13 @@ typedef int (*launch_fn)(void *function, unsigned int gx, unsigned int gy, unsig
 typedef int (*htod_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);
 
 enum { OP_WAIT = 1, OP_RECORD = 2, OP_BATCH = 3, OP_LAUNCH = 4, OP_HTOD = 5 };
+/* the words of a batch and a launch op that oe_staged_build sets per piece (the same
+   names in _native.py): a batch's stream, descriptor columns and count; a launch's
+   grid x and the block-copy kernel's cache ids (parameter 4) and slot base (6) */
+enum { BATCH_STREAM = 1, BATCH_DST = 2, BATCH_SRC = 3, BATCH_SIZES = 4, BATCH_COUNT = 5,
+       BATCH_WORDS = 9 };
+enum { LAUNCH_GRID_X = 2, LAUNCH_NPARAMS = 10, LAUNCH_PARAMS = 11,
+       LAUNCH_IDS = LAUNCH_PARAMS + 4, LAUNCH_SLOT_BASE = LAUNCH_PARAMS + 6 };
 enum { E_RECORD = 0, E_WAIT = 1, E_BATCH = 2, E_MEMCPY = 3, E_LAUNCH = 4, E_HTOD = 5 };
 #define MAX_PARAMS 32
 
@@ -146,26 +153,44 @@ bad:
 
 /*
  * A staged job's pieces, planned here rather than in Python: the same ops, in the
- * same order with the same operands, that DeviceCopyHandler._enqueue_staged makes
- * call by call. Header words (int64), first those of a stream set whatever the job:
- *
- *   0 store (1) or load (0)    1 SM stream    2, 3 the DMA streams (by parity)
- *   4 nbuf (staging buffers)   5 rows per buffer   6 a staging row's bytes
- *   7 the batch op template (9 words)   8 the buffers' addresses
- *   9 the tier's address   10 its slot bytes   11 slots per tier block (factor)
- *   12 a tier block's stride: slot s is at (s / factor) * stride + (s % factor) *
- *   slot bytes from the tier's start
- *
- * then the job's:
- *
- *   13 where to write the words   14 the descriptor array   15 its first free word
- *   16 the groups' tier slots (int64, group after group; replaced by their tier
- *   addresses, sorted)   17 the groups' cache ids in the id buffer's host memory
- *   (sorted with them)   18 those ids' device address   19 the buffer the first
- *   piece takes   20 pieces staged before this job   21 groups
- *   22.. nbuf words: each buffer's last event (0: none), then per group (n, bytes
- *   per block, its launch op template), then two events per piece.
- *
+ * same order with the same operands, that offload_engine/device/staged.py makes
+ * call by call. The header is StagedHeader in _native.py, field for field; the
+ * first fields hold a stream set's facts, whatever the job, the rest the job's.
+ */
+struct oe_staged_header {
+    int64_t store;          /* 1: store (gather, then DMA), 0: load */
+    int64_t sm_stream;
+    int64_t dma_streams[2]; /* a piece's DMA stream, by its parity */
+    int64_t buffers;        /* staging buffers */
+    int64_t rows;           /* rows per staging buffer */
+    int64_t row_bytes;      /* a staging row's bytes (a tier slot's) */
+    const int64_t *batch_template;   /* a batch op's 9 words */
+    const int64_t *buffer_addresses; /* `buffers` addresses */
+    uint64_t tier_base;
+    uint64_t slot_bytes;
+    uint64_t factor;       /* tier slots per tier block */
+    uint64_t block_stride; /* slot s is at (s / factor) * block_stride + (s % factor) * slot_bytes */
+    int64_t *words;        /* where the program's words go */
+    uint64_t *descriptors; /* the descriptor array */
+    int64_t first_descriptor; /* its first free word */
+    uint64_t *slots;       /* the groups' tier slots, group after group: replaced by
+                              their tier addresses, sorted */
+    int64_t *host_ids;     /* the groups' cache ids in the id buffer's host memory,
+                              sorted with them */
+    int64_t device_ids;    /* those ids' device address */
+    int64_t next_buffer;   /* the staging buffer the first piece takes */
+    int64_t pieces_before; /* pieces staged before this job (their DMA streams' parity) */
+    int64_t groups;
+    /* `buffers` words (each buffer's last event, 0: none), then per group three
+       (its blocks, its bytes per block, its launch op template's address), then
+       two events per piece (its first half done, its second) */
+    const int64_t *tail;
+};
+
+/* sizeof(struct oe_staged_header), which _native.py checks against its StagedHeader */
+int64_t oe_staged_header_size(void) { return (int64_t)sizeof(struct oe_staged_header); }
+
+/*
  * Each group's blocks are sorted by tier address (stable) and cut into pieces of
  * `rows` blocks; within a piece, blocks whose tier rows continue each other (and
  * whose staging rows do: a group that fills a row) merge into one descriptor.
@@ -246,19 +271,21 @@ static int sort_rows(uint64_t *tier, int64_t *ids, int64_t n) {
     return 0;
 }
 
-int64_t oe_staged_build(const int64_t *h, int64_t *out) {
-    const int64_t store = h[0], sm = h[1], nbuf = h[4], rows = h[5], pitch = h[6];
-    const int64_t *batch_tpl = (const int64_t *)(intptr_t)h[7];
-    const int64_t *buffers = (const int64_t *)(intptr_t)h[8];
-    const uint64_t tier_base = (uint64_t)h[9], slot_bytes = (uint64_t)h[10];
-    const uint64_t factor = (uint64_t)h[11], block_stride = (uint64_t)h[12];
-    int64_t *w = (int64_t *)(intptr_t)h[13];
-    uint64_t *desc = (uint64_t *)(intptr_t)h[14];
-    int64_t nd = h[15];
-    uint64_t *tier = (uint64_t *)(intptr_t)h[16];
-    int64_t *ids = (int64_t *)(intptr_t)h[17];
-    const int64_t ids_device = h[18], next = h[19], before = h[20], ngroups = h[21];
-    const int64_t *free_in = h + 22, *groups = free_in + nbuf, *events = groups + 3 * ngroups;
+int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
+    const int64_t store = h->store, sm = h->sm_stream, nbuf = h->buffers, rows = h->rows;
+    const int64_t pitch = h->row_bytes;
+    const int64_t *batch_tpl = h->batch_template;
+    const int64_t *buffers = h->buffer_addresses;
+    const uint64_t tier_base = h->tier_base, slot_bytes = h->slot_bytes;
+    const uint64_t factor = h->factor, block_stride = h->block_stride;
+    int64_t *w = h->words;
+    uint64_t *desc = h->descriptors;
+    int64_t nd = h->first_descriptor;
+    uint64_t *tier = h->slots;
+    int64_t *ids = h->host_ids;
+    const int64_t ids_device = h->device_ids, next = h->next_buffer, before = h->pieces_before;
+    const int64_t ngroups = h->groups;
+    const int64_t *free_in = h->tail, *groups = free_in + nbuf, *events = groups + 3 * ngroups;
     int64_t *last = malloc((size_t)(nbuf > 0 ? nbuf : 1) * sizeof *last);
     if (!last) return -1;
     memcpy(last, free_in, (size_t)nbuf * sizeof *last);
@@ -266,7 +293,7 @@ int64_t oe_staged_build(const int64_t *h, int64_t *out) {
     for (int64_t g = 0; g < ngroups; g++) {
         const int64_t n = groups[3 * g], size = groups[3 * g + 1];
         const int64_t *launch_tpl = (const int64_t *)(intptr_t)groups[3 * g + 2];
-        const int64_t launch_words = 11 + launch_tpl[10];
+        const int64_t launch_words = LAUNCH_PARAMS + launch_tpl[LAUNCH_NPARAMS];
         const int merge = size == pitch;
         for (int64_t i = at; i < at + n; i++) { /* slots to tier addresses, in place */
             const uint64_t slot = tier[i];
@@ -279,7 +306,7 @@ int64_t oe_staged_build(const int64_t *h, int64_t *out) {
         for (int64_t lo = 0; lo < n; lo += rows, piece++) {
             const int64_t hi = lo + rows < n ? lo + rows : n, count = hi - lo;
             const int64_t b = (next + piece) % nbuf;
-            const int64_t dma = h[2 + (before + 1 + piece) % 2];
+            const int64_t dma = h->dma_streams[(before + 1 + piece) % 2];
             const int64_t first = store ? sm : dma, second = store ? dma : sm;
             const int64_t full = events[2 * piece], end = events[2 * piece + 1];
             const uint64_t row0 = (uint64_t)buffers[b];
@@ -301,13 +328,13 @@ int64_t oe_staged_build(const int64_t *h, int64_t *out) {
                 memmove(dst + k, src, (size_t)k * sizeof *src);
                 memmove(dst + 2 * k, sizes, (size_t)k * sizeof *sizes);
             }
-            int64_t batch[9];
+            int64_t batch[BATCH_WORDS];
             memcpy(batch, batch_tpl, sizeof batch);
-            batch[1] = dma;
-            batch[2] = nd;
-            batch[3] = nd + k;
-            batch[4] = nd + 2 * k;
-            batch[5] = k;
+            batch[BATCH_STREAM] = dma;
+            batch[BATCH_DST] = nd;
+            batch[BATCH_SRC] = nd + k;
+            batch[BATCH_SIZES] = nd + 2 * k;
+            batch[BATCH_COUNT] = k;
             nd += 3 * k;
             if (last[b]) {
                 w[nw++] = OP_WAIT;
@@ -320,13 +347,13 @@ int64_t oe_staged_build(const int64_t *h, int64_t *out) {
                 if (launch) {
                     int64_t *op = w + nw;
                     memcpy(op, launch_tpl, (size_t)launch_words * sizeof *op);
-                    op[2] = count;
-                    op[15] = ids_device + 8 * (at + lo);
-                    op[17] = (int64_t)row0;
+                    op[LAUNCH_GRID_X] = count;
+                    op[LAUNCH_IDS] = ids_device + 8 * (at + lo);
+                    op[LAUNCH_SLOT_BASE] = (int64_t)row0;
                     nw += launch_words;
                 } else {
                     memcpy(w + nw, batch, sizeof batch);
-                    nw += 9;
+                    nw += BATCH_WORDS;
                 }
                 w[nw++] = OP_RECORD;
                 w[nw++] = half == 0 ? full : end;

@@ -144,6 +144,17 @@ class DeviceRuntime(abc.ABC):
     def synchronize(self, event: Any) -> None:
         """Block until the event's recorded work has finished; raise if it failed."""
 
+    def stream_handle(self, stream: Any) -> int:
+        """The driver's handle of ``stream`` (an address), as native code takes it.
+        Only a native launch program's planner asks (see :meth:`native_program`);
+        the default says the runtime has none."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime has no native stream handles")
+
+    def event_handle(self, event: Any) -> int:
+        """The driver's handle of ``event``, as native code takes it (see
+        :meth:`stream_handle`)."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime has no native event handles")
+
     def query(self, event: Any) -> bool:
         """Whether the event's recorded work has finished, without waiting; raise
         if it failed (as :meth:`synchronize` would). Only a handler with

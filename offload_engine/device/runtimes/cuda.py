@@ -30,7 +30,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -39,7 +38,21 @@ import numpy as np
 import torch
 
 from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
+from offload_engine.device.runtimes._cuda_driver import (
+    CALL_DESCRIPTORS,
+    CU_MEM_LOCATION_TYPE_DEVICE,
+    CU_MEM_LOCATION_TYPE_HOST,
+    CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+    CUDA_ERROR_NOT_READY,
+    CUDA_HOST_REGISTER_PORTABLE_MAPPED,
+    Driver,
+    MemcpyAttributes,
+    MemLocation,
+    address_of,
+    direct_copy,
+)
 from offload_engine.device.runtimes._native import (
+    HOLD_GIL_DESCRIPTORS,
     OP_BATCH,
     OP_HTOD,
     OP_LAUNCH,
@@ -61,142 +74,6 @@ from offload_engine.device.runtimes.base import (
 from offload_engine.device.runtimes.probe import connections_note
 from offload_engine.errors import RuntimeUnavailableError, TransferError
 from offload_engine.vocabulary import Direction, Medium
-
-_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1
-_CU_MEM_LOCATION_TYPE_DEVICE = 1
-_CU_MEM_LOCATION_TYPE_HOST = 2
-_CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
-_CUDA_ERROR_NOT_READY = 600
-
-
-class _MemLocation(ctypes.Structure):
-    _fields_ = (("type", ctypes.c_int), ("id", ctypes.c_int))
-
-
-class _MemcpyAttributes(ctypes.Structure):
-    _fields_ = (
-        ("srcAccessOrder", ctypes.c_int),
-        ("srcLocHint", _MemLocation),
-        ("dstLocHint", _MemLocation),
-        ("flags", ctypes.c_uint),
-    )
-
-
-_P = ctypes.c_void_p
-_Z = ctypes.c_size_t
-_BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
-_BATCH_V12 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
-# the same calls holding the GIL: for a handful of descriptors the driver returns in
-# a few microseconds, and releasing the GIL would hand it to another thread and
-# wait to win it back (up to the 5 ms switch interval behind a busy thread)
-_BATCH_V13_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
-_BATCH_V12_HOLD = ctypes.PYFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
-_MEMCPY = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint64, _Z, _P)
-#: batched copies of at most this many descriptors keep the GIL (see above)
-HOLD_GIL_DESCRIPTORS = 64
-#: descriptors per batched driver call (see memcpy_batch)
-CALL_DESCRIPTORS = 256
-
-
-class _Driver:
-    """Driver entry points, resolved once."""
-
-    def __init__(self) -> None:
-        self.batch: Any = None
-        self.batch_hold: Any = None
-        self.batch_has_fail_idx = False
-        self.memcpy: Any = None
-        self.error_name: Callable[[int], str] = lambda rc: f"CUresult {rc}"
-        self.notes: list[str] = []
-        # microsecond calls, made holding the GIL (PyDLL): event record and wait, and
-        # the upload of a job's block ids
-        held = ctypes.PyDLL("libcuda.so.1")
-        self.event_record = held.cuEventRecord
-        self.event_record.argtypes = (_P, _P)
-        self.stream_wait_event = held.cuStreamWaitEvent
-        self.stream_wait_event.argtypes = (_P, _P, ctypes.c_uint)
-        self.memcpy_htod = held.cuMemcpyHtoDAsync_v2
-        self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
-        self.event_query = held.cuEventQuery
-        self.event_query.argtypes = (_P,)
-        self.batch_address = 0  # the batched copy's entry point, for the native launch
-        try:
-            from cuda.bindings import driver as drv
-        except ImportError:
-            self.notes.append("cuda-python is not installed: copies go one cuMemcpyAsync each")
-            lib = ctypes.CDLL("libcuda.so.1")
-            self.memcpy = _MEMCPY(("cuMemcpyAsync", lib))
-            return
-
-        def name(rc: int) -> str:
-            err, text = drv.cuGetErrorName(drv.CUresult(rc))
-            return text.decode() if err == 0 and text else f"CUresult {rc}"
-
-        self.error_name = name
-        err, version = drv.cuDriverGetVersion()
-        if int(err) != 0:
-            raise RuntimeUnavailableError(f"cuDriverGetVersion failed: {name(int(err))}")
-        flags = 0  # CU_GET_PROC_ADDRESS_DEFAULT
-
-        def resolve(symbol: bytes, ver: int) -> int | None:
-            rc, ptr, status = drv.cuGetProcAddress(symbol, ver, flags)
-            ok = int(rc) == 0 and int(status) == 0 and ptr
-            return int(ptr) if ok else None
-
-        mem = resolve(b"cuMemcpyAsync", min(int(version), 13000))
-        if mem is None:
-            raise RuntimeUnavailableError("the CUDA driver has no cuMemcpyAsync entry point")
-        self.memcpy = _MEMCPY(mem)
-        if int(version) >= 13000:
-            ptr = resolve(b"cuMemcpyBatchAsync", 13000)
-            if ptr is not None:
-                self.batch_address = ptr
-                self.batch = _BATCH_V13(ptr)
-                self.batch_hold = _BATCH_V13_HOLD(ptr)
-        elif int(version) >= 12080:
-            ptr = resolve(b"cuMemcpyBatchAsync", 12080)
-            if ptr is not None:
-                self.batch_address = ptr
-                self.batch = _BATCH_V12(ptr)
-                self.batch_hold = _BATCH_V12_HOLD(ptr)
-                self.batch_has_fail_idx = True
-        if self.batch is None:
-            self.notes.append(
-                f"driver {version} has no cuMemcpyBatchAsync: copies go one cuMemcpyAsync each"
-            )
-
-
-def _address(fn: Any) -> int:
-    """A ctypes function pointer's address."""
-    return int(ctypes.cast(fn, ctypes.c_void_p).value or 0)
-
-
-_DIRECT: dict[int, DriverBlockCopy | None] = {}
-_DIRECT_LOCK = threading.Lock()
-
-
-def _direct_copy(index: int, notes: list[str]) -> DriverBlockCopy | None:
-    """The NVRTC block-copy kernel for device ``index``, compiled once per process."""
-    with _DIRECT_LOCK:
-        if index not in _DIRECT:
-            try:
-                with warnings.catch_warnings(record=True) as seen, torch.cuda.device(index):
-                    warnings.simplefilter("always")
-                    _DIRECT[index] = DriverBlockCopy()
-            except Exception as exc:  # noqa: BLE001 - the Triton kernel remains
-                _DIRECT[index] = None
-                _DIRECT_NOTES[index] = f"NVRTC block copy unavailable ({exc}): Triton launches it"
-            else:
-                if seen:
-                    _DIRECT_NOTES[index] = f"NVRTC compile warned: {seen[0].message}"
-        note = _DIRECT_NOTES.get(index)
-        if note is not None:
-            notes.append(note)
-        return _DIRECT[index]
-
-
-_DIRECT_NOTES: dict[int, str] = {}
-
 
 log = logging.getLogger("offload_engine.cuda")
 _warned: set[str] = set()
@@ -241,7 +118,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         )
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        driver = _Driver()
+        driver = Driver()
         connections = connections_note()
         if connections is not None:
             driver.notes.append(connections)
@@ -256,7 +133,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 kernel = launch_block_copy
         # the same copy as a CUDA C kernel launched straight through the driver (a few
         # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
-        direct = _direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
+        direct = direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
         self._init_calls(driver, kernel, direct, max_batch=max_batch, batched=batched)
         # the calling thread's current stream as a raw handle, without torch.cuda's
         # device-index parsing (the call Triton's launcher makes); None if torch lacks it
@@ -274,7 +151,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         batched: bool,
     ) -> None:
         """Everything the enqueueing calls use: the driver entry points (``driver``: a
-        :class:`_Driver`, or in tests an object with the same attributes), the block
+        :class:`Driver`, or in tests an object with the same attributes), the block
         copy kernels and the batched copies' attributes."""
         self.max_batch = max_batch
         self._driver = driver
@@ -282,13 +159,13 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         self._kernel = kernel
         self._direct = direct
         self._local = threading.local()
-        self._attrs: dict[Direction, _MemcpyAttributes] = {}
+        self._attrs: dict[Direction, MemcpyAttributes] = {}
         index = self.device.index or 0
         for kind in (Direction.STORE, Direction.LOAD):
-            dev = _MemLocation(_CU_MEM_LOCATION_TYPE_DEVICE, index)
-            host = _MemLocation(_CU_MEM_LOCATION_TYPE_HOST, 0)
+            dev = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, index)
+            host = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
             src, dst = (dev, host) if kind is Direction.STORE else (host, dev)
-            self._attrs[kind] = _MemcpyAttributes(_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
+            self._attrs[kind] = MemcpyAttributes(CU_MEMCPY_SRC_ACCESS_ORDER_STREAM, src, dst, 0)
         self._attr_idx = (ctypes.c_size_t * 1)(0)
         self._fail_idx = ctypes.c_size_t(0)
         self._fail_idx_at = ctypes.addressof(self._fail_idx)
@@ -344,13 +221,19 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         rc = self._driver.stream_wait_event(stream.cuda_stream, event.cuda_event, 0)
         self._check(rc, "cuStreamWaitEvent")
 
+    def stream_handle(self, stream: Any) -> int:
+        return int(stream.cuda_stream)
+
+    def event_handle(self, event: Any) -> int:
+        return int(event.cuda_event)
+
     def synchronize(self, event: Any) -> None:
         # an event already reached (the common case by the time the watcher looks)
         # costs one query holding the GIL; only a pending one sleeps in torch's
         # synchronize, which releases it
         self._bind_thread()
         rc = self._driver.event_query(event.cuda_event)
-        if rc == _CUDA_ERROR_NOT_READY:
+        if rc == CUDA_ERROR_NOT_READY:
             event.synchronize()
         else:
             self._check(rc, "cuEventQuery")
@@ -358,7 +241,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
     def query(self, event: Any) -> bool:
         self._bind_thread()
         rc = self._driver.event_query(event.cuda_event)
-        if rc == _CUDA_ERROR_NOT_READY:
+        if rc == CUDA_ERROR_NOT_READY:
             return False
         self._check(rc, "cuEventQuery")
         return True
@@ -394,7 +277,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
                 cudart.cudaHostUnregister(registered.pop())
 
         for offset, size in pin_chunks(total, row, MAX_PIN_CHUNK_BYTES):
-            rc = cudart.cudaHostRegister(base + offset, size, _CUDA_HOST_REGISTER_PORTABLE_MAPPED)
+            rc = cudart.cudaHostRegister(base + offset, size, CUDA_HOST_REGISTER_PORTABLE_MAPPED)
             if int(rc) != 0:
                 release()
                 raise RuntimeUnavailableError(
@@ -530,15 +413,24 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             raise RuntimeUnavailableError("the batched copy's entry point is unknown")
         d = self._driver
         entries = (
-            _address(d.event_record),
-            _address(d.stream_wait_event),
+            address_of(d.event_record),
+            address_of(d.stream_wait_event),
             d.batch_address,
-            _address(d.memcpy),
+            address_of(d.memcpy),
             self._direct.launch_address,
-            _address(d.memcpy_htod),
+            address_of(d.memcpy_htod),
         )
         try:
-            return _CudaProgram(self, entries)
+            return _CudaProgram(
+                entries,
+                d.error_name,
+                batch_attrs=self._attr_addresses if self.batched else None,
+                batch_variant=12 if d.batch_has_fail_idx else 13,
+                batch_step=min(self.max_batch, CALL_DESCRIPTORS),
+                kernel=self._direct,
+                id_view=self._id_view,
+                bind_thread=self._bind_thread,
+            )
         except OSError as exc:
             if self._native_note is None:  # noted once: every handler asks
                 self._native_note = f"native launch unavailable ({exc}): launches call from Python"
@@ -548,17 +440,35 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
 class _CudaProgram(LaunchProgram):
     """The calls a handler makes on :class:`CudaRuntime` while launching a job,
-    recorded as the same driver calls and issued in one native call."""
+    recorded as the same driver calls and issued in one native call. The runtime
+    hands it what those calls need: the batched copies' attributes per direction
+    (``None``: no batched copy, one cuMemcpyAsync per descriptor), the batched
+    call's ABI (12: with failIdx, 13: without) and descriptors per call, the
+    block-copy kernel, the id buffer's device views and the call that binds the
+    device's context to a thread."""
 
-    # oe_staged_build fills in these words of batch_row (stream, descriptor columns,
-    # count: 1 to 5) and launch_row (grid x: 2, and DriverBlockCopy.launch_args's
-    # parameters 4 and 6, the cache ids and the slot base: 11 + 4 and 11 + 6)
+    # oe_staged_build fills in the words of batch_row and launch_row that _native.py
+    # names (BATCH_* and LAUNCH_*)
 
-    def __init__(self, runtime: CudaRuntime, entries: tuple[int, ...]) -> None:
-        super().__init__(entries, runtime._driver.error_name)
-        self._rt = runtime
-        self._variant = 12 if runtime._driver.batch_has_fail_idx else 13
-        self._step = min(runtime.max_batch, CALL_DESCRIPTORS)
+    def __init__(
+        self,
+        entries: tuple[int, ...],
+        error_name: Callable[[int], str],
+        *,
+        batch_attrs: dict[Direction, int] | None,
+        batch_variant: int,
+        batch_step: int,
+        kernel: DriverBlockCopy,
+        id_view: Callable[[IdBuffer, int], torch.Tensor],
+        bind_thread: Callable[[], None],
+    ) -> None:
+        super().__init__(entries, error_name)
+        self._attrs = batch_attrs
+        self._variant = batch_variant
+        self._step = batch_step
+        self._kernel = kernel
+        self._id_view = id_view
+        self._bind_thread = bind_thread
 
     def record(self, event: Any, stream: Any) -> None:
         self.op(OP_RECORD, event.cuda_event, stream.cuda_stream)
@@ -572,34 +482,28 @@ class _CudaProgram(LaunchProgram):
             return 0
         handle = stream.cuda_stream
         d, s, z = self.descriptors(dst, src, sizes)
-        rt = self._rt
-        if not rt.batched or not handle:  # as CudaRuntime.memcpy_batch: one call each
+        if self._attrs is None or not handle:  # as CudaRuntime.memcpy_batch: one call each
             self.op(OP_BATCH, handle, d, s, z, n, 1, 0, 0)
             return n
         step = self._step
-        self.op(OP_BATCH, handle, d, s, z, n, step, rt._attr_addresses[kind], self._variant)
+        self.op(OP_BATCH, handle, d, s, z, n, step, self._attrs[kind], self._variant)
         return -(-n // step)
 
-    # -- the staged planner's templates and addresses (DeviceCopyHandler._staged_native)
+    # -- the staged planner's templates and addresses (offload_engine.device.staged_native)
 
     def batch_row(self, kind: Direction) -> Any:
         """A batched copy op's words (:meth:`memcpy_batch`'s op) with its stream,
-        descriptor offsets and count left at 0 (columns ``BATCH_*``): a job's
-        pieces fill them in (on handler streams, never the legacy default stream)."""
-        rt = self._rt
-        if not rt.batched:
+        descriptor offsets and count left at 0: a job's pieces fill them in (on
+        handler streams, never the legacy default stream)."""
+        if self._attrs is None:
             return np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
-        attrs = rt._attr_addresses[kind]
+        attrs = self._attrs[kind]
         return np.array([OP_BATCH, 0, 0, 0, 0, 0, self._step, attrs, self._variant], np.int64)
 
     def launch_row(self, template: BlockCopy, stream: Any) -> Any:
         """``template``'s launch op (:meth:`copy_blocks`'s) on ``stream``, whose block
-        count, cache id address and slot base a job's pieces fill in (columns
-        ``LAUNCH_*``; slot ids: none)."""
-        direct = self._rt._direct
-        if direct is None:  # pragma: no cover - refused by native_program
-            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
-        args = direct.launch_args(template)
+        count, cache id address and slot base a job's pieces fill in (slot ids: none)."""
+        args = self._kernel.launch_args(template)
         if args is None:  # pragma: no cover - a template copies blocks
             raise ValueError("the template copies no blocks")
         func, shape, values = args
@@ -607,17 +511,14 @@ class _CudaProgram(LaunchProgram):
         return np.array(words, dtype=np.int64)
 
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
-        direct = self._rt._direct
-        if direct is None:  # pragma: no cover - refused by native_program
-            raise RuntimeUnavailableError("no NVRTC block-copy kernel")
-        args = direct.launch_args(copy)
+        args = self._kernel.launch_args(copy)
         if args is not None:
             func, shape, values = args
             self.op(OP_LAUNCH, func, *shape, stream.cuda_stream, len(values), *values)
 
     def upload_ids(self, stream: Any, buffer: IdBuffer, count: int) -> torch.Tensor:
         self.upload_ids_at(stream, buffer, count)
-        return self._rt._id_view(buffer, count)
+        return self._id_view(buffer, count)
 
     def upload_ids_at(self, stream: Any, buffer: IdBuffer, count: int) -> int:
         """:meth:`upload_ids`'s op; the ids' device address."""
@@ -631,5 +532,5 @@ class _CudaProgram(LaunchProgram):
         return int(buffer.keep[1])
 
     def run(self) -> None:
-        self._rt._bind_thread()  # the calls need the device's context on this thread
+        self._bind_thread()  # the calls need the device's context on this thread
         super().run()

@@ -370,6 +370,11 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
     def new_event(self) -> Any:
         return self._npu.Event()
 
+    def stream_handle(self, stream: Any) -> int:
+        # read at every call: torch_npu's getter launches the work queued on the stream
+        # (event waits included) before it hands out the aclrtStream
+        return int(stream.npu_stream)
+
     # ------------------------------------------------------------ memory
 
     def is_device_tensor(self, tensor: torch.Tensor) -> bool:
@@ -471,9 +476,7 @@ class NpuRuntime(TorchStyleEvents, DeviceRuntime):
         dst = np.ascontiguousarray(dst, dtype=np.uint64)
         src = np.ascontiguousarray(src, dtype=np.uint64)
         sizes = np.ascontiguousarray(sizes, dtype=np.uint64)
-        # read at every call: torch_npu's getter launches the work queued on the stream
-        # (event waits included) before it hands out the aclrtStream
-        handle = int(stream.npu_stream)
+        handle = self.stream_handle(stream)
         calls, done = 0, 0
         batch = self._acl.batch
         if self.batched and batch is not None:

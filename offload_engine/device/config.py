@@ -1,0 +1,99 @@
+"""A device handler's configuration: the copy strategies and the validated knobs."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Literal
+
+from offload_engine._checks import check_int, check_seconds
+from offload_engine.errors import ConfigError
+
+#: ``DeviceHandlerConfig.native_launch`` unless given: use the native launch where the
+#: runtime has it (one foreign call per job instead of one per driver call)
+NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
+
+
+class CopyStrategy(enum.Enum):
+    """How a job's bytes move: ``DMA`` (merged batched copy descriptors),
+    ``STAGED`` (gather on the device into slot-shaped staging, then DMA whole
+    slots), ``KERNEL`` (an SM copy to mapped pinned memory); ``AUTO`` picks per
+    handler (see :class:`DeviceHandlerConfig`)."""
+
+    AUTO = "auto"
+    DMA = "dma"
+    STAGED = "staged"
+    KERNEL = "kernel"
+
+
+@dataclass(frozen=True)
+class DeviceHandlerConfig:
+    """Tuning of a device handler; every field is validated at construction.
+
+    ``staging_bytes`` is the device memory for the staged strategy, split in
+    ``staging_buffers`` buffers (0 bytes disables it): with more buffers, more
+    pieces can be gathered ahead of the copy engine, which hides gathers that
+    wait for SMs a concurrent GEMM holds. ``dma_min_chunk_bytes``: ``AUTO`` picks
+    ``dma`` when every region of a block is at least this large, else
+    ``staged`` when there is staging memory. The staged strategy's pieces are
+    planned by the native library (built with the system C compiler on first
+    use): without it ``AUTO`` picks ``dma`` and ``STAGED`` is refused.
+    ``streams``: stream sets jobs
+    rotate over (``None``: one with a batched copy API, four without).
+    ``max_inflight``: jobs launched and not yet finished.
+    ``close_timeout``: how long close waits for device work already abandoned
+    by the engine before reporting the device broken.
+    ``inline_launch_blocks``: a job of at most this many blocks (``dma``: block
+    regions, one copy descriptor each) is put on the streams by the engine's
+    loop thread when the launcher thread has nothing pending, which spares the
+    launcher's wake-up; larger jobs, and jobs behind them, go through the
+    launcher thread. 0 sends every job through the launcher thread, as does a
+    runtime whose launches may wait (``nonblocking_launch`` false: NPU).
+    ``submitter_launch``: such small jobs are launched by the thread that
+    submits them when nothing is queued before them, sparing the loop's wake-up
+    too: the least CPU per job in all, but the submitter pays the launch (a step
+    that replays a CUDA graph starts that much later).
+    ``polled_completion``: a finished job is found by the caller's own poll (the
+    engine's ``get_finished``), one event query per stream the job used, and
+    reported there, without waking the watcher thread; the watcher reports
+    only while someone waits (a ``wait``, close, a full queue, a deadline).
+    With ``submitter_launch`` too, a small job wakes no other thread at all.
+    ``native_launch``: a job's driver calls are recorded and issued by one
+    native call that releases the GIL (:mod:`offload_engine.device.runtimes._native`;
+    CUDA with the NVRTC kernel and a C compiler). ``"auto"`` uses it where the
+    runtime has it and keeps the Python calls elsewhere (logged); ``True``
+    refuses a runtime without it; ``False`` always calls from Python.
+    """
+
+    strategy: CopyStrategy = CopyStrategy.AUTO
+    staging_bytes: int = 256 << 20
+    staging_buffers: int = 2
+    dma_min_chunk_bytes: int = 512 << 10
+    streams: int | None = None
+    max_inflight: int = 16
+    close_timeout: float = 30.0
+    inline_launch_blocks: int = 64
+    submitter_launch: bool = False
+    polled_completion: bool = False
+    native_launch: bool | Literal["auto"] = NATIVE_LAUNCH_DEFAULT
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.native_launch, bool) or self.native_launch == "auto"):
+            raise ConfigError(
+                f"native_launch must be 'auto', True or False, got {self.native_launch!r}"
+            )
+        for key in ("submitter_launch", "polled_completion"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
+        if not isinstance(self.strategy, CopyStrategy):
+            raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
+        for key in ("staging_bytes", "dma_min_chunk_bytes", "inline_launch_blocks"):
+            value = getattr(self, key)
+            check_int(value, key, minimum=0)
+        if self.streams is not None:
+            check_int(self.streams, "streams (or None)")
+        for key in ("max_inflight", "staging_buffers"):
+            check_int(getattr(self, key), key)
+        if self.staging_buffers < 2:
+            raise ConfigError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
+        check_seconds(self.close_timeout, "close_timeout")

@@ -1,0 +1,58 @@
+"""The ``kernel`` strategy: an SM copy kernel reads the KV regions and writes the
+tier's mapped pinned memory directly (or the reverse), one launch per KV group.
+Near the link's speed for any region size, but the kernel takes SMs (and memory
+bandwidth) from a concurrent GEMM."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offload_engine.device.plan import DevicePlan, after_last_effect, mark
+from offload_engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from offload_engine.device.handler import DeviceCopyHandler
+
+
+def upload_ids(
+    h: DeviceCopyHandler, plan: DevicePlan, stream: Any, arrays: list[Any]
+) -> list[torch.Tensor]:
+    """Put the job's id arrays on the device with one upload, from a buffer the
+    handler reuses once the job is done (no allocation per job)."""
+    total = sum(int(a.shape[0]) for a in arrays)
+    buffer = h._resources.id_buffer(plan, total)
+    host = buffer.host
+    if len(arrays) == 1:
+        host[:total] = arrays[0]
+        return [h._ops.upload_ids(stream, buffer, total)]
+    at = 0
+    for a in arrays:
+        host[at : at + a.shape[0]] = a
+        at += int(a.shape[0])
+    device = h._ops.upload_ids(stream, buffer, total)
+    out = []
+    at = 0
+    for a in arrays:
+        out.append(device[at : at + a.shape[0]])
+        at += int(a.shape[0])
+    return out
+
+
+def enqueue_kernel(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> None:
+    h._ops.wait_event(stream, plan.ready)
+    after_last_effect(h, (stream,))
+    if plan.groups:
+        tier_view = h._tier_view
+        if tier_view is None:  # pragma: no cover - refused at construction
+            raise ConfigError("the kernel strategy needs evenly spaced tier slots")
+        arrays = [a for m in plan.groups for a in (m.cache_ids, m.slots)]
+        ids = upload_ids(h, plan, stream, arrays)
+        for k, m in enumerate(plan.groups):
+            n = int(m.cache_ids.shape[0])
+            copy = h._tables.block_copy(
+                m.group, ids[2 * k], ids[2 * k + 1], n, h._tier_base, tier_view
+            )
+            h._ops.copy_blocks(stream, copy)
+    h._last_effect = [(mark(h, plan, stream), stream)]

@@ -1,0 +1,170 @@
+"""What a device handler makes once and hands to its jobs in turn: stream sets,
+staging buffers, events and id buffers, and the KV regions' tables on the device."""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from offload_engine.device.runtimes.base import BlockCopy, DeviceRuntime, IdBuffer
+from offload_engine.host import KVLayout
+from offload_engine.vocabulary import Direction
+
+if TYPE_CHECKING:
+    from offload_engine.device.plan import DevicePlan
+
+
+def stream_sets(runtime: DeviceRuntime, count: int) -> list[tuple[Any, tuple[Any, Any]]]:
+    """``count`` (SM stream, two DMA streams) sets. Device-side copies go on a
+    high-priority stream so that a concurrent GEMM does not hold them (and the DMA
+    behind them) up; staged pieces alternate between the DMA streams, which keeps
+    the copy engines busy across the per-copy setup of scattered slots."""
+    return [
+        (runtime.new_stream(priority=-1), (runtime.new_stream(), runtime.new_stream()))
+        for _ in range(count)
+    ]
+
+
+class StagingBuffers:
+    """``count`` device buffers of ``rows`` tier-slot-shaped rows, used in turn.
+
+    ``free[b]`` is the event after which buffer ``b`` may be refilled (the end
+    of the last piece that used it), or ``None`` before its first use.
+    """
+
+    def __init__(self, runtime: DeviceRuntime, count: int, rows: int, slot_bytes: int) -> None:
+        self.rows = rows
+        self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
+        self.free: list[Any] = [None] * count
+        self.next = 0
+        # per buffer, computed once: its rows' addresses (for slot descriptors), its
+        # address and its (rows, slot_bytes) view (for block copies)
+        offsets = np.arange(rows, dtype=np.uint64) * np.uint64(slot_bytes)
+        self.row_addresses = [np.uint64(b.data_ptr()) + offsets for b in self.buffers]
+        self.addresses = [b.data_ptr() for b in self.buffers]
+        self._address_array = np.array(self.addresses, dtype=np.int64)  # for the native planner
+        self.addresses_at = self._address_array.ctypes.data
+        self.views = [b.view(-1, slot_bytes) for b in self.buffers]
+
+    def take(self) -> int:
+        b = self.next
+        self.next = (b + 1) % len(self.buffers)
+        return b
+
+
+class JobResources:
+    """Events and id buffers, handed to jobs and taken back when they are done.
+
+    Events are made ahead (at start) rather than at a submit (the caller's thread)
+    or a launch. Both lists are shared by the submitting thread (``event``), the
+    launching threads and the reporting threads (``recycle``): every access holds
+    ``_lock``.
+    """
+
+    def __init__(self, runtime: DeviceRuntime, keep_id_buffers: int) -> None:
+        self._runtime = runtime
+        self._keep = keep_id_buffers
+        self._events: list[Any] = []
+        self._id_buffers: list[IdBuffer] = []
+        self._lock = threading.Lock()
+
+    def add_events(self, count: int) -> None:
+        made = [self._runtime.new_event() for _ in range(count)]
+        with self._lock:
+            self._events.extend(made)
+
+    def event(self) -> Any:
+        with self._lock:
+            if self._events:
+                return self._events.pop()
+        return self._runtime.new_event()
+
+    def events(self, count: int) -> list[Any]:
+        """``count`` pooled events with one lock (a staged job takes two per piece)."""
+        with self._lock:
+            pool = self._events
+            taken = pool[-count:] if count else []
+            del pool[len(pool) - len(taken) :]
+        while len(taken) < count:
+            taken.append(self._runtime.new_event())
+        return taken
+
+    def id_buffer(self, plan: DevicePlan, total: int) -> IdBuffer:
+        """A reused id buffer for ``total`` ids (no allocation per job), the plan's
+        until the job is done."""
+        buffer = None
+        with self._lock:
+            for i, candidate in enumerate(self._id_buffers):
+                if candidate.capacity >= total:
+                    buffer = self._id_buffers.pop(i)
+                    break
+        if buffer is None:
+            buffer = self._runtime.new_id_buffer(max(64, 1 << max(total - 1, 0).bit_length()))
+        plan.ids = buffer
+        return buffer
+
+    def recycle(self, plan: DevicePlan) -> None:
+        # Safe to reuse once the job is done: a later wait on a recycled event
+        # captured its record when it was enqueued, and a re-record only adds a
+        # wait on already-enqueued work, never a cycle. The id buffer's upload and
+        # every kernel that read it are done too.
+        with self._lock:
+            self._events.extend(plan.events)
+            if plan.ids is not None and len(self._id_buffers) <= self._keep:
+                self._id_buffers.append(plan.ids)
+        plan.ids = None
+
+    def clear(self) -> None:
+        with self._lock:
+            self._id_buffers.clear()
+
+
+class RegionTables:
+    """Each KV group's region tables on the device (uploaded once) and as torch byte
+    views, from which a job's device-side block copies are made."""
+
+    def __init__(
+        self, runtime: DeviceRuntime, layout: KVLayout, direction: Direction, stream: Any
+    ) -> None:
+        self._layout = layout
+        self._direction = direction
+        self.tables: list[tuple[Any, Any, Any, Any, int]] = []
+        for g in range(len(layout.groups)):
+            tables = layout.region_tables(g)
+            arrays = (tables.base, tables.stride, tables.size, tables.slot_offset)
+            base, stride, size, offset = (runtime.upload(stream, a.view(np.int64)) for a in arrays)
+            self.tables.append((base, stride, size, offset, int(tables.size.max())))
+        # the same regions as torch byte views, for runtimes that copy with torch ops
+        self.views = [layout.region_views(g) for g in range(len(layout.groups))]
+
+    def block_copy(
+        self,
+        group: int,
+        ids: torch.Tensor,
+        slot_ids: torch.Tensor | None,
+        count: int,
+        slot_base: int,
+        slot_view: torch.Tensor,
+    ) -> BlockCopy:
+        """A copy of ``count`` blocks of the group between the cache and slot rows: a
+        staging buffer filled in order (``slot_ids`` None) or the tier itself."""
+        base, stride, size, offset, max_size = self.tables[group]
+        return BlockCopy(
+            region_base=base,
+            region_stride=stride,
+            region_size=size,
+            slot_offset=offset,
+            max_region_size=max_size,
+            cache_ids=ids,
+            slot_ids=slot_ids,
+            count=count,
+            slot_base=slot_base,
+            slot_bytes=slot_view.stride(0),  # the row pitch: a strided tier's too
+            direction=self._direction,
+            cache_views=self.views[group],
+            slot_view=slot_view,
+            slot_offsets=self._layout.slot_offsets[group],
+        )

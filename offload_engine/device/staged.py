@@ -1,0 +1,253 @@
+"""The ``staged`` strategy: a store gathers each piece of a job on the device into a
+staging buffer whose rows are shaped like tier slots, then moves the piece to the
+host with one DMA descriptor per run of consecutive tier slots; a load does the
+reverse. Whole-slot descriptors move at the link's speed where per-region ones do
+not, and the gather is a short SM copy of device memory, so a concurrent GEMM
+loses little.
+
+A job is cut into pieces of ``rows`` blocks per KV group; pieces take the staging
+buffers in turn, so later pieces' first halves run while earlier pieces' second
+halves do, and consecutive pieces' DMAs alternate between the two DMA streams.
+The job's writes (store: the DMAs, load: the scatters) wait for the previous
+job's writes; the other half of each piece is only held by buffer reuse. Every
+piece records events the watcher checks, since a device error surfaces at the
+next event recorded on its own stream. Each group's blocks go through staging in
+tier-address order, so a run of consecutive tier slots (ascending or descending
+in the job, as an allocator that reuses freed slots last-in first-out hands them
+out) fills consecutive staging rows and moves as one DMA descriptor.
+
+**One planner.** The pieces are planned by the native library
+(``oe_staged_build`` in ``runtimes/_native_launch.c``, through a
+:class:`~offload_engine.device.runtimes._native.StagedPlanner`), which writes
+them as launch-program ops: planning them in Python costs more CPU than a native
+launch of the whole job. With the native launch
+(:mod:`offload_engine.device.staged_native`) those ops are issued as driver
+calls; a runtime that launches from Python (NPU, the fakes, CUDA without the
+native launch) gets them here, planned with stream and event *indices* for
+handles, and this module makes the same calls on the runtime, op by op. Without
+the native library (no C compiler) there is no staged strategy: ``AUTO`` picks
+``dma`` and an explicit ``STAGED`` is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from offload_engine.device.plan import DevicePlan, after_last_effect
+from offload_engine.device.pools import StagingBuffers
+from offload_engine.device.runtimes._native import (
+    BATCH_WORDS,
+    LAUNCH_GRID_X,
+    LAUNCH_IDS,
+    LAUNCH_NPARAMS,
+    LAUNCH_PARAMS,
+    LAUNCH_SLOT_BASE,
+    LAUNCH_STREAM,
+    OP_BATCH,
+    OP_LAUNCH,
+    OP_RECORD,
+    OP_WAIT,
+    StagedHeader,
+    StagedPlanner,
+)
+from offload_engine.device.runtimes.base import IdBuffer
+from offload_engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from offload_engine.device.handler import DeviceCopyHandler
+
+#: the stream indices the planner is given for a Python launch
+_SM, _DMA0, _DMA1 = 1, 2, 3
+#: a launch op template for a Python launch: the group in the function's word, the
+#: SM stream's index, and seven parameter words, of which the planner sets the
+#: ids' (a byte offset into the job's ids) and the slot base (a staging buffer's
+#: address), and the block count in the grid's x
+_LAUNCH_WORDS = LAUNCH_SLOT_BASE + 1
+
+
+def gather(h: DeviceCopyHandler, plan: DevicePlan, total: int) -> IdBuffer:
+    """The job's cache ids into a reused id buffer and its tier slots into the
+    handler's slot array, group after group (the planner sorts both in place by
+    tier address); the id buffer."""
+    buffer = h._resources.id_buffer(plan, total)
+    host = buffer.host
+    slots = h._slots
+    if total > slots.shape[0]:
+        slots = h._slots = np.empty(2 * total, dtype=np.int64)
+        h._slots_at = slots.ctypes.data
+    at = 0
+    for m in plan.groups:
+        n = int(m.cache_ids.shape[0])
+        host[at : at + n] = m.cache_ids
+        slots[at : at + n] = m.slots
+        at += n
+    return buffer
+
+
+def leave_state(
+    h: DeviceCopyHandler,
+    plan: DevicePlan,
+    streams: tuple[Any, tuple[Any, Any]],
+    staging: StagingBuffers,
+    events: list[Any],
+    pieces: int,
+) -> None:
+    """The handler's state after a staged job of ``pieces`` pieces (at least one):
+    the staging buffers' last events and turn, the pieces' parity, the job's
+    checks and last effect."""
+    sm, dmas = streams
+    nbuf = len(staging.buffers)
+    first = staging.next
+    staging.next = (first + pieces) % nbuf
+    h._pieces += pieces
+    for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
+        staging.free[(first + i) % nbuf] = events[2 * i + 1]
+    plan.checks += events
+    last = h._pieces % 2
+    if h._store and pieces >= 2:  # the last piece of each parity: the last two pieces
+        ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
+        h._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
+    else:
+        h._last_effect = [(events[2 * pieces - 1], dmas[last] if h._store else sm)]
+
+
+def empty_job(
+    h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any], event: Any
+) -> None:
+    """An empty job still takes its place in the order: one event on the stream its
+    writes would have gone on."""
+    stream = dmas[0] if h._store else sm
+    h._ops.record(event, stream)
+    plan.checks.append(event)
+    h._last_effect = [(event, stream)]
+
+
+@dataclass
+class _PythonSet:
+    """The planner's facts for a Python launch, whatever the job."""
+
+    header: StagedHeader
+    batch: Any  # the batch op template
+    groups: list[tuple[int, int]]  # per group: bytes per block, launch template's address
+    templates: list[Any]  # kept alive with their addresses
+    buffer_index: dict[int, int]  # a staging buffer's address -> its index
+
+
+def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
+    found: _PythonSet | None = h._native_sets.get("python")
+    if found is not None:
+        return found
+    tier = h.tier
+    # one descriptor per batch op call: memcpy_batch cuts its own driver calls
+    batch = np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
+    header = StagedHeader(
+        store=h._store,
+        sm_stream=_SM,
+        dma_streams=(_DMA0, _DMA1),
+        buffers=len(staging.buffers),
+        rows=staging.rows,
+        row_bytes=h.layout.slot_bytes,
+        batch_template=batch.ctypes.data,
+        buffer_addresses=staging.addresses_at,
+        tier_base=h._tier_base,
+        slot_bytes=tier.slot_bytes,
+        factor=tier.factor,
+        block_stride=tier.block_stride,
+        device_ids=0,  # the launch ops' id words are then byte offsets into the job's ids
+    )
+    groups, templates = [], []
+    for g, size in enumerate(h.layout.group_bytes):
+        template = np.zeros(_LAUNCH_WORDS, dtype=np.int64)
+        template[:2] = (OP_LAUNCH, g)
+        template[LAUNCH_STREAM] = _SM
+        template[LAUNCH_NPARAMS] = _LAUNCH_WORDS - LAUNCH_PARAMS
+        templates.append(template)
+        groups.append((size, template.ctypes.data))
+    index = {a: b for b, a in enumerate(staging.addresses)}
+    found = h._native_sets["python"] = _PythonSet(header, batch, groups, templates, index)
+    return found
+
+
+def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
+    """Plan a staged job with the native planner and make its calls on the runtime."""
+    staging, planner = h._staging, h._planner
+    if staging is None or planner is None:  # pragma: no cover - guarded at construction
+        raise ConfigError("no staging memory or no staged planner")
+    h._ops.wait_event(sm, plan.ready)
+    after_last_effect(h, dmas if h._store else (sm,))
+    sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
+    total = sum(sizes_n)
+    pieces = sum(-(-n // staging.rows) for n in sizes_n)
+    buffer = gather(h, plan, total)
+    events = h._resources.events(max(2 * pieces, 1))
+    plan.events.extend(events)
+    if pieces:
+        found = _python_set(h, staging)
+        objects = [None, *(e for e in staging.free if e is not None), *events]
+        handles, k = [], 1
+        for e in staging.free:
+            k += e is not None
+            handles.append(k - 1 if e is not None else 0)
+        header = found.header
+        header.slots = h._slots_at
+        header.host_ids = buffer.host.ctypes.data
+        header.next_buffer = staging.next
+        header.pieces_before = h._pieces
+        header.groups = len(plan.groups)
+        tail = handles
+        for m, n in zip(plan.groups, sizes_n, strict=True):
+            tail += (n, *found.groups[m.group])
+        tail += range(k, k + len(events))
+        planner.begin()
+        # a piece: at most two waits and two records (3 words each), a batch, a launch
+        piece_words = 4 * 3 + BATCH_WORDS + _LAUNCH_WORDS
+        planner.build_staged(header, tail, piece_words * pieces, 3 * total)
+    ids = h._ops.upload_ids(sm, buffer, total)
+    if not pieces:
+        empty_job(h, plan, sm, dmas, events[0])
+        return
+    # the state first, as the native launch leaves it before its program runs (a
+    # failing call then leaves both paths alike)
+    index = found.buffer_index
+    leave_state(h, plan, (sm, dmas), staging, events, pieces)
+    _issue(h, planner, (sm, *dmas), objects, ids, staging, index)
+
+
+def _issue(
+    h: DeviceCopyHandler,
+    planner: StagedPlanner,
+    streams: tuple[Any, ...],
+    objects: list[Any],
+    ids: Any,
+    staging: StagingBuffers,
+    buffer_index: dict[int, int],
+) -> None:
+    """Make the planned ops' calls on the runtime, in order."""
+    ops = h._ops
+    words = planner.words.tolist()
+    desc = planner.descriptor_array
+    at, n = 0, len(words)
+    while at < n:
+        code = words[at]
+        if code == OP_WAIT:
+            ops.wait_event(streams[words[at + 1] - 1], objects[words[at + 2]])
+            at += 3
+        elif code == OP_RECORD:
+            ops.record(objects[words[at + 1]], streams[words[at + 2] - 1])
+            at += 3
+        elif code == OP_BATCH:
+            _, stream, d, s, z, count = words[at : at + 6]  # (BATCH_STREAM to BATCH_COUNT)
+            batch = (desc[d : d + count], desc[s : s + count], desc[z : z + count])
+            ops.memcpy_batch(streams[stream - 1], *batch, h.direction)
+            at += BATCH_WORDS
+        else:  # OP_LAUNCH: the group, the block count, the ids' offset, the buffer
+            group, count = words[at + 1], words[at + LAUNCH_GRID_X]
+            first, address = words[at + LAUNCH_IDS] // 8, words[at + LAUNCH_SLOT_BASE]
+            piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
+            b = buffer_index[address]
+            copy = h._tables.block_copy(group, piece_ids, None, count, address, staging.views[b])
+            ops.copy_blocks(streams[words[at + LAUNCH_STREAM] - 1], copy)
+            at += _LAUNCH_WORDS

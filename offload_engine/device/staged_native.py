@@ -1,0 +1,117 @@
+"""The ``staged`` strategy with the native launch: the planner
+(``oe_staged_build``) writes the job's pieces straight into the launch program,
+with the driver's stream and event handles, and the program issues them with
+the rest of the job's calls in one native call. Python only gathers the job's
+cache ids (into the id buffer) and tier slots, fills the planner's
+:class:`StagedHeader`, and keeps the handler's state
+(:func:`~offload_engine.device.staged.leave_state`).
+
+The header's stream-set fields, the batch op template and each group's launch
+op template are made once per stream set (:class:`NativeStreamSet`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offload_engine.device.plan import DevicePlan, after_last_effect
+from offload_engine.device.pools import StagingBuffers
+from offload_engine.device.runtimes._native import StagedHeader
+from offload_engine.device.staged import empty_job, gather, leave_state
+
+if TYPE_CHECKING:
+    from offload_engine.device.handler import DeviceCopyHandler
+
+#: the most words one piece's ops take besides its launch: at most two waits and
+#: two records (3 words each) and a batch
+_PIECE_WORDS = 4 * 3
+
+
+@dataclass
+class NativeStreamSet:
+    """What the planner needs of one stream set, whatever the job."""
+
+    header: StagedHeader  # its stream-set fields filled in
+    groups: list[tuple[int, int]]  # per group: bytes per block, launch template's address
+    piece_words: int  # the most words a piece's ops take
+    templates: list[Any]  # the op templates, kept alive with their addresses
+
+
+def native_stream_set(
+    h: DeviceCopyHandler, program: Any, sm: Any, dmas: tuple[Any, Any], staging: StagingBuffers
+) -> NativeStreamSet:
+    """The stream set's planner facts, made on first use."""
+    found: NativeStreamSet | None = h._native_sets.get(id(sm))
+    if found is not None:
+        return found
+    rt = h.runtime
+    batch = program.batch_row(h.direction)
+    tier = h.tier
+    header = StagedHeader(
+        store=h._store,
+        sm_stream=rt.stream_handle(sm),
+        dma_streams=(rt.stream_handle(dmas[0]), rt.stream_handle(dmas[1])),
+        buffers=len(staging.buffers),
+        rows=staging.rows,
+        row_bytes=h.layout.slot_bytes,
+        batch_template=batch.ctypes.data,
+        buffer_addresses=staging.addresses_at,
+        tier_base=h._tier_base,
+        slot_bytes=tier.slot_bytes,
+        factor=tier.factor,
+        block_stride=tier.block_stride,
+    )
+    groups = []
+    templates = [batch]
+    ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
+    for g in range(len(h.layout.groups)):
+        template = h._tables.block_copy(g, ids, None, 1, staging.addresses[0], staging.views[0])
+        words = program.launch_row(template, sm)
+        templates.append(words)
+        groups.append((h.layout.group_bytes[g], words.ctypes.data))
+    piece_words = _PIECE_WORDS + len(batch) + max(len(t) for t in templates[1:])
+    found = h._native_sets[id(sm)] = NativeStreamSet(header, groups, piece_words, templates)
+    return found
+
+
+def enqueue_staged_native(
+    h: DeviceCopyHandler,
+    plan: DevicePlan,
+    sm: Any,
+    dmas: tuple[Any, Any],
+    staging: StagingBuffers,
+    program: Any,
+) -> None:
+    """:func:`offload_engine.device.staged.enqueue_staged`'s calls, planned natively."""
+    store = h._store
+    program.wait_event(sm, plan.ready)
+    after_last_effect(h, dmas if store else (sm,))
+    groups = plan.groups
+    sizes_n = [int(m.cache_ids.shape[0]) for m in groups]
+    total = sum(sizes_n)
+    pieces = sum(-(-n // staging.rows) for n in sizes_n)
+    buffer = gather(h, plan, total)
+    ids_device = program.upload_ids_at(sm, buffer, total)
+    events = h._resources.events(max(2 * pieces, 1))
+    plan.events.extend(events)
+    if pieces == 0:
+        empty_job(h, plan, sm, dmas, events[0])
+        return
+    found = native_stream_set(h, program, sm, dmas, staging)
+    header = found.header
+    header.slots = h._slots_at
+    header.host_ids = program.host_ids_at(buffer)
+    header.device_ids = ids_device
+    header.next_buffer = staging.next
+    header.pieces_before = h._pieces
+    header.groups = len(groups)
+    handle = h.runtime.event_handle
+    tail = [0 if e is None else handle(e) for e in staging.free]
+    for m, n in zip(groups, sizes_n, strict=True):
+        tail += (n, *found.groups[m.group])
+    tail += [handle(e) for e in events]
+    program.build_staged(header, tail, found.piece_words * pieces, 3 * total)
+    leave_state(h, plan, (sm, dmas), staging, events, pieces)
