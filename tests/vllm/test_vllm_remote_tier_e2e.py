@@ -32,6 +32,14 @@ from offload_engine.testing.servers import RedisServer
 
 pytestmark = pytest.mark.vllm
 
+#: what vLLM logs when a view of its shared offload region outlives our tier's shutdown
+REGION_NOT_CLOSED = "Failed to close mmap_obj"
+
+
+def closed_cleanly(run: dict[str, Any]) -> bool:
+    return REGION_NOT_CLOSED not in Path(run["log"]).read_text()
+
+
 VLLM_MODULE = "offload_engine.connectors.vllm"
 
 PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
@@ -79,7 +87,9 @@ def test_a_second_instance_gets_hits_from_redis_with_identical_tokens(tmp_path: 
     assert stored > 0, "run A stored nothing in Redis"
     # ... which run B, a fresh process with an empty host tier, read back as external hits
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    assert closed_cleanly(first) and closed_cleanly(second), second["log"]
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert closed_cleanly(first) and closed_cleanly(second), second["log"]
 
 
 @pytest.mark.skipif(
@@ -117,3 +127,4 @@ def test_disk_then_remote_a_second_instance_gets_hits_from_redis(tmp_path: Path)
     assert found, "run A wrote nothing to disk"
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0, second["log"]
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    assert closed_cleanly(first) and closed_cleanly(second), second["log"]
