@@ -212,4 +212,52 @@ def test_shutdown_closes_releases_and_writes_stats(tmp_path: Path) -> None:
     # the store's result was collected by wait() but never handed to vLLM; the
     # load's result was never collected at all
     assert adapter["undelivered_at_shutdown"] == 2
+    assert data["final"] is True
     bridge.shutdown()  # idempotent
+
+
+def test_stats_are_written_while_serving_so_a_killed_worker_leaves_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from offload_engine.connectors.vllm import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "STATS_INTERVAL_S", 0.0)  # every get_finished
+    path = tmp_path / "stats.json"
+    bridge = make_bridge(fake_canonical_kv_caches(num_blocks=8), 4, stats_path=str(path))
+    try:
+        assert bridge.submit_store(0, [1, 2], [2, 0], [0, 0], [0, 1])
+        bridge.wait([0])
+        assert not path.exists()  # nothing before the first get_finished
+        assert ids(bridge.get_finished()) == [0]
+        first = json.loads(path.read_text())
+        assert first["final"] is False
+        assert "undelivered_at_shutdown" not in first["adapter"]
+        assert first["adapter"]["stores_submitted"] == 1
+        assert first["engine"]["stores_succeeded"] == 1
+        assert bridge.get_finished() == []  # the next step writes the delivery
+        assert json.loads(path.read_text())["adapter"]["results_delivered"] == 1
+        assert list(tmp_path.iterdir()) == [path]  # replaced atomically, no temporary left
+    finally:
+        bridge.shutdown()
+    last = json.loads(path.read_text())
+    assert last["final"] is True and last["adapter"]["undelivered_at_shutdown"] == 0
+
+
+def test_a_stats_file_that_cannot_be_written_is_logged_once_and_serving_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from offload_engine.connectors.vllm import bridge as bridge_module
+
+    monkeypatch.setattr(bridge_module, "STATS_INTERVAL_S", 0.0)
+    path = tmp_path / "missing" / "stats.json"
+    bridge = make_bridge(fake_canonical_kv_caches(num_blocks=8), 4, stats_path=str(path))
+    caplog.set_level(logging.WARNING)
+    try:
+        assert bridge.submit_store(0, [1, 2], [2, 0], [0, 0], [0, 1])
+        bridge.wait([0])
+        assert ids(bridge.get_finished()) == [0]
+        assert bridge.get_finished() == []
+        assert caplog.text.count("could not write stats") == 1
+    finally:
+        with pytest.raises(OSError):
+            bridge.shutdown()  # the final write still reports its failure

@@ -77,8 +77,20 @@ def _as_counts(values: object, what: str) -> tuple[int, ...]:
         raise InvalidTransferError(f"{what} could not be read: {exc!r}") from exc
 
 
+#: Seconds between the stats file's snapshots while serving (see :meth:`EngineBridge.get_finished`).
+STATS_INTERVAL_S = 2.0
+
+
 class EngineBridge:
-    """Owns a :class:`SyncOffloadingEngine` and translates vLLM's job calls for it."""
+    """Owns a :class:`SyncOffloadingEngine` and translates vLLM's job calls for it.
+
+    With ``stats_path`` the counters are written there at shutdown (``"final":
+    true``) and, while serving, at most every ``stats_interval`` seconds from
+    :meth:`get_finished` (``"final": false``): a worker that vLLM kills before its
+    shutdown runs (the OpenAI server's Ctrl-C past its shutdown timeout) leaves a
+    snapshot at most that old (``stats_interval`` defaults to
+    :data:`STATS_INTERVAL_S`). Each write replaces the file atomically.
+    """
 
     def __init__(
         self,
@@ -87,12 +99,16 @@ class EngineBridge:
         *,
         tier: HostTier | None = None,
         stats_path: str | None = None,
+        stats_interval: float | None = None,
         log: logging.Logger | None = None,
     ) -> None:
         self._engine = engine
         self._cache_medium = cache_medium
         self._tier = tier
         self._stats_path = stats_path
+        self._stats_interval = STATS_INTERVAL_S if stats_interval is None else stats_interval
+        self._stats_due = time.monotonic() + self._stats_interval
+        self._stats_failed = False  # a snapshot could not be written (logged once)
         self._log = log or logger
         # guards _live, _stash, _waiting and _counts; threads in wait() for ids that
         # another thread is waiting on sleep on it
@@ -198,6 +214,8 @@ class EngineBridge:
 
     def get_finished(self) -> list[TransferResult]:
         """Results not yet handed out: those ``wait`` collected, then the engine's new ones."""
+        if self._stats_path is not None and time.monotonic() >= self._stats_due:
+            self._snapshot_stats(self._stats_path)
         with self._cond:
             fresh = self._engine.get_finished()
             if not self._stash and not fresh:
@@ -343,16 +361,32 @@ class EngineBridge:
         if self._stats_path is not None:
             self._write_stats(self._stats_path, undelivered=len(undelivered))
 
-    def _write_stats(self, path: str, *, undelivered: int) -> None:
+    def _snapshot_stats(self, path: str) -> None:
+        """The periodic write: never raises into vLLM's step (a failure is logged once)."""
+        self._stats_due = time.monotonic() + self._stats_interval
+        if self._shut_down:
+            return
+        try:
+            self._write_stats(path, undelivered=None)
+        except OSError as exc:
+            if not self._stats_failed:
+                self._stats_failed = True
+                self._log.warning("offload-engine could not write stats to %s: %s", path, exc)
+
+    def _write_stats(self, path: str, *, undelivered: int | None) -> None:
+        """Write the counters to ``path`` atomically; ``undelivered`` is given at shutdown."""
         data = self.stats()
-        data["adapter"]["undelivered_at_shutdown"] = undelivered
+        if undelivered is not None:
+            data["adapter"]["undelivered_at_shutdown"] = undelivered
+        data["final"] = undelivered is not None
         data["pid"] = os.getpid()
         data["written_at"] = time.time()
-        tmp = f"{path}.{os.getpid()}.tmp"
+        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(data, f, indent=2, sort_keys=True)
         os.replace(tmp, path)
-        self._log.info("offload-engine stats written to %s", path)
+        if undelivered is not None:
+            self._log.info("offload-engine stats written to %s", path)
 
 
 def build_bridge(

@@ -34,8 +34,6 @@ from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
-import numpy as np
-import torch
 from vllm.v1.kv_offload.base import (
     Locality,
     LookupResult,
@@ -47,8 +45,8 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
 from offload_engine import (
-    ConfigError,
     DiskStore,
+    EngineClosedError,
     HostTier,
     KeyMissError,
     LayoutDigest,
@@ -60,6 +58,8 @@ from offload_engine import (
     disk_blocks,
     disk_handlers,
 )
+
+from .primary import PrimaryRows
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -85,20 +85,10 @@ def digest_for(offloading_spec: OffloadingSpec, page_bytes: int) -> LayoutDigest
 
 
 def host_tier_over(view: memoryview) -> HostTier:
-    """The primary tier's ``(num_chunks, chunk_bytes)`` memoryview as a host tier (no copy)."""
-    if view.ndim != 2 or not view.c_contiguous:
-        raise ConfigError(
-            f"the primary tier's view must be a C-contiguous (chunks, bytes) buffer, got "
-            f"shape {view.shape} strides {view.strides}"
-        )
-    array = np.asarray(view)
-    rows, row_bytes = (int(n) for n in array.shape)
-    return HostTier.over(
-        torch.from_numpy(array).view(-1),
-        num_blocks=rows,
-        slot_bytes=row_bytes,
-        owner="vLLM's primary tier",
-    )
+    """The primary tier's ``(num_chunks, chunk_bytes)`` memoryview as a host tier (no
+    copy). The tier's views of the memory go when it is released and dropped; a
+    secondary tier uses :class:`~.primary.PrimaryRows`, which also checks that."""
+    return PrimaryRows(view).tier
 
 
 class EngineDiskTier(SecondaryTierManager):
@@ -124,24 +114,30 @@ class EngineDiskTier(SecondaryTierManager):
     ) -> None:
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
-        tier = host_tier_over(primary_kv_view)
-        self.store = DiskStore(
-            Path(path),
-            digest_for(offloading_spec, tier.slot_bytes),
-            capacity_bytes=capacity_bytes,
-            direct=direct,
-            fsync=fsync,  # type: ignore[arg-type]
-            queue_depth=queue_depth,
-            pack_bytes=pack_bytes,
-            segment_bytes=segment_bytes,
-            on_foreign_layout=on_foreign_layout,  # type: ignore[arg-type]
-        )
+        self._primary = PrimaryRows(primary_kv_view)
+        tier = self._primary.tier
         try:
-            self.engine = SyncOffloadingEngine(
+            self.store = DiskStore(
+                Path(path),
+                digest_for(offloading_spec, tier.slot_bytes),
+                capacity_bytes=capacity_bytes,
+                direct=direct,
+                fsync=fsync,  # type: ignore[arg-type]
+                queue_depth=queue_depth,
+                pack_bytes=pack_bytes,
+                segment_bytes=segment_bytes,
+                on_foreign_layout=on_foreign_layout,  # type: ignore[arg-type]
+            )
+        except BaseException:
+            self._primary.release()
+            raise
+        try:
+            self._engine: SyncOffloadingEngine | None = SyncOffloadingEngine(
                 disk_handlers(self.store, tier), thread_name="offload-engine-disk-loop"
             )
         except BaseException:
             self.store.close()
+            self._primary.release()
             raise
         # engine job id -> (vLLM job id, is_load); scheduler thread only
         self._jobs: dict[int, tuple[int, bool]] = {}
@@ -171,6 +167,13 @@ class EngineDiskTier(SecondaryTierManager):
     def submit_load(self, job_metadata: TransferJob) -> None:
         spec = TransferSpec(disk_blocks(job_metadata.keys), cpu_blocks(job_metadata.chunk_ids))
         self._submit(job_metadata, spec, is_load=True)
+
+    @property
+    def engine(self) -> SyncOffloadingEngine:
+        """The engine moving this tier's bytes; :class:`EngineClosedError` after shutdown."""
+        if self._engine is None:
+            raise EngineClosedError("the disk tier is shut down")
+        return self._engine
 
     def _submit(self, job: TransferJob, spec: TransferSpec, *, is_load: bool) -> None:
         try:
@@ -221,7 +224,13 @@ class EngineDiskTier(SecondaryTierManager):
         try:
             self.engine.close()
         finally:
-            self.store.close()
+            try:
+                self.store.close()
+            finally:
+                # vLLM closes its region right after: the engine (its handlers hold
+                # views of the rows) goes first, then every view of ours
+                self._engine = None
+                self._primary.release()
 
     def __repr__(self) -> str:
         return f"<EngineDiskTier {self.store!r} jobs={len(self._jobs)}>"

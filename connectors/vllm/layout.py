@@ -19,24 +19,24 @@ from typing import Any
 from offload_engine import KVLayout, LayoutError, Region
 
 
-def _row(i: int, entry: Any, num_blocks: int) -> tuple[int, int, int]:
-    """``(blocks, row stride, page bytes)`` of KV tensor ``i``; ``num_blocks`` is tensor 0's
-    block count (-1 for tensor 0 itself)."""
+def _tensor_row(i: int, entry: Any, num_blocks: int) -> tuple[int, int]:
+    """``(block stride, padded page)`` in bytes of KV tensor ``i``, checked against
+    ``num_blocks`` (tensor 0's block count; -1 for tensor 0 itself)."""
     t = entry.tensor
     what = f"KV tensor {i} (shape {tuple(t.shape)}, stride {t.stride()}, {t.dtype})"
     if t.dim() < 1:
         raise LayoutError(f"{what}: needs a leading num_blocks dimension")
-    blocks = int(t.shape[0])
-    if num_blocks >= 0 and blocks != num_blocks:
+    if num_blocks >= 0 and int(t.shape[0]) != num_blocks:
         raise LayoutError(
-            f"{what}: has {blocks} blocks, tensor 0 has {num_blocks}; "
+            f"{what}: has {int(t.shape[0])} blocks, tensor 0 has {num_blocks}; "
             "every KV tensor must hold the same number of blocks"
         )
+    esz = t.element_size()
     inner = t[0] if t.dim() > 1 else t[:1]
     if t.dim() > 1 and not inner.is_contiguous():
         raise LayoutError(f"{what}: a block's bytes must be contiguous")
-    width = inner.numel() * t.element_size()
-    stride = t.stride(0) * t.element_size()
+    width = inner.numel() * esz
+    stride = t.stride(0) * esz
     page = int(entry.page_size_bytes)
     if page <= 0 or page > width:
         raise LayoutError(
@@ -47,13 +47,13 @@ def _row(i: int, entry: Any, num_blocks: int) -> tuple[int, int, int]:
             f"{what}: block stride {stride} bytes is smaller than its page "
             f"({page} bytes), so blocks overlap"
         )
-    return blocks, stride, page
+    return stride, page
 
 
-def _group(
-    g: int, refs: list[Any], tensors: list[Any], rows: list[tuple[int, int]]
+def _group_regions(
+    g: int, refs: list[Any], tensors: list[Any], row_strides: list[int], row_bytes: list[int]
 ) -> list[Region]:
-    """KV group ``g``'s regions: one per layer reference; ``rows`` is (stride, page) per tensor."""
+    """KV group ``g``'s layers as regions of the tensors they refer to."""
     if not refs:
         raise LayoutError(f"KV group {g} has no layers to offload")
     regions = []
@@ -64,14 +64,13 @@ def _group(
                 f"KV group {g}: a layer refers to tensor {idx}, but there are {len(tensors)}"
             )
         size = int(ref.page_size_bytes)
-        stride, page = rows[idx]
-        if size <= 0 or size > page:
+        if size <= 0 or size > row_bytes[idx]:
             t = tensors[idx]
             raise LayoutError(
                 f"KV group {g}: a layer's page of {size} bytes does not fit tensor {idx} "
-                f"(shape {tuple(t.shape)}, padded page {page} bytes)"
+                f"(shape {tuple(t.shape)}, padded page {row_bytes[idx]} bytes)"
             )
-        regions.append(Region(idx, 0, stride, size))
+        regions.append(Region(idx, 0, row_strides[idx], size))
     return regions
 
 
@@ -83,11 +82,19 @@ def layout_from_canonical(kv_caches: Any) -> KVLayout:
         raise LayoutError("vLLM registered no KV cache tensors")
     if not group_refs:
         raise LayoutError("vLLM registered no KV cache groups")
-    num_blocks = -1
-    rows: list[tuple[int, int]] = []
-    for i, entry in enumerate(entries):
-        num_blocks, stride, page = _row(i, entry, num_blocks)
-        rows.append((stride, page))
+
     tensors = [entry.tensor for entry in entries]
-    groups = [_group(g, refs, tensors, rows) for g, refs in enumerate(group_refs)]
+    num_blocks = -1
+    row_strides: list[int] = []
+    row_bytes: list[int] = []
+    for i, entry in enumerate(entries):
+        stride, page = _tensor_row(i, entry, num_blocks)
+        if num_blocks < 0:
+            num_blocks = int(entry.tensor.shape[0])
+        row_strides.append(stride)
+        row_bytes.append(page)
+    groups = [
+        _group_regions(g, refs, tensors, row_strides, row_bytes)
+        for g, refs in enumerate(group_refs)
+    ]
     return KVLayout(tensors, groups, num_blocks, name="vllm-canonical")

@@ -33,7 +33,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
 from typing_extensions import override
 from vllm.logger import init_logger
 from vllm.v1.kv_offload.base import (
@@ -58,7 +57,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from offload_engine import (
     ConfigError,
-    HostTier,
+    EngineClosedError,
     KeyMissError,
     LayoutDigest,
     MooncakeStore,
@@ -75,6 +74,8 @@ from offload_engine import (
     cpu_blocks,
     remote_blocks,
 )
+
+from .primary import PrimaryRows
 
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import OffloadingSpec
@@ -223,16 +224,14 @@ class EngineRemoteTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         self.options = parse_remote_options(backend=backend, **options)
-        rows = primary_kv_view.shape[0] if primary_kv_view.shape else 0
-        row_bytes = self.block_size_bytes
-        if primary_kv_view.nbytes != rows * row_bytes or not primary_kv_view.c_contiguous:
+        self._primary = PrimaryRows(primary_kv_view)
+        row_bytes = self._primary.row_bytes
+        if row_bytes != self.block_size_bytes:
+            self._primary.release()
             raise ConfigError(
                 "EngineRemoteTier needs the primary tier as contiguous rows, got a view of "
                 f"shape {primary_kv_view.shape} and strides {primary_kv_view.strides}"
             )
-        memory = torch.frombuffer(primary_kv_view.cast("B"), dtype=torch.uint8).view(
-            rows, row_bytes
-        )
         store_config = self.options.store
 
         def connect() -> RemoteStore:
@@ -240,15 +239,19 @@ class EngineRemoteTier(SecondaryTierManager):
                 return RedisStore(store_config)
             return MooncakeStore(store_config)
 
-        self.remote = RemoteTier(
-            connect,
-            HostTier(rows, row_bytes, memory=memory),
-            remote_digest(offloading_spec, row_bytes),
-            workers=self.options.workers,
-            degraded_start=self.options.degraded_start,
-        )
         try:
-            self.engine = SyncOffloadingEngine(
+            self.remote = RemoteTier(
+                connect,
+                self._primary.tier,
+                remote_digest(offloading_spec, row_bytes),
+                workers=self.options.workers,
+                degraded_start=self.options.degraded_start,
+            )
+        except BaseException:
+            self._primary.release()
+            raise
+        try:
+            self._engine: SyncOffloadingEngine | None = SyncOffloadingEngine(
                 self.remote.handlers(),
                 capacity=1 << 16,
                 default_timeout=self.options.job_timeout,
@@ -256,11 +259,19 @@ class EngineRemoteTier(SecondaryTierManager):
             )
         except BaseException:
             self.remote.close()
+            self._primary.release()
             raise
         self._jobs: dict[JobId, tuple[bool, list[OffloadKey]]] = {}  # job -> (load?, keys)
         self._done: list[JobResult] = []  # results a drain collected, for get_finished_jobs
         self._lookups = _RemoteLookups(self, tier_type)
         self._shut = False
+
+    @property
+    def engine(self) -> SyncOffloadingEngine:
+        """The engine moving this tier's bytes; :class:`EngineClosedError` after shutdown."""
+        if self._engine is None:
+            raise EngineClosedError("the remote tier is shut down")
+        return self._engine
 
     # ------------------------------------------------------------------ scheduler thread
 
@@ -347,7 +358,8 @@ class EngineRemoteTier(SecondaryTierManager):
 
     @override
     def shutdown(self) -> None:
-        """Idempotent: stop lookups, finish the jobs in flight, close the connection."""
+        """Idempotent: stop lookups, finish the jobs in flight, close the connection,
+        then give back every view of the primary tier (vLLM closes it next)."""
         if self._shut:
             return
         self._shut = True
@@ -355,4 +367,8 @@ class EngineRemoteTier(SecondaryTierManager):
             self._lookups.shutdown()
             self._done += [self._result(r) for r in self.engine.close()]
         finally:
-            self.remote.close()
+            try:
+                self.remote.close()
+            finally:
+                self._engine = None  # its handlers hold the tier
+                self._primary.release()

@@ -29,12 +29,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from typing_extensions import override
 from vllm.logger import init_logger
-from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata, OffloadingWorker
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingWorker,
+)
 from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
@@ -45,6 +51,7 @@ from .bridge import EngineBridge
 from .compat import open_worker_region, region_rows
 from .config import EngineOffloadingConfig
 from .platform import TierPlacement
+from .sizing import PrimarySizing
 from .spec import check_chunks, engine_bridge, parse_engine_config
 from .worker import EngineOffloadingWorker
 
@@ -120,6 +127,30 @@ def storage_config(config: OffloadingConfig) -> OffloadingConfig:
     return dataclasses.replace(config, model=model, parallel=parallel)
 
 
+def scheduler_limits() -> tuple[int, int] | None:
+    """``(max_model_len, max_num_seqs)`` of the vLLM engine building the tiering
+    manager, or ``None`` where they cannot be found.
+
+    vLLM does not hand them to a spec: its ``OffloadingConnectorScheduler.__init__
+    (spec, vllm_config, kv_cache_config)`` calls ``spec.get_manager()`` without
+    making ``vllm_config`` current, so the caller's frames are read for it (only
+    for this startup check, which is skipped when they hold no such config).
+    """
+    from vllm.config import get_current_vllm_config_or_none
+
+    config: Any = get_current_vllm_config_or_none()
+    frame = sys._getframe(1)
+    for _ in range(6):  # get_manager, then vLLM's OffloadingConnectorScheduler
+        if config is not None or frame is None:
+            break
+        config = frame.f_locals.get("vllm_config")
+        frame = frame.f_back  # type: ignore[assignment]
+    try:
+        return int(config.model_config.max_model_len), int(config.scheduler_config.max_num_seqs)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 class EngineTieringWorker(EngineOffloadingWorker):
     """:class:`EngineOffloadingWorker` whose tier lives in vLLM's shared offload
     region; shutdown closes the engine, unregisters the region and unmaps it."""
@@ -164,6 +195,29 @@ class EngineTieringSpec(TieringOffloadingSpec):
         super().__init__(storage_config(config))
         check_chunks(self, self.engine_config)
         self._engine_worker: EngineTieringWorker | None = None
+
+    def sizing(self, max_model_len: int, max_num_seqs: int) -> PrimarySizing:
+        """The CPU primary tier against the scheduler's limits (docs/vllm.md, sizing)."""
+        return PrimarySizing(
+            num_chunks=int(self.num_chunks),
+            kv_bytes_per_chunk=int(self.kv_bytes_per_chunk),
+            chunk_tokens=int(self.config.cache.tokens_per_hash) * int(self.blocks_per_chunk),
+            kv_groups=len(self.config.groups),
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+        )
+
+    @override
+    def get_manager(self) -> OffloadingManager:
+        """vLLM's tiering manager (the scheduler side); the first call warns when the
+        CPU primary tier cannot promote one full-length request's chunks."""
+        first = self._manager is None
+        manager = super().get_manager()
+        if first and (limits := scheduler_limits()) is not None:
+            warning = self.sizing(*limits).too_small_warning()
+            if warning is not None:
+                logger.warning(warning)
+        return manager
 
     @override
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:

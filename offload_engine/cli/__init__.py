@@ -106,7 +106,7 @@ def _add_device(parser: argparse.ArgumentParser, help: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from offload_engine import __version__
-    from offload_engine.cli import _bench, _demo, _info
+    from offload_engine.cli import _bench, _demo, _info, _serve_store
 
     parser = argparse.ArgumentParser(
         prog="offload-engine",
@@ -258,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ratios per size (overrides --chunk-kib)",
     )
     bench.set_defaults(func=_bench.cmd_bench, parser=bench, given_options=frozenset())
+    _serve_store.add_parser(sub, _EPILOG)
     return parser
 
 

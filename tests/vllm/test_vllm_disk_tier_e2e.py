@@ -25,6 +25,14 @@ from test_vllm_e2e import run_vllm  # tests/vllm is on sys.path (no __init__.py)
 
 pytestmark = pytest.mark.vllm
 
+#: what vLLM logs when a view of its shared offload region outlives our tier's shutdown
+REGION_NOT_CLOSED = "Failed to close mmap_obj"
+
+
+def closed_cleanly(run: dict[str, Any]) -> bool:
+    return REGION_NOT_CLOSED not in Path(run["log"]).read_text()
+
+
 PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
 
 
@@ -69,3 +77,6 @@ def test_hits_come_from_disk_in_a_fresh_process_with_identical_tokens(tmp_path: 
     assert second["metrics"]["vllm:prefix_cache_hits"] == 0
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    # the scheduler process closed vLLM's shared offload region at each exit
+    assert closed_cleanly(first), first["log"]
+    assert closed_cleanly(second), second["log"]

@@ -5,7 +5,11 @@
 equivalent, ``python -m vllm.entrypoints.openai.api_server``, on 127.0.0.1 and a
 free port with the tiny local model and the spec, sends one completion over
 HTTP, checks on the server's /metrics that vLLM counted the engine's stores,
-and stops the server with SIGINT as a user's Ctrl-C would (it must exit 0).
+then puts the 16-block KV cache under pressure with other prompts and sends the
+first again: /metrics must count external prefix-cache hits (docs/vllm.md,
+"Seeing it work"). It stops the server with SIGINT as a user's Ctrl-C would (it
+must exit 0), and the engine's stats file must be there even when vLLM's
+shutdown timeout cuts the worker's own shutdown short.
 Every wait is bounded; on any failure the server's process group is killed.
 """
 
@@ -136,7 +140,12 @@ class Server:
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[tuple[Server, int]]:
+def stats_path(tmp_path: Path) -> Path:
+    return tmp_path / "engine-stats.json"
+
+
+@pytest.fixture
+def server(tmp_path: Path, stats_path: Path) -> Iterator[tuple[Server, int]]:
     model = build_model(tmp_path / "model")
     port = free_port()
     kv_transfer = {
@@ -146,6 +155,7 @@ def server(tmp_path: Path) -> Iterator[tuple[Server, int]]:
             "spec_name": "EngineOffloadingSpec",
             "spec_module_path": "offload_engine.connectors.vllm",
             "cpu_bytes_to_use": 64 * 2**20,
+            "stats_path": str(stats_path),
         },
     }
     cmd = [
@@ -182,21 +192,29 @@ def complete(port: int, prompt: str) -> dict[str, Any]:
     return post(port, "/v1/completions", {**body, "ignore_eos": True})
 
 
-def offload_store_bytes(port: int) -> float:
-    """vLLM's ``vllm:kv_offload_store_bytes`` counter, summed over its labels, from /metrics."""
+def metric(port: int, name: str) -> float:
+    """A counter from /metrics (``name`` as vLLM exposes it, ``_total`` included),
+    summed over its labels."""
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=REQUEST_TIMEOUT_S) as response:
         text = response.read().decode()
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("vllm:kv_offload_store_bytes_total")
+        if line.startswith((f"{name} ", f"{name}{{"))
     )
 
 
-def test_openai_server_serves_a_completion_with_the_spec(server: tuple[Server, int]) -> None:
+def offload_store_bytes(port: int) -> float:
+    """vLLM's ``vllm:kv_offload_store_bytes`` counter, summed over its labels, from /metrics."""
+    return metric(port, "vllm:kv_offload_store_bytes_total")
+
+
+def test_openai_server_serves_a_completion_with_the_spec(
+    server: tuple[Server, int], stats_path: Path
+) -> None:
     srv, port = server
-    prompts = make_prompts(4, 100)
+    prompts = make_prompts(8, 100)
     reply = complete(port, prompts[0])
     assert reply["object"] == "text_completion"
     assert reply["usage"]["completion_tokens"] == 8
@@ -206,12 +224,27 @@ def test_openai_server_serves_a_completion_with_the_spec(server: tuple[Server, i
     # store when the engine reports it done, in a later engine step, so later requests drive
     # the steps (a bounded number of them; no sleeping).
     stored = offload_store_bytes(port)
-    for prompt in prompts[1:]:
+    for prompt in prompts[1:4]:
         if stored > 0:
             break
         complete(port, prompt)
         stored = offload_store_bytes(port)
     assert stored > 0, srv.tail()
 
+    # Offloaded blocks are only loaded once the KV cache has dropped them: the other
+    # prompts (4 blocks each) push the first one's blocks out of the 16-block cache,
+    # and the first prompt again then finds its prefix in the engine's tier.
+    assert metric(port, "vllm:external_prefix_cache_hits_total") == 0
+    for prompt in prompts[1:]:
+        complete(port, prompt)
+    again = complete(port, prompts[0])
+    assert again["choices"][0]["text"] == reply["choices"][0]["text"]  # greedy: the same text
+    assert metric(port, "vllm:external_prefix_cache_hits_total") > 0, srv.tail()
+    assert metric(port, "vllm:kv_offload_load_bytes_total") > 0
+
     srv.proc.send_signal(signal.SIGINT)  # Ctrl-C: uvicorn shuts down, vLLM closes its workers
     assert srv.proc.wait(timeout=STOP_TIMEOUT_S) == 0, srv.tail()
+    # written while serving (and again at shutdown if the worker got that far)
+    assert stats_path.exists(), srv.tail()
+    stats = json.loads(stats_path.read_text())
+    assert stats["engine"]["stores_succeeded"] > 0

@@ -174,6 +174,30 @@ def test_the_connector_worker_calls_the_spec_and_worker_as_the_adapter_expects(s
     )
 
 
+def test_the_scheduler_builds_the_manager_with_its_config_in_reach(src: Path) -> None:
+    """EngineTieringSpec.get_manager reads max_model_len and max_num_seqs from its
+    caller's ``vllm_config`` local (vLLM does not make it current there)."""
+    tree = module(src, "vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler")
+    init = method(cls(tree, "OffloadingConnectorScheduler"), "__init__")
+    assert params(init)[:3] == ["self", "spec", "vllm_config"]
+    assert "spec.get_manager()" in ast.unparse(init)
+
+
+def test_a_promotion_without_room_is_a_miss(src: Path) -> None:
+    """The sizing rule's premise: no free primary chunk at lookup time makes the chunk a
+    miss, and the secondary tiers shut down before the primary view and region go."""
+    manager = cls(module(src, "vllm.v1.kv_offload.tiering.manager"), "TieringOffloadingManager")
+    promote = ast.unparse(method(manager, "_initiate_promotion"))
+    assert "self.primary_tier.prepare_write([key], req_context)" in promote
+    assert "on_promotion_allocation_failure()" in promote
+    assert "return LookupResult.MISS if not promoted" in ast.unparse(method(manager, "lookup"))
+    # 0.33 moved the order into _shutdown_tiers, which shutdown calls
+    names = {f.name for f in manager.body if isinstance(f, ast.FunctionDef)}
+    order = "_shutdown_tiers" if "_shutdown_tiers" in names else "shutdown"
+    shutdown = ast.unparse(method(manager, order))
+    assert shutdown.index("tier.shutdown()") < shutdown.index("self.primary_tier.shutdown()")
+
+
 def test_secondary_tiers_are_built_as_the_config_check_assumes(src: Path) -> None:
     pytest.importorskip("vllm.v1.kv_offload.tiering.spec")
     from offload_engine.connectors.vllm.tiering import _FACTORY_ARGS, _FACTORY_KEYS
