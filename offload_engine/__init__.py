@@ -25,11 +25,16 @@ from offload_engine.device.handler import (
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.disk.handler import DiskHandler, disk_handlers, page_aligned_tier
 from offload_engine.disk.store import DiskStore, DiskStoreStats, EvictionPolicy, LRUPolicy
-from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.engine.manager import OffloadingQueueManager
-from offload_engine.engine.stats import EngineStats, HandlerStats
-from offload_engine.engine.sync import SyncOffloadingEngine
-from offload_engine.engine.threadpool import ThreadPoolHandler
+from offload_engine.engine import (
+    EngineStats,
+    HandlerContext,
+    HandlerStats,
+    LaunchedJob,
+    OffloadingQueueManager,
+    SyncOffloadingEngine,
+    ThreadPoolHandler,
+    TransferHandler,
+)
 from offload_engine.errors import (
     BlockCountMismatchError,
     ConfigError,
