@@ -173,7 +173,7 @@ class Route:
 
         The route stays ``launching`` until the submitter's launch returns."""
         if (
-            self.launch_in_submitter
+            self.launch_in_submitter  # the caller tests it first too: the common case
             and not self.queue
             and not self.launching
             and len(self.inflight) < self.max_inflight

@@ -49,7 +49,7 @@ class RoomWait(Generic[S]):
         self._deadline = deadline  # time.monotonic() past which QueueFullError goes out
         self._hooked = False  # the route's wait hooks have begun
         #: the queued job, once :meth:`attempt` returned None
-        self.entry: Entry | None = None
+        self.entry: Entry = (-1, None)
         #: seconds left before the deadline, when :meth:`attempt` returned a sleeper
         self.remaining: float | None = None
 

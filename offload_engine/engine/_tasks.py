@@ -81,7 +81,17 @@ async def route_main(core: Core, route: Route) -> None:
         with lock:
             if mine:
                 route.launching = mine = False
-            batch = _take_batch_locked(route)
+            room = route.max_inflight - len(route.inflight)
+            batch: list[Job] = []
+            queue = route.queue
+            inflight = route.inflight
+            # a submitter inside handler.launch wakes this task when it is done
+            while room > 0 and queue and not route.launching:
+                job = queue.popleft()
+                job.state = INFLIGHT
+                inflight[job.job_id] = job
+                batch.append(job)
+                room -= 1
             if batch:
                 route.launching = mine = True
             else:
@@ -90,8 +100,7 @@ async def route_main(core: Core, route: Route) -> None:
                 event = route.wake
                 # queued jobs wait for room in flight, which only finished jobs'
                 # reports make: a wait on the handler's jobs; else a wait for work
-                full = len(route.inflight) >= route.max_inflight
-                waits = route.waits if route.queue and full else NO_WAITS
+                waits = route.waits if queue and room <= 0 else NO_WAITS
         if batch:
             for job in batch:
                 job.t_launch = _now()
@@ -110,22 +119,6 @@ async def route_main(core: Core, route: Route) -> None:
                 await event.wait()
             finally:
                 waits.end()
-
-
-def _take_batch_locked(route: Route) -> list[Job]:
-    """Move the queued jobs that fit in flight there, unless a submitter is inside
-    ``launch`` (it wakes the route task when it is done)."""
-    room = route.max_inflight - len(route.inflight)
-    batch: list[Job] = []
-    queue = route.queue
-    inflight = route.inflight
-    while room > 0 and queue and not route.launching:
-        job = queue.popleft()
-        job.state = INFLIGHT
-        inflight[job.job_id] = job
-        batch.append(job)
-        room -= 1
-    return batch
 
 
 async def timer_main(core: Core) -> None:

@@ -17,23 +17,25 @@ A handler sees a job three times:
    synchronize, a thread-pool worker calls back when its copy returns, a fake
    calls back from a loop timer.
 
-Two fast paths let a handler skip the loop, and the engine serves both
-through one seam, so its waits read the same with or without them:
+Two fast paths let a handler skip the loop. Each is a switch the engine reads
+once, at registration, and the engine's submit and wait paths make the same
+calls whether a handler takes them or not:
 
 * **Launch in the submitter** (``launch_in_submitter = True``): ``launch`` is
   safe on any thread, never two at once. When the handler's queue is empty and
   it has room, the engine launches a new job on the submitting thread instead of
-  waking its loop.
+  waking its loop (the submit's one "queue it, or launch it here" step).
 * **Polled completion** (``polled_completion = True``): the handler may leave a
   finished job unreported until :meth:`TransferHandler.poll`, and reports
   unprompted only while :meth:`TransferHandler.watch` counts someone waiting.
 
-The seam is :meth:`TransferHandler.poll` (a caller collects results, or a
-deadline comes due) and the pair :meth:`TransferHandler.begin_wait` /
+The seam for waits is :meth:`TransferHandler.poll` (a caller collects results,
+or a deadline comes due) and the pair :meth:`TransferHandler.begin_wait` /
 :meth:`TransferHandler.end_wait` (someone starts or stops waiting on the
 handler's jobs: for a result, for room, or for close). The engine calls them
-on every wait, on each handler for which :func:`hooks_waits` is true; their
-defaults serve ``polled_completion`` through ``poll`` and ``watch``.
+around every wait, on each handler for which :func:`hooks_waits` is true; their
+defaults serve ``polled_completion`` through ``poll`` and ``watch``, and a
+handler may override the pair instead.
 
 ``ordered = True`` asks the engine to deliver the handler's results in launch
 order (the engine holds an early finisher until its predecessors finish).
@@ -58,6 +60,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from offload_engine._checks import check_int
 from offload_engine.errors import HandlerRegistrationError
 from offload_engine.vocabulary import Medium, TransferSpec
 
@@ -207,6 +210,27 @@ def hooks_waits(handler: TransferHandler[Any]) -> bool:
         or cls.begin_wait is not TransferHandler.begin_wait
         or cls.end_wait is not TransferHandler.end_wait
     )
+
+
+def registrable_pair(handler: object) -> tuple[Medium, Medium]:
+    """``handler``'s (src, dst) media, or HandlerRegistrationError if it is no
+    handler an engine can register."""
+    if not isinstance(handler, TransferHandler):
+        raise HandlerRegistrationError(
+            f"handlers implement TransferHandler, got {type(handler).__name__}"
+        )
+    try:
+        pair = (handler.src, handler.dst)
+    except AttributeError as exc:
+        raise HandlerRegistrationError(f"{type(handler).__name__} lacks src/dst media") from exc
+    if not all(isinstance(m, Medium) for m in pair):
+        # not {handler!r}: a handler's repr formats its media, which are the problem
+        raise HandlerRegistrationError(
+            f"{type(handler).__name__}: src and dst must be Medium members, "
+            f"got {pair[0]!r} -> {pair[1]!r}"
+        )
+    check_int(handler.max_inflight, f"{handler!r}: max_inflight", error=HandlerRegistrationError)
+    return pair
 
 
 # --------------------------------------------------------------------------- ownership

@@ -53,6 +53,7 @@ from offload_engine.engine.handler import (
     LoopCaller,
     TransferHandler,
     claim_handler,
+    registrable_pair,
     release_handler,
     retire_handler,
 )
@@ -156,7 +157,7 @@ class OffloadingQueueManager:
 
     def register(self, handler: TransferHandler[Any]) -> None:
         """Add ``handler`` for its medium pair, before start or on the loop thread."""
-        pair = _checked_pair(handler)
+        pair = registrable_pair(handler)
         core = self._core
         with self._lock:
             if core.state in (CLOSING, CLOSED):
@@ -457,7 +458,7 @@ class OffloadingQueueManager:
                 await sleeper.wait()
         finally:
             room.close()
-        return core.submitted(room.entry)  # type: ignore[arg-type]
+        return core.submitted(room.entry)
 
     def submit_blocking(
         self,
@@ -483,7 +484,7 @@ class OffloadingQueueManager:
                 sleeper.wait(room.remaining)
         finally:
             room.close()
-        return core.submitted(room.entry)  # type: ignore[arg-type]
+        return core.submitted(room.entry)
 
     def cancel(self, job_id: int) -> bool:
         """Cancel a queued job: True if it was queued and now has a cancelled
@@ -591,23 +592,3 @@ class OffloadingQueueManager:
             state = core.state
         backend = f" {self._bridge.backend}" if self._bridge is not None else ""
         return f"<{type(self).__name__} {state}{backend} [{routes}] results_ready={ready}>"
-
-
-def _checked_pair(handler: object) -> tuple[Medium, Medium]:
-    """``handler``'s (src, dst) media, or HandlerRegistrationError."""
-    if not isinstance(handler, TransferHandler):
-        raise HandlerRegistrationError(
-            f"handlers implement TransferHandler, got {type(handler).__name__}"
-        )
-    try:
-        pair = (handler.src, handler.dst)
-    except AttributeError as exc:
-        raise HandlerRegistrationError(f"{type(handler).__name__} lacks src/dst media") from exc
-    if not all(isinstance(m, Medium) for m in pair):
-        # not {handler!r}: a handler's repr formats its media, which are the problem
-        raise HandlerRegistrationError(
-            f"{type(handler).__name__}: src and dst must be Medium members, "
-            f"got {pair[0]!r} -> {pair[1]!r}"
-        )
-    check_int(handler.max_inflight, f"{handler!r}: max_inflight", error=HandlerRegistrationError)
-    return pair
