@@ -8,10 +8,10 @@ leaving the route, or the engine closing or breaking, sets it. The wait is a
 wait on the route's jobs, so the handler's wait hooks run around it: a handler
 that holds finished jobs back reports them, which is what makes the room.
 
-Each shell is the same loop around :meth:`RoomWait.attempt`::
-
-    while (sleeper := wait.attempt()) is not None:
-        await sleeper.wait()                 # or sleeper.wait(wait.remaining)
+A submit first tries to queue the job at once (the common case, which pays
+for nothing here); only a :class:`QueueFullError` brings it to
+:func:`wait_for_room` or :func:`wait_for_room_blocking`, two shells of the same
+loop around :meth:`RoomWait.attempt`.
 """
 
 from __future__ import annotations
@@ -81,3 +81,26 @@ class RoomWait(Generic[S]):
         if self._hooked:
             self._hooked = False
             self._ticket[0].waits.end()
+
+
+async def wait_for_room(core: Core, ticket: Ticket) -> Entry:
+    """Queue the ticket's job once its full route has room; a task on the loop."""
+    room = RoomWait(core, ticket, Route.task_room_locked)
+    try:
+        while (sleeper := room.attempt()) is not None:
+            await sleeper.wait()
+    finally:
+        room.close()
+    return room.entry
+
+
+def wait_for_room_blocking(core: Core, ticket: Ticket, deadline: float | None) -> Entry:
+    """The same, blocking a thread other than the loop's until ``deadline``
+    (``time.monotonic()``; then :class:`QueueFullError`)."""
+    room = RoomWait(core, ticket, Route.thread_room_locked, deadline)
+    try:
+        while (sleeper := room.attempt()) is not None:
+            sleeper.wait(room.remaining)
+    finally:
+        room.close()
+    return room.entry

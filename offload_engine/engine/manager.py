@@ -41,7 +41,7 @@ from offload_engine._checks import check_int
 from offload_engine._loop import LoopBridge
 from offload_engine.engine._core import CLOSED, CLOSING, NEW, RUNNING, Core
 from offload_engine.engine._jobs import QUEUED, Route
-from offload_engine.engine._room import RoomWait
+from offload_engine.engine._room import wait_for_room, wait_for_room_blocking
 from offload_engine.engine._tasks import Tasks, route_main, timer_main
 from offload_engine.engine.completions import (
     CompletionStore,
@@ -65,6 +65,7 @@ from offload_engine.errors import (
     EngineNotStartedError,
     HandlerRegistrationError,
     JobCancelledError,
+    QueueFullError,
     UnknownJobError,
     WrongThreadError,
 )
@@ -452,13 +453,13 @@ class OffloadingQueueManager:
                 "await submit() on the engine's loop; use submit_nowait elsewhere"
             )
         core = self._core
-        room = RoomWait(core, core.ticket(spec, job_id, timeout), Route.task_room_locked)
+        ticket = core.ticket(spec, job_id, timeout)
         try:
-            while (sleeper := room.attempt()) is not None:
-                await sleeper.wait()
-        finally:
-            room.close()
-        return core.submitted(room.entry)
+            with self._lock:
+                entry = core.enqueue_locked(*ticket)
+        except QueueFullError:
+            entry = await wait_for_room(core, ticket)
+        return core.submitted(entry)
 
     def submit_blocking(
         self,
@@ -478,13 +479,12 @@ class OffloadingQueueManager:
         core = self._core
         ticket = core.ticket(spec, job_id, timeout)
         deadline = None if wait_timeout is None else time.monotonic() + wait_timeout
-        room = RoomWait(core, ticket, Route.thread_room_locked, deadline)
         try:
-            while (sleeper := room.attempt()) is not None:
-                sleeper.wait(room.remaining)
-        finally:
-            room.close()
-        return core.submitted(room.entry)
+            with self._lock:
+                entry = core.enqueue_locked(*ticket)
+        except QueueFullError:
+            entry = wait_for_room_blocking(core, ticket, deadline)
+        return core.submitted(entry)
 
     def cancel(self, job_id: int) -> bool:
         """Cancel a queued job: True if it was queued and now has a cancelled
