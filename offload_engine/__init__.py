@@ -34,11 +34,16 @@ from offload_engine.disk import (
     disk_handlers,
     page_aligned_tier,
 )
-from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.engine.manager import OffloadingQueueManager
-from offload_engine.engine.stats import EngineStats, HandlerStats
-from offload_engine.engine.sync import SyncOffloadingEngine
-from offload_engine.engine.threadpool import ThreadPoolHandler
+from offload_engine.engine import (
+    EngineStats,
+    HandlerContext,
+    HandlerStats,
+    LaunchedJob,
+    OffloadingQueueManager,
+    SyncOffloadingEngine,
+    ThreadPoolHandler,
+    TransferHandler,
+)
 from offload_engine.errors import (
     BlockCountMismatchError,
     ConfigError,

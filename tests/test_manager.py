@@ -28,6 +28,7 @@ from offload_engine import (
     gpu_blocks,
     npu_blocks,
 )
+from offload_engine.engine.handler import LaunchedJob, hooks_waits
 from offload_engine.testing import FakeHandler, FakeTransferFailure, assert_exactly_once
 
 pytestmark = pytest.mark.anyio
@@ -471,3 +472,55 @@ async def test_no_engine_task_outlives_close() -> None:
         assert len(anyio.get_running_tasks()) == before + 4
         await mgr.wait([mgr.submit_nowait(STORE, timeout=5)])
     assert len(anyio.get_running_tasks()) == before
+
+
+class _ReportedWhenPolled(FakeHandler):
+    """Holds each finished job until polled, or reports it at once while someone
+    waits: polled completion written on the contract's wait hooks alone."""
+
+    def __init__(self) -> None:
+        super().__init__(manual=True)
+        self.waiting = 0
+        self.calls: list[str] = []
+
+    def launch(self, job: LaunchedJob[int]) -> None:
+        super().launch(job)
+        if self.waiting:
+            self.complete_all()
+
+    def poll(self) -> None:
+        self.calls.append("poll")
+        self.complete_all()
+
+    def begin_wait(self) -> None:
+        self.calls.append("begin")
+        self.waiting += 1
+        self.complete_all()
+
+    def end_wait(self) -> None:
+        self.calls.append("end")
+        self.waiting -= 1
+
+
+async def test_a_handler_on_the_wait_hooks_alone_is_polled_and_hooked_around_each_wait() -> None:
+    handler = _ReportedWhenPolled()
+    assert hooks_waits(handler) and not hooks_waits(FakeHandler())
+    async with OffloadingQueueManager([handler], capacity=1) as mgr:
+        first = await mgr.submit(STORE)
+        await handler.wait_launched(1)
+        assert [r.job_id for r in mgr.get_finished()] == [first]
+        assert handler.calls == ["poll"]
+        second = await mgr.submit(STORE)
+        await handler.wait_launched(2)
+        with anyio.fail_after(10):  # the only place is held by a job only a hook reports
+            third = await mgr.submit(STORE)
+        assert handler.calls[1:] == ["begin", "end"]
+        with anyio.fail_after(10):
+            results = await mgr.wait([second, third])
+        assert [r.job_id for r in results] == [second, third]
+        assert handler.calls[3] == "begin" and handler.calls[-1] == "end"
+        fourth = await mgr.submit(STORE)
+        await handler.wait_launched(4)
+    # close waits on the fourth job through the hooks, and ends that wait
+    assert [r.job_id for r in mgr.leftover_results] == [fourth]
+    assert handler.calls[-2:] == ["begin", "end"] and handler.waiting == 0

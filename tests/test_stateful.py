@@ -497,7 +497,7 @@ class FacadeMachine(RuleBasedStateMachine):
                 assert not c.errors, "\n".join(c.errors)
             with pytest.raises(EngineClosedError):
                 self.engine.submit_nowait(PLANS[0].spec(Fault.OK))
-            self.model.verify_clean(self.engine.manager._tasks_running)
+            self.model.verify_clean(self.engine.manager._tasks.running)
         finally:
             self.engine.close(timeout=0)  # idempotent; stops the loop if a check failed
 
@@ -765,7 +765,7 @@ class AsyncMachine(RuleBasedStateMachine):
                     self.m.submit_nowait(PLANS[0].spec(Fault.OK))
                 with pytest.raises(EngineClosedError):
                     self.m.get_finished()
-                self.model.verify_clean(self.m._tasks_running)
+                self.model.verify_clean(self.m._tasks.running)
         finally:
             self._portal_cm.__exit__(None, None, None)
 

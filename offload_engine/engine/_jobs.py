@@ -8,12 +8,14 @@ the manager's one lock; the job only checks its arguments before reporting.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
 import anyio
 
+from offload_engine.engine._waits import Waits
 from offload_engine.engine.handler import TransferHandler
 from offload_engine.engine.stats import HandlerStats
 from offload_engine.errors import TransferError
@@ -128,10 +130,12 @@ class Route:
         "ordered",
         "queue",
         "space",
+        "space_threads",
         "stores_succeeded",
         "submitted",
         "succeeded",
         "timed_out",
+        "waits",
         "wake",
     )
 
@@ -142,13 +146,16 @@ class Route:
         self.max_inflight = int(handler.max_inflight)
         self.ordered = bool(handler.ordered)
         self.launch_in_submitter = bool(handler.launch_in_submitter)
+        self.waits = Waits((handler,))  # the hooks of a wait for this route's jobs
         # a thread is inside handler.launch for this route (the route task or a
         # submitter); launches of one route never overlap, so they keep queue order
         self.launching = False
         self.queue: deque[Job] = deque()
         self.inflight: dict[int, Job] = {}  # insertion order = launch order
         self.wake: anyio.Event | None = None  # set while the route task sleeps
-        self.space: anyio.Event | None = None  # set while a task awaits room
+        # room in the queue: what a task, and what a thread, waiting for it sleeps on
+        self.space: anyio.Event | None = None  # set on the loop
+        self.space_threads: threading.Event | None = None  # set at once, under the lock
         self.submitted = self.succeeded = self.failed = 0
         self.cancelled = self.timed_out = self.abandoned = self.bytes_moved = 0
         # successful jobs by direction (a handler may serve both, e.g. CPU<->CPU)
@@ -158,6 +165,47 @@ class Route:
     @property
     def count(self) -> int:
         return len(self.queue) + len(self.inflight)
+
+    def hand_to_submitter_locked(self, job: Job) -> bool:
+        """Put a new ``job`` in flight for the submitting thread to launch, when the
+        handler launches in the submitter and the route is idle with room; else
+        False (the job is to be queued for the route task).
+
+        The route stays ``launching`` until the submitter's launch returns."""
+        if (
+            self.launch_in_submitter  # the caller tests it first too: the common case
+            and not self.queue
+            and not self.launching
+            and len(self.inflight) < self.max_inflight
+        ):
+            job.state = INFLIGHT
+            self.inflight[job.job_id] = job
+            self.launching = True
+            return True
+        return False
+
+    def task_room_locked(self) -> anyio.Event:
+        """What a task that found the queue full sleeps on until a job leaves it
+        (or the engine closes or breaks)."""
+        if self.space is None:
+            self.space = anyio.Event()
+        return self.space
+
+    def thread_room_locked(self) -> threading.Event:
+        """The same, for a thread."""
+        if self.space_threads is None:
+            self.space_threads = threading.Event()
+        return self.space_threads
+
+    def wake_room_locked(self, todo: list[anyio.Event]) -> None:
+        """Wake every submitter waiting for room: threads at once, tasks through
+        ``todo`` (set on the loop after the lock)."""
+        if self.space is not None:
+            todo.append(self.space)
+            self.space = None
+        if self.space_threads is not None:
+            self.space_threads.set()
+            self.space_threads = None
 
     def count_success(self, spec: TransferSpec, nbytes: int) -> None:
         """Count one successful job, and by direction where it has one."""

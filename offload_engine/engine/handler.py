@@ -15,10 +15,27 @@ A handler sees a job three times:
    calling ``job.succeed(nbytes)`` or ``job.fail(exc)`` exactly once, **from any
    thread**. No thread polls on a timer: a device handler's watcher thread sleeps in an event
    synchronize, a thread-pool worker calls back when its copy returns, a fake
-   calls back from a loop timer. A handler with ``polled_completion`` may
-   instead leave a finished job unreported until the engine calls
-   :meth:`TransferHandler.poll` (when a caller collects results), and reports
-   unprompted only while :meth:`TransferHandler.watch` says someone waits.
+   calls back from a loop timer.
+
+Two fast paths let a handler skip the loop. Each is a switch the engine reads
+once, at registration, and the engine's submit and wait paths make the same
+calls whether a handler takes them or not:
+
+* **Launch in the submitter** (``launch_in_submitter = True``): ``launch`` is
+  safe on any thread, never two at once. When the handler's queue is empty and
+  it has room, the engine launches a new job on the submitting thread instead of
+  waking its loop (the submit's one "queue it, or launch it here" step).
+* **Polled completion** (``polled_completion = True``): the handler may leave a
+  finished job unreported until :meth:`TransferHandler.poll`, and reports
+  unprompted only while :meth:`TransferHandler.watch` counts someone waiting.
+
+The seam for waits is :meth:`TransferHandler.poll` (a caller collects results,
+or a deadline comes due) and the pair :meth:`TransferHandler.begin_wait` /
+:meth:`TransferHandler.end_wait` (someone starts or stops waiting on the
+handler's jobs: for a result, for room, or for close). The engine calls them
+around every wait, on each handler for which :func:`hooks_waits` is true; their
+defaults serve ``polled_completion`` through ``poll`` and ``watch``, and a
+handler may override the pair instead.
 
 ``ordered = True`` asks the engine to deliver the handler's results in launch
 order (the engine holds an early finisher until its predecessors finish).
@@ -43,6 +60,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
+from offload_engine._checks import check_int
 from offload_engine.errors import HandlerRegistrationError
 from offload_engine.vocabulary import Medium, TransferSpec
 
@@ -112,12 +130,12 @@ class TransferHandler(abc.ABC, Generic[P]):
     max_inflight: int = 64
     #: ``launch`` may run on the thread that submits (any thread), never two at
     #: once: when the handler's queue is empty and it has room, the engine launches
-    #: a new job there instead of waking its loop
+    #: a new job there instead of waking its loop. Read once, at registration.
     launch_in_submitter: bool = False
-    #: the handler may leave a finished job unreported until :meth:`poll`. The
-    #: engine polls in ``get_finished`` (the caller's thread) and before a deadline
-    #: expires, and calls :meth:`watch` around every wait for a result, for room or
-    #: for close, so nobody waits on a job that only a poll would report
+    #: the handler may leave a finished job unreported until :meth:`poll`; the
+    #: default :meth:`begin_wait` and :meth:`end_wait` then have it :meth:`watch`
+    #: every wait, so nobody waits on a job that only a poll would report. Read
+    #: once, at registration.
     polled_completion: bool = False
 
     @property
@@ -138,13 +156,32 @@ class TransferHandler(abc.ABC, Generic[P]):
 
     def poll(self) -> None:
         """Report the launched jobs that have finished, without blocking. Any
-        thread (``polled_completion`` handlers)."""
+        thread. The engine calls it in ``get_finished`` (the caller's thread) and
+        when a deadline comes due, before it times a job out."""
 
     def watch(self, delta: int) -> None:
         """Someone started (+1) or stopped (-1) waiting for this handler's jobs:
         while the count is positive, report each job as it finishes without
         waiting for a :meth:`poll`. Any thread, never under the engine's lock
-        (``polled_completion`` handlers)."""
+        (``polled_completion`` handlers, through the default wait hooks)."""
+
+    def begin_wait(self) -> None:
+        """Someone starts waiting on this handler's jobs (for a result, for room
+        in its queue or in flight, or for close); :meth:`end_wait` follows. Any
+        thread, never under the engine's lock. A handler that holds finished jobs
+        back reports them now, and as they finish until the wait ends. The
+        default does that for ``polled_completion``: :meth:`poll`, then
+        ``watch(1)``."""
+        if self.polled_completion:
+            self.poll()
+            self.watch(1)
+
+    def end_wait(self) -> None:
+        """The wait :meth:`begin_wait` announced is over (it got what it waited
+        for, timed out or was cancelled). The default: ``watch(-1)`` for
+        ``polled_completion``."""
+        if self.polled_completion:
+            self.watch(-1)
 
     def start(self, context: HandlerContext) -> None:
         """Acquire runtime resources (threads, streams). Called once, on the loop."""
@@ -160,6 +197,40 @@ class TransferHandler(abc.ABC, Generic[P]):
 
     def __repr__(self) -> str:
         return f"<{self.name} ordered={self.ordered} max_inflight={self.max_inflight}>"
+
+
+def hooks_waits(handler: TransferHandler[Any]) -> bool:
+    """Whether the engine calls ``handler``'s wait hooks (:meth:`~TransferHandler.poll`,
+    :meth:`~TransferHandler.begin_wait`, :meth:`~TransferHandler.end_wait`): when it
+    has ``polled_completion`` or overrides the wait pair. Asked once, at registration;
+    the other handlers' waits make no calls at all."""
+    cls = type(handler)
+    return (
+        bool(handler.polled_completion)
+        or cls.begin_wait is not TransferHandler.begin_wait
+        or cls.end_wait is not TransferHandler.end_wait
+    )
+
+
+def registrable_pair(handler: object) -> tuple[Medium, Medium]:
+    """``handler``'s (src, dst) media, or HandlerRegistrationError if it is no
+    handler an engine can register."""
+    if not isinstance(handler, TransferHandler):
+        raise HandlerRegistrationError(
+            f"handlers implement TransferHandler, got {type(handler).__name__}"
+        )
+    try:
+        pair = (handler.src, handler.dst)
+    except AttributeError as exc:
+        raise HandlerRegistrationError(f"{type(handler).__name__} lacks src/dst media") from exc
+    if not all(isinstance(m, Medium) for m in pair):
+        # not {handler!r}: a handler's repr formats its media, which are the problem
+        raise HandlerRegistrationError(
+            f"{type(handler).__name__}: src and dst must be Medium members, "
+            f"got {pair[0]!r} -> {pair[1]!r}"
+        )
+    check_int(handler.max_inflight, f"{handler!r}: max_inflight", error=HandlerRegistrationError)
+    return pair
 
 
 # --------------------------------------------------------------------------- ownership

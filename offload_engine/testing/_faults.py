@@ -176,13 +176,13 @@ def check_outcome(result: TransferResult, fault: Fault, timed: bool, nbytes: int
         return None
     if result.bytes_moved != 0 or err is None:
         return f"job {result.job_id} failed with bytes or without an error: {result}"
-    if isinstance(err, JobCancelledError):  # cancelled while queued, or at close: any job
-        return None
     if isinstance(err, JobTimeoutError):
         return None if timed else f"job {result.job_id} timed out without a timeout: {result}"
-    if isinstance(err, TransferError) and fault.handler_fails:
-        return None
-    return f"job {result.job_id} ({fault.value}, timed={timed}) got {err!r}"
+    allowed = (
+        isinstance(err, JobCancelledError)  # cancelled while queued, or at close: any job
+        or (isinstance(err, TransferError) and fault.handler_fails)
+    )
+    return None if allowed else f"job {result.job_id} ({fault.value}, timed={timed}) got {err!r}"
 
 
 @dataclass
