@@ -21,7 +21,11 @@ HERE = Path(__file__).resolve().parent.parent  # this checkout
 
 
 def run_tree(script: str, tree: Path, args: list[str]) -> dict[str, float]:
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    # the tree first; whatever the caller's path held (e.g. wheels unpacked for this machine) after
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+    )
     cmd = [sys.executable, script, "--measure", *args]
     done = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=False)
     if done.returncode != 0:

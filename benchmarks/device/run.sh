@@ -81,6 +81,15 @@ mkdir -p "$OUTDIR"
 export PYTHONUNBUFFERED=1 OFFLOAD_ENGINE_CACHE_DIR=${OFFLOAD_ENGINE_CACHE_DIR:-/tmp/oe-native}
 
 BENCH=benchmarks/device/bench_cuda.py
+# Every async test runs on asyncio and on trio. A GPU image without trio can be given its wheels:
+# put them in .whl/ (pip download --no-deps for the machine's Python: trio, outcome,
+# sortedcontainers, attrs, sniffio, idna) and they are unpacked to a private folder on the path.
+EXTRA_PATH=""
+if ! python -c "import trio" 2>/dev/null && ls "$ROOT"/.whl/*.whl >/dev/null 2>&1; then
+    python -m pip install -q --no-index --no-deps --target /tmp/oe-site "$ROOT"/.whl/*.whl \
+        && EXTRA_PATH=/tmp/oe-site
+fi
+
 # The GPU suite: tests/gpu plus the device tests that run on the real runtime when CUDA is there.
 SUITE=(tests/gpu tests/test_device_handler.py tests/test_integrity.py tests/test_layout.py
        tests/test_launch_in_submitter.py tests/test_tier_over.py tests/test_hardening.py
@@ -93,7 +102,7 @@ run() {
     local log=$1 tree=$2; shift 2
     echo "== [$tree] $* ($(date -u +%H:%M:%S))" | tee -a "$OUTDIR/$log"
     if [ -n "$DRY" ]; then return 0; fi
-    (cd "$tree" && PYTHONPATH="$tree" timeout "$LIMIT" "$@") 2>&1 | tee -a "$OUTDIR/$log"
+    (cd "$tree" && PYTHONPATH="$tree${EXTRA_PATH:+:$EXTRA_PATH}" timeout "$LIMIT" "$@") 2>&1 | tee -a "$OUTDIR/$log"
     local rc=${PIPESTATUS[0]}
     [ "$rc" -eq 0 ] || echo "== exit status $rc" | tee -a "$OUTDIR/$log"
     return 0
