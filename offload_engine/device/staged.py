@@ -125,6 +125,32 @@ def empty_job(
     h._last_effect = [(event, stream)]
 
 
+def stream_set_header(
+    h: DeviceCopyHandler,
+    staging: StagingBuffers,
+    streams: tuple[int, int, int],
+    batch_template: int,
+) -> StagedHeader:
+    """The planner's header with a stream set's facts filled in: ``streams`` is the SM
+    stream and the two DMA streams, as the launch names them (driver handles for the
+    native launch, stream indices for the Python one); the job's fields are set per job."""
+    tier = h.tier
+    return StagedHeader(
+        store=h._store,
+        sm_stream=streams[0],
+        dma_streams=streams[1:],
+        buffers=len(staging.buffers),
+        rows=staging.rows,
+        row_bytes=h.layout.slot_bytes,
+        batch_template=batch_template,
+        buffer_addresses=staging.addresses_at,
+        tier_base=h._tier_base,
+        slot_bytes=tier.slot_bytes,
+        factor=tier.factor,
+        block_stride=tier.block_stride,
+    )
+
+
 @dataclass
 class _PythonSet:
     """The planner's facts for a Python launch, whatever the job."""
@@ -140,24 +166,10 @@ def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
     found: _PythonSet | None = h._native_sets.get("python")
     if found is not None:
         return found
-    tier = h.tier
     # one descriptor per batch op call: memcpy_batch cuts its own driver calls
     batch = np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
-    header = StagedHeader(
-        store=h._store,
-        sm_stream=_SM,
-        dma_streams=(_DMA0, _DMA1),
-        buffers=len(staging.buffers),
-        rows=staging.rows,
-        row_bytes=h.layout.slot_bytes,
-        batch_template=batch.ctypes.data,
-        buffer_addresses=staging.addresses_at,
-        tier_base=h._tier_base,
-        slot_bytes=tier.slot_bytes,
-        factor=tier.factor,
-        block_stride=tier.block_stride,
-        device_ids=0,  # the launch ops' id words are then byte offsets into the job's ids
-    )
+    header = stream_set_header(h, staging, (_SM, _DMA0, _DMA1), batch.ctypes.data)
+    header.device_ids = 0  # the launch ops' id words are then byte offsets into the job's ids
     groups, templates = [], []
     for g, size in enumerate(h.layout.group_bytes):
         template = np.zeros(_LAUNCH_WORDS, dtype=np.int64)

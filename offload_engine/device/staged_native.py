@@ -20,7 +20,7 @@ import torch
 from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import StagedHeader
-from offload_engine.device.staged import empty_job, gather, leave_state
+from offload_engine.device.staged import empty_job, gather, leave_state, stream_set_header
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler
@@ -49,21 +49,8 @@ def native_stream_set(
         return found
     rt = h.runtime
     batch = program.batch_row(h.direction)
-    tier = h.tier
-    header = StagedHeader(
-        store=h._store,
-        sm_stream=rt.stream_handle(sm),
-        dma_streams=(rt.stream_handle(dmas[0]), rt.stream_handle(dmas[1])),
-        buffers=len(staging.buffers),
-        rows=staging.rows,
-        row_bytes=h.layout.slot_bytes,
-        batch_template=batch.ctypes.data,
-        buffer_addresses=staging.addresses_at,
-        tier_base=h._tier_base,
-        slot_bytes=tier.slot_bytes,
-        factor=tier.factor,
-        block_stride=tier.block_stride,
-    )
+    streams = (rt.stream_handle(sm), rt.stream_handle(dmas[0]), rt.stream_handle(dmas[1]))
+    header = stream_set_header(h, staging, streams, batch.ctypes.data)
     groups = []
     templates = [batch]
     ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
