@@ -23,6 +23,18 @@ Servers
     caller; :func:`free_port`.
 """
 
+from offload_engine.testing._fake_acl import (
+    ACL_ERROR_INVALID_PARAM,
+    ACL_ERROR_RT_CONTEXT_NULL,
+    ACL_ERROR_RT_PARAM_INVALID,
+    ACL_SUCCESS,
+    AclBatchCall,
+    AclCopyCall,
+    FakeAscendCL,
+    FakeNpuError,
+    FakeNpuEvent,
+    FakeNpuStream,
+)
 from offload_engine.testing._fake_handler import (
     FakeHandler,
     FakeTransferFailure,
@@ -32,18 +44,8 @@ from offload_engine.testing._fake_handler import (
     engine_threads,
 )
 from offload_engine.testing._fake_npu import (
-    ACL_ERROR_INVALID_PARAM,
-    ACL_ERROR_RT_CONTEXT_NULL,
-    ACL_ERROR_RT_PARAM_INVALID,
-    ACL_SUCCESS,
-    AclBatchCall,
-    AclCopyCall,
     FakeAscend,
-    FakeAscendCL,
-    FakeNpuError,
-    FakeNpuEvent,
     FakeNpuRuntime,
-    FakeNpuStream,
     FakeTorchNpu,
     fake_torch_npu_module,
 )
