@@ -18,7 +18,8 @@ _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
-def _generator() -> ModuleType:
+def api_docs_generator() -> ModuleType:
+    """tools/gen_api_docs.py, loaded as a module (tools/ is not a package)."""
     spec = importlib.util.spec_from_file_location(
         "gen_api_docs", ROOT / "tools" / "gen_api_docs.py"
     )
@@ -50,7 +51,7 @@ def _pages() -> list[Path]:
 
 def test_api_md_is_up_to_date() -> None:
     current = (DOCS / "api.md").read_text()
-    assert current == _generator().render(), (
+    assert current == api_docs_generator().render(), (
         "docs/api.md is out of date: run python tools/gen_api_docs.py"
     )
 

@@ -9,9 +9,9 @@ import pathlib
 import re
 import subprocess
 import sys
-from types import ModuleType
 
 import offload_engine
+from tests.test_docs import api_docs_generator
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = [p for d in ("offload_engine", "connectors") for p in (ROOT / d).rglob("*.py")]
@@ -43,20 +43,7 @@ PUBLIC_API = {
 }  # fmt: skip
 
 
-def _api_docs_generator() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "gen_api_docs", ROOT / "tools" / "gen_api_docs.py"
-    )
-    if spec is None or spec.loader is None:
-        raise ImportError("tools/gen_api_docs.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-# What is public below the top level is listed once, where docs/api.md is generated from it.
-_GENERATOR = _api_docs_generator()
+_GENERATOR = api_docs_generator()
 PUBLIC_MODULES: set[str] = set(_GENERATOR.PUBLIC_MODULES)
 PUBLIC_PACKAGE_TREES: tuple[str, ...] = tuple(_GENERATOR.PUBLIC_TREES)
 
