@@ -76,6 +76,7 @@ from offload_engine.errors import (
     UnknownJobError,
     WrongThreadError,
 )
+from offload_engine.fence import JobFence
 from offload_engine.host.handler import HostCopyHandler
 from offload_engine.host.layout import KVLayout, Region
 from offload_engine.host.tier import HostTier
@@ -157,6 +158,7 @@ __all__ = [
     "InvalidTransferError",
     "JobCancelledError",
     "JobFailedError",
+    "JobFence",
     "JobTimeoutError",
     "KVLayout",
     "KeyMissError",

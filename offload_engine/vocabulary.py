@@ -31,6 +31,7 @@ import numpy as np
 import numpy.typing as npt
 
 from offload_engine.errors import InvalidBlockIdsError, InvalidKeyError, InvalidTransferError
+from offload_engine.fence import JobFence
 
 BlockIds: TypeAlias = npt.NDArray[np.int64]
 BlockIdsLike: TypeAlias = "Sequence[int] | npt.NDArray[np.integer]"
@@ -306,10 +307,20 @@ def cpu_blocks(block_ids: BlockIdsLike) -> TierBlocks:
 
 @dataclass(frozen=True, eq=False)
 class TransferSpec:
-    """Move the blocks of ``src`` into the blocks of ``dst``."""
+    """Move the blocks of ``src`` into the blocks of ``dst``.
+
+    ``tensors`` (a store or load only) moves just the parts of each block that lie
+    in those KV tensors, by index into the layout's ``tensors``: in the per-layer
+    layouts one tensor is one layer, so a load can go layer by layer. The tier
+    keeps each block whole; the other tensors' bytes are left as they are.
+    ``fence`` (a :class:`~offload_engine.JobFence`, one per job) signals this job's
+    completion to a host thread or a device stream.
+    """
 
     src: BlockSpec | KeyedBlocks
     dst: BlockSpec | KeyedBlocks
+    tensors: tuple[int, ...] | None = None
+    fence: JobFence | None = None
 
     def __post_init__(self) -> None:
         for side in ("src", "dst"):
@@ -319,6 +330,37 @@ class TransferSpec:
                     f"TransferSpec.{side} must be a BlockSpec or KeyedBlocks, "
                     f"got {type(value).__name__}"
                 )
+        if self.fence is not None and not isinstance(self.fence, JobFence):
+            raise InvalidTransferError(
+                f"TransferSpec.fence must be a JobFence, got {type(self.fence).__name__}"
+            )
+        if self.tensors is not None:
+            object.__setattr__(self, "tensors", self._check_tensors(self.tensors))
+
+    def _check_tensors(self, tensors: object) -> tuple[int, ...]:
+        if not (isinstance(self.src, CacheBlocks) or isinstance(self.dst, CacheBlocks)):
+            raise InvalidTransferError(
+                "TransferSpec.tensors selects parts of KV-cache blocks: only a store or a "
+                "load (one side CacheBlocks) takes it"
+            )
+        if isinstance(tensors, (str, bytes)) or not isinstance(tensors, Iterable):
+            raise InvalidTransferError(
+                f"TransferSpec.tensors must be a sequence of tensor indices, got "
+                f"{type(tensors).__name__}"
+            )
+        try:
+            items = tuple(operator.index(t) for t in tensors)
+        except TypeError as exc:
+            raise InvalidTransferError(
+                f"TransferSpec.tensors must hold ints, got {tensors!r}"
+            ) from exc
+        if not items:
+            raise InvalidTransferError("TransferSpec.tensors is empty: it would move nothing")
+        if min(items) < 0:
+            raise InvalidTransferError(f"TransferSpec.tensors must be non-negative, got {items}")
+        if len(set(items)) != len(items):
+            raise InvalidTransferError(f"TransferSpec.tensors names a tensor twice: {items}")
+        return tuple(sorted(items))
 
     @property
     def pair(self) -> tuple[Medium, Medium]:

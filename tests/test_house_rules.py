@@ -22,7 +22,7 @@ PUBLIC_API = {
     "DuplicateJobIdError", "EngineBrokenError", "EngineClosedError", "EngineNotRunningError",
     "EngineNotStartedError", "EngineStats", "HandlerContext", "HandlerRegistrationError",
     "HandlerStats", "HostCopyHandler", "HostTier", "InvalidBlockIdsError", "InvalidTransferError",
-    "JobCancelledError", "JobFailedError", "JobTimeoutError", "KVLayout", "LaunchedJob",
+    "JobCancelledError", "JobFailedError", "JobFence", "JobTimeoutError", "KVLayout", "LaunchedJob",
     "LayoutError", "Medium", "NoHandlerError", "NpuRuntime", "OffloadError",
     "OffloadingQueueManager", "QueueFullError", "Region", "RuntimeUnavailableError",
     "SyncOffloadingEngine", "ThreadPoolHandler", "TierBlocks", "TransferError", "TransferHandler",
@@ -363,7 +363,7 @@ def test_the_package_cycle_check_finds_a_loop_no_module_closes(tmp_path: pathlib
 
 # ------------------------------------------------------------------ layers
 #
-# The ground (errors, vocabulary, _checks, _loop) imports only the ground. The engine imports
+# The ground (errors, vocabulary, fence, _checks, _loop) imports only the ground. The engine imports
 # only the ground and itself. A medium (host, device, disk, remote) imports the ground, the
 # engine, its own modules, `keyed` (disk and remote), and another medium only through that
 # medium's package (``from offload_engine.host import HostTier``), never its modules. `keyed`
@@ -375,6 +375,7 @@ GROUND = {
     "offload_engine.vocabulary",
     "offload_engine._checks",
     "offload_engine._loop",
+    "offload_engine.fence",
 }
 ENGINE = "offload_engine.engine"
 MEDIA = ("host", "device", "disk", "remote")

@@ -51,6 +51,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "TierBlocks",
             "TransferSpec",
             "TransferResult",
+            "JobFence",
             "host_cache_blocks",
             "gpu_blocks",
             "npu_blocks",

@@ -27,6 +27,7 @@ from .config import EngineOffloadingConfig, parse_extra_config
 from .platform import Backend, select_backend
 
 if TYPE_CHECKING:
+    from .connector import EngineConnector
     from .disk_tier import EngineDiskTier
     from .remote_tier import EngineRemoteTier
     from .spec import EngineOffloadingSpec
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
 from .compat import SUPPORTED_VLLM
 
 _LAZY = {
+    "EngineConnector": ".connector",
     "EngineDiskTier": ".disk_tier",
     "EngineRemoteTier": ".remote_tier",
     "EngineOffloadingSpec": ".spec",
@@ -69,6 +71,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "SUPPORTED_VLLM",
     "Backend",
+    "EngineConnector",
     "EngineDiskTier",
     "EngineOffloadingConfig",
     "EngineOffloadingSpec",

@@ -39,6 +39,8 @@ from offload_engine import (
     Direction,
     HostTier,
     InvalidTransferError,
+    JobFence,
+    KVLayout,
     Medium,
     OffloadError,
     SyncOffloadingEngine,
@@ -80,6 +82,21 @@ def _as_counts(values: object, what: str) -> tuple[int, ...]:
 #: Seconds between the stats file's snapshots while serving (see :meth:`EngineBridge.get_finished`).
 STATS_INTERVAL_S = 2.0
 
+#: Engine ids of layer-wise loads' parts count up from here, far above vLLM's job ids
+#: (a counter from 0 per scheduler), so the two never meet.
+_FIRST_PART_ID = 1 << 62
+
+
+@dataclasses.dataclass
+class _Layered:
+    """A layer-wise load while its parts are out: what has come back so far."""
+
+    pending: set[int] = dataclasses.field(default_factory=set)
+    nbytes: int = 0
+    seconds: float = 0.0
+    latency: float = 0.0
+    error: BaseException | None = None
+
 
 class EngineBridge:
     """Owns a :class:`SyncOffloadingEngine` and translates vLLM's job calls for it.
@@ -101,8 +118,14 @@ class EngineBridge:
         stats_path: str | None = None,
         stats_interval: float | None = None,
         log: logging.Logger | None = None,
+        layout: KVLayout | None = None,
+        config: EngineOffloadingConfig | None = None,
     ) -> None:
         self._engine = engine
+        #: the KV cache it moves, and the adapter config it was built from (None when
+        #: built by hand); the layer-wise loads read both
+        self.layout = layout
+        self.config = config
         self._cache_medium = cache_medium
         self._tier = tier
         self._stats_path = stats_path
@@ -126,6 +149,10 @@ class EngineBridge:
             "waited_jobs": 0,
         }
         self._shut_down = False
+        # layer-wise loads: each load's state, and the load each engine part belongs to
+        self._layered: dict[int, _Layered] = {}
+        self._part_of: dict[int, int] = {}
+        self._next_part = _FIRST_PART_ID
 
     @property
     def engine(self) -> SyncOffloadingEngine:
@@ -157,6 +184,65 @@ class EngineBridge:
         """Tier -> KV cache. False (logged with its typed error) if the engine refuses it."""
         return self._submit(job_id, Direction.LOAD, cache_ids, group_sizes, block_indices, tier_ids)
 
+    def submit_load_layers(
+        self,
+        job_id: int,
+        tier_ids: IdsLike,
+        cache_ids: IdsLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        tensor_sets: Sequence[tuple[int, ...] | None],
+    ) -> list[JobFence]:
+        """Tier -> KV cache as one engine job per entry of ``tensor_sets`` (the KV tensors
+        of a group of layers, in the order the forward pass reads them; None for every
+        tensor), each with a :class:`JobFence`, returned in that order.
+
+        The parts report as one result under ``job_id`` once all are done, failed if
+        any failed. A part the engine refuses is logged, and its fence is already
+        finished with the error, so its wait raises instead of passing."""
+        if isinstance(job_id, bool) or not isinstance(job_id, int):
+            raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
+        fences: list[JobFence] = []
+        parts: list[int] = []
+        with self._cond:
+            state = _Layered()
+            self._layered[job_id] = state
+        for tensors in tensor_sets:
+            fence = JobFence()
+            fences.append(fence)
+            with self._cond:
+                part = self._next_part
+                self._next_part += 1
+            refused = self._refusal(
+                part,
+                Direction.LOAD,
+                cache_ids,
+                group_sizes,
+                block_indices,
+                tier_ids,
+                tensors=tensors,
+                fence=fence,
+                counted=False,
+            )
+            if refused is not None:
+                fence.finished(refused)
+                with self._cond:
+                    state.error = state.error or refused
+                continue
+            parts.append(part)
+        with self._cond:
+            self._counts["loads_submitted"] += 1
+            if parts:
+                state.pending.update(parts)
+                for part in parts:
+                    self._part_of[part] = job_id
+            else:
+                # nothing reached the engine: the job's failed result goes out next
+                del self._layered[job_id]
+                error = state.error or InvalidTransferError("no layer part to load")
+                self._stash.append((TransferResult(job_id, False, 0, 0.0, error), Direction.LOAD))
+        return fences
+
     def _submit(
         self,
         job_id: int,
@@ -171,7 +257,25 @@ class EngineBridge:
         # this bridge never learns
         if isinstance(job_id, bool) or not isinstance(job_id, int):
             raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
-        job_id = int(job_id)  # a plain int (the engine refuses negative ones)
+        refused = self._refusal(
+            int(job_id), direction, cache_ids, group_sizes, block_indices, tier_ids
+        )
+        return refused is None
+
+    def _refusal(
+        self,
+        job_id: int,
+        direction: Direction,
+        cache_ids: IdsLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        tier_ids: IdsLike,
+        *,
+        tensors: tuple[int, ...] | None = None,
+        fence: JobFence | None = None,
+        counted: bool = True,
+    ) -> OffloadError | None:
+        """Submit one engine job; the typed error (logged) if the engine refused it."""
         try:
             cache = CacheBlocks(
                 self._cache_medium,
@@ -180,35 +284,34 @@ class EngineBridge:
                 _as_counts(block_indices, "block_indices"),
             )
             tier = cpu_blocks(tier_ids)
-            spec = (
-                TransferSpec(cache, tier)
-                if direction is Direction.STORE
-                else TransferSpec(tier, cache)
-            )
+            src, dst = (cache, tier) if direction is Direction.STORE else (tier, cache)
+            spec = TransferSpec(src, dst, tensors=tensors, fence=fence)
             # under the lock, so no get_finished() in another thread sees this job's
             # result before the job is recorded as live
             with self._cond:
                 self._engine.submit_nowait(spec, job_id=job_id)
                 self._live[job_id] = direction
-                self._counts[f"{direction.value}s_submitted"] += 1
+                if counted:
+                    self._counts[f"{direction.value}s_submitted"] += 1
         except OffloadError as exc:
             # vLLM's interface has only a bool here (and asserts on it): say why first.
             with self._cond:
                 self._counts["submits_refused"] += 1
             self._log.error(
                 "offload-engine refused %s job %r (%s cache blocks, groups %r, first "
-                "indices %r, %s tier blocks): %s: %s",
+                "indices %r, %s tier blocks%s): %s: %s",
                 direction.value,
                 job_id,
                 _length(cache_ids),
                 group_sizes,
                 block_indices,
                 _length(tier_ids),
+                "" if tensors is None else f", tensors {tensors}",
                 type(exc).__name__,
                 exc,
             )
-            return False
-        return True
+            return exc
+        return None
 
     # ------------------------------------------------------------ results
 
@@ -243,6 +346,12 @@ class EngineBridge:
     def _deliver(
         self, result: TransferResult, direction: Direction | None, out: list[TransferResult]
     ) -> None:
+        parent = self._part_of.pop(result.job_id, None)
+        if parent is not None:
+            whole = self._fold(parent, result)
+            if whole is None:
+                return  # more parts of the layer-wise load are out
+            result = whole
         self._counts["results_delivered"] += 1
         if not result.success:
             self._counts["failures_delivered"] += 1
@@ -256,6 +365,23 @@ class EngineBridge:
             )
         out.append(result)
 
+    def _fold(self, parent: int, part: TransferResult) -> TransferResult | None:
+        """Add a layer part's result to its load; the load's result once every part is in."""
+        state = self._layered[parent]
+        state.pending.discard(part.job_id)
+        state.nbytes += part.bytes_moved
+        state.seconds = max(state.seconds, part.seconds)
+        state.latency = max(state.latency, part.latency)
+        if not part.success and state.error is None:
+            state.error = part.error
+        if state.pending:
+            return None
+        del self._layered[parent]
+        ok = state.error is None
+        return TransferResult(
+            parent, ok, state.nbytes if ok else 0, state.seconds, state.error, state.latency
+        )
+
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the live ones among ``job_ids`` are done; their results are
         stashed for the next :meth:`get_finished`. Ids not live here are skipped.
@@ -265,6 +391,9 @@ class EngineBridge:
         ids = list(job_ids)  # the caller's iterable runs outside the lock
         with self._cond:
             self._counts["waits"] += 1
+            layered = self._layered
+            if layered:  # a layer-wise load is waited on through its parts
+                ids = [p for j in ids for p in (layered[j].pending if j in layered else (j,))]
         while True:
             with self._cond:
                 while True:
@@ -429,4 +558,12 @@ def build_bridge(
         tier.slot_bytes,
         tier.nbytes / 2**20,
     )
-    return EngineBridge(engine, backend.cache_medium, tier=tier, stats_path=stats_path, log=log)
+    return EngineBridge(
+        engine,
+        backend.cache_medium,
+        tier=tier,
+        stats_path=stats_path,
+        log=log,
+        layout=layout,
+        config=config,
+    )

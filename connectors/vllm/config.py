@@ -24,6 +24,18 @@ CopyStrategy: TypeAlias = Literal["auto", "dma", "staged", "kernel"]
 #: Values of ``strategy``: the device handler's copy strategies (see docs/vllm.md).
 STRATEGIES: tuple[CopyStrategy, ...] = ("auto", "dma", "staged", "kernel")
 
+LoadMode: TypeAlias = Literal["async", "layerwise"]
+
+#: Values of ``load_mode`` (read by :class:`~offload_engine.connectors.vllm.EngineConnector`).
+LOAD_MODES: tuple[LoadMode, ...] = ("async", "layerwise")
+
+#: ``layers_per_load``'s default: the KV tensors (layers) one part of a layer-wise load moves.
+DEFAULT_LAYERS_PER_LOAD = 1
+
+#: Set in ``kv_connector_extra_config`` by ``EngineConnector`` (never by a user): a
+#: layer-wise ``load_mode`` under vLLM's own OffloadingConnector would be ignored.
+ENGINE_CONNECTOR_KEY = "_offload_engine_connector"
+
 #: The device handler's default (two buffers of 128 MiB).
 DEFAULT_STAGING_BYTES = 256 * 1024 * 1024
 DEFAULT_QUEUE_CAPACITY = 4096
@@ -57,6 +69,8 @@ class EngineOffloadingConfig:
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     host_workers: int = 1
     stats_path: str | None = None
+    load_mode: LoadMode = "async"
+    layers_per_load: int = DEFAULT_LAYERS_PER_LOAD
 
 
 class _Reader:
@@ -129,6 +143,23 @@ class _Reader:
         # strings are refused: vLLM itself reads these keys with bool(), so "false" is True
         self.bad(key, "a JSON bool (true or false, not a string)")
         return default
+
+
+def _load_keys(r: _Reader, extra: Mapping[str, Any]) -> tuple[LoadMode, int]:
+    """``load_mode`` and ``layers_per_load`` (EngineConnector's keys)."""
+    mode = r.str_("load_mode", "async", f"one of {', '.join(LOAD_MODES)}") or "async"
+    if mode not in LOAD_MODES:
+        r.bad("load_mode", f"one of {', '.join(LOAD_MODES)}")
+        mode = "async"
+    elif mode != "async" and not extra.get(ENGINE_CONNECTOR_KEY):
+        r.problems.append(
+            f"kv_connector_extra_config['load_mode']={mode!r} needs \"kv_connector\": "
+            '"EngineConnector" with "kv_connector_module_path": '
+            '"offload_engine.connectors.vllm" (vLLM\'s OffloadingConnector loads '
+            "asynchronously only)"
+        )
+    per = r.int_("layers_per_load", DEFAULT_LAYERS_PER_LOAD, minimum=1, want="a positive int")
+    return mode, per or DEFAULT_LAYERS_PER_LOAD  # type: ignore[return-value]
 
 
 def parse_extra_config(
@@ -212,6 +243,8 @@ def parse_extra_config(
             r.bad("stats_path", "a file path whose only {placeholder} is {rank}")
             stats_path = None
 
+    load_mode, layers_per_load = _load_keys(r, extra)
+
     if r.problems:
         raise ConfigError("invalid offload-engine vLLM config:\n  " + "\n  ".join(r.problems))
     # every value below was checked above; the `or` only narrows the types
@@ -232,4 +265,6 @@ def parse_extra_config(
         queue_capacity=capacity or DEFAULT_QUEUE_CAPACITY,
         host_workers=workers or 1,
         stats_path=stats_path,
+        load_mode=load_mode,
+        layers_per_load=layers_per_load,
     )

@@ -126,6 +126,10 @@ def build_host_handlers(
     return [handler], tier
 
 
+#: ``max_inflight`` of the device handlers under ``load_mode: layerwise``
+LAYERWISE_MAX_INFLIGHT = 256
+
+
 def build_device_handlers(
     runtime: DeviceRuntime,
     layout: KVLayout,
@@ -145,6 +149,13 @@ def build_device_handlers(
             staging_bytes=config.staging_bytes,
             submitter_launch=config.submitter_launch,
             polled_completion=config.polled_completion,
+            # a layer-wise step launches every part of its loads at once, so no wait for
+            # a layer finds its part still queued behind the launch limit
+            max_inflight=(
+                LAYERWISE_MAX_INFLIGHT
+                if config.load_mode == "layerwise"
+                else DeviceHandlerConfig.max_inflight
+            ),
         )
         if config.native_launch is not None:  # None: the handler's default
             device_config = replace(device_config, native_launch=config.native_launch)

@@ -7,6 +7,8 @@ ids, engine results to vLLM's ``TransferResult``. The bookkeeping lives in
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from vllm.v1.kv_offload.base import (
     GPULoadStoreSpec,
     LoadStoreSpec,
@@ -15,6 +17,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.base import TransferResult as VllmTransferResult
 
 from .bridge import EngineBridge
+from .layerwise import LayerwiseLoads
 
 
 class EngineOffloadingWorker(OffloadingWorker):
@@ -27,6 +30,10 @@ class EngineOffloadingWorker(OffloadingWorker):
 
     def __init__(self, bridge: EngineBridge) -> None:
         self.bridge = bridge
+        #: set by EngineConnector under ``load_mode: layerwise``: the step's layer-wise
+        #: loads, and where their bytes and seconds are counted as loads for vLLM
+        self.layerwise: LayerwiseLoads | None = None
+        self.record_load: Callable[[int, float], None] | None = None
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -59,15 +66,32 @@ class EngineOffloadingWorker(OffloadingWorker):
         )
 
     def get_finished(self) -> list[VllmTransferResult]:
-        return [
-            VllmTransferResult(
-                job_id=r.job_id,
-                success=r.success,
-                transfer_size=r.bytes_moved,
-                transfer_time=r.seconds,
+        layerwise = self.layerwise
+        out = []
+        for r in self.bridge.get_finished():
+            if layerwise is not None and layerwise.owns(r.job_id):
+                # vLLM sees the job finish either way (it releases the tier blocks); a
+                # failed one's cache blocks go out as load errors, which vLLM recomputes.
+                # Its bytes count as a load here: vLLM would count a job it did not
+                # submit as a load as a store.
+                layerwise.finished(r.job_id, r.success, r.error)
+                if r.success and self.record_load is not None:
+                    self.record_load(r.bytes_moved, r.seconds)
+                out.append(
+                    VllmTransferResult(
+                        job_id=r.job_id, success=True, transfer_size=None, transfer_time=None
+                    )
+                )
+                continue
+            out.append(
+                VllmTransferResult(
+                    job_id=r.job_id,
+                    success=r.success,
+                    transfer_size=r.bytes_moved,
+                    transfer_time=r.seconds,
+                )
             )
-            for r in self.bridge.get_finished()
-        ]
+        return out
 
     def wait(self, job_ids: set[int]) -> None:
         self.bridge.wait(job_ids)

@@ -20,9 +20,10 @@ def enqueue_dma(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> None:
     ops.wait_event(stream, plan.ready)
     after_last_effect(h, (stream,))
     tier = h.tier
+    regions = plan.regions
     for m in plan.groups:
         dst, src, sizes = chunk_descriptors(
-            h.layout.region_tables(m.group),
+            h.layout.region_tables(m.group, None if regions is None else regions[m.group]),
             m.cache_ids,
             m.slots,
             tier_base=h._tier_base,

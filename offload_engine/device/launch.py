@@ -16,6 +16,7 @@ program that records them and issues them in one native call.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from offload_engine.device.config import CopyStrategy
@@ -78,8 +79,29 @@ def enqueue(h: DeviceCopyHandler, plan: DevicePlan) -> None:
         enqueue_staged_native(h, plan, sm, dmas, h._staging, native)
     else:
         enqueue_staged(h, plan, sm, dmas)
+    fence = plan.fence
+    if fence is None:
+        if native is not None:
+            native.run()
+        return
+    # the fence gets events of its own (the job's are pooled and reused once it is
+    # done), recorded after the job's last writes on each stream that wrote
+    ops, rt = h._ops, h.runtime
+    events = []
+    for _, stream in h._last_effect:
+        event = rt.new_event()
+        ops.record(event, stream)
+        events.append(event)
     if native is not None:
         native.run()
+    fence.launched(functools.partial(_current_stream_waits, rt, events))
+
+
+def _current_stream_waits(rt: Any, events: list[Any]) -> None:
+    """Make the calling thread's current stream wait on ``events`` (a fence's wait)."""
+    stream = rt.current_stream()
+    for event in events:
+        rt.wait_event(stream, event)
 
 
 def poll(h: DeviceCopyHandler) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.runtimes.base import IdBuffer
+from offload_engine.fence import JobFence
 from offload_engine.host import GroupMapping
 
 if TYPE_CHECKING:
@@ -36,6 +37,9 @@ class DevicePlan:
     # what the launch costs: blocks moved (every group together), or for dma the
     # copy descriptors before merging (blocks x regions)
     units: int = 0
+    # TransferSpec.tensors: per group, the regions moved (None: all of them)
+    regions: tuple[tuple[int, ...], ...] | None = None
+    fence: JobFence | None = None  # told at launch how a stream waits for this job
 
 
 def after_last_effect(h: DeviceCopyHandler, streams: tuple[Any, ...]) -> None:

@@ -136,7 +136,15 @@ class Core:
             raise QueueFullError(
                 f"{route.label} holds {route.capacity} queued + in-flight jobs (its capacity)"
             )
-        jid = self.store.reserve_locked(job_id)
+        fence = spec.fence
+        if fence is not None:
+            fence.claim()
+        try:
+            jid = self.store.reserve_locked(job_id)
+        except BaseException:
+            if fence is not None:
+                fence.release_claim()
+            raise
         deadline = None if timeout is None else time.monotonic() + timeout
         job = Job(self.report, route, jid, spec, prepared, _now(), deadline)
         self.jobs[jid] = job
@@ -273,6 +281,8 @@ class Core:
         self.store.post_locked(
             TransferResult(job.job_id, success, nbytes, seconds, error, now - job.t_submit)
         )
+        if job.spec.fence is not None:
+            job.spec.fence.finished(error)
         event = self.store.wake_locked()
         if event is not None:
             self.todo.append(event)

@@ -35,6 +35,7 @@ class HostPlan:
     direction: Direction
     groups: list[GroupMapping]
     nbytes: int
+    regions: tuple[tuple[int, ...], ...] | None = None  # TransferSpec.tensors' regions
 
 
 class HostCopyHandler(ThreadPoolHandler[HostPlan]):
@@ -84,7 +85,7 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
         job = map_transfer(spec, self.layout, self.tier, who=self.name)
-        return HostPlan(job.direction, job.groups, job.nbytes)
+        return HostPlan(job.direction, job.groups, job.nbytes, job.regions)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:
         plan = job.prepared
@@ -92,15 +93,18 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         for m in plan.groups:  # index tensors are built here, off the submitting thread
             cache_idx = torch.from_numpy(m.cache_ids.copy())
             slot_idx = torch.from_numpy(m.slots.copy())
+            views = self._views[m.group]
+            if plan.regions is not None:
+                views = tuple(views[i] for i in plan.regions[m.group])
             if self._grid:
                 where = (slot_idx // factor, slot_idx % factor)
-                for cache_view, tier_grid in self._views[m.group]:
+                for cache_view, tier_grid in views:
                     if plan.direction is Direction.STORE:
                         tier_grid.index_put_(where, cache_view.index_select(0, cache_idx))
                     else:
                         cache_view.index_copy_(0, cache_idx, tier_grid[where])
                 continue
-            for cache_view, tier_view in self._views[m.group]:
+            for cache_view, tier_view in views:
                 if plan.direction is Direction.STORE:
                     tier_view.index_copy_(0, slot_idx, cache_view.index_select(0, cache_idx))
                 else:

@@ -33,7 +33,12 @@ import numpy.typing as npt
 import torch
 
 from offload_engine._checks import check_int
-from offload_engine.errors import BlockCountMismatchError, InvalidBlockIdsError, LayoutError
+from offload_engine.errors import (
+    BlockCountMismatchError,
+    InvalidBlockIdsError,
+    InvalidTransferError,
+    LayoutError,
+)
 from offload_engine.vocabulary import BlockIds, CacheBlocks, Direction, TierBlocks
 
 U64 = npt.NDArray[np.uint64]
@@ -257,7 +262,8 @@ class KVLayout:
         self.slot_offsets: tuple[tuple[int, ...], ...] = tuple(
             tuple(int(x) for x in np.cumsum([0] + [r.size for r in g])[:-1]) for g in self.groups
         )
-        self._tables: dict[int, RegionTables] = {}
+        self._tables: dict[object, RegionTables] = {}
+        self._selections: dict[tuple[int, ...], tuple[tuple[int, ...], ...]] = {}
         # groups that share a tensor (hybrid models) share their blocks' memory: the
         # same id in two of them is one destination. One class label per group.
         label = list(range(len(self.groups)))
@@ -405,19 +411,41 @@ class KVLayout:
                 out.append(mapped)
         return cls(tensors, out, num_blocks, name=name)
 
-    def region_tables(self, group: int) -> RegionTables:
-        """Per-region absolute addresses, strides, sizes and slot offsets (cached)."""
-        cached = self._tables.get(group)
+    def region_tables(self, group: int, regions: tuple[int, ...] | None = None) -> RegionTables:
+        """Per-region absolute addresses, strides, sizes and slot offsets (cached); with
+        ``regions``, only those of the group's regions (see :meth:`regions_in`)."""
+        key = group if regions is None else (group, regions)
+        cached = self._tables.get(key)
         if cached is None:
-            regions = self.groups[group]
+            picked = range(len(self.groups[group])) if regions is None else regions
+            chosen = [self.groups[group][i] for i in picked]
+            offsets = self.slot_offsets[group]
             ptrs = [t.data_ptr() for t in self.tensors]
             cached = RegionTables(
-                base=np.array([ptrs[r.tensor] + r.offset for r in regions], dtype=np.uint64),
-                stride=np.array([r.stride for r in regions], dtype=np.uint64),
-                size=np.array([r.size for r in regions], dtype=np.uint64),
-                slot_offset=np.array(self.slot_offsets[group], dtype=np.uint64),
+                base=np.array([ptrs[r.tensor] + r.offset for r in chosen], dtype=np.uint64),
+                stride=np.array([r.stride for r in chosen], dtype=np.uint64),
+                size=np.array([r.size for r in chosen], dtype=np.uint64),
+                slot_offset=np.array([offsets[i] for i in picked], dtype=np.uint64),
             )
-            self._tables[group] = cached
+            self._tables[key] = cached
+        return cached
+
+    def regions_in(self, tensors: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+        """Per group, the indices of its regions that lie in ``tensors`` (indices into
+        :attr:`tensors`): what a job with ``TransferSpec.tensors`` moves. Raises
+        :class:`InvalidTransferError` for an index past the last tensor."""
+        cached = self._selections.get(tensors)
+        if cached is None:
+            if tensors and tensors[-1] >= len(self.tensors):
+                raise InvalidTransferError(
+                    f"TransferSpec.tensors names tensor {tensors[-1]}; layout {self.name} has "
+                    f"{len(self.tensors)} tensors"
+                )
+            wanted = set(tensors)
+            cached = tuple(
+                tuple(i for i, r in enumerate(g) if r.tensor in wanted) for g in self.groups
+            )
+            self._selections[tensors] = cached
         return cached
 
     def region_views(self, group: int) -> tuple[torch.Tensor, ...]:

@@ -303,6 +303,9 @@ class TierTransfer:
     direction: Direction
     groups: list[GroupMapping]
     nbytes: int
+    #: with ``TransferSpec.tensors``: per KV group, the indices of the regions moved
+    #: (:meth:`KVLayout.regions_in`); None moves every region
+    regions: tuple[tuple[int, ...], ...] | None = None
 
 
 #: ``check(cache_ids, tier_ids, num_cache_blocks, num_tier_blocks, store)``: whether
@@ -368,6 +371,37 @@ def map_transfer(
         raise InvalidTransferError(f"{who} needs CacheBlocks and TierBlocks, got {spec!r}")
     if tier.released:
         raise LayoutError(f"{who}: the host tier has been released")
+    job = _map_whole(spec, cache, blocks, layout, tier, check)
+    if spec.tensors is None:
+        return job
+    return _select_tensors(job, layout, spec.tensors)
+
+
+def _select_tensors(job: TierTransfer, layout: KVLayout, tensors: tuple[int, ...]) -> TierTransfer:
+    """``job`` narrowed to the regions in ``tensors``; groups with none are dropped."""
+    regions = layout.regions_in(tensors)
+    if job.groups and not any(regions[m.group] for m in job.groups):
+        raise InvalidTransferError(
+            f"TransferSpec.tensors {tensors} holds no region of the job's KV groups "
+            f"in layout {layout.name}"
+        )
+    groups = [m for m in job.groups if regions[m.group]]
+    nbytes = sum(
+        int(m.cache_ids.size) * sum(layout.groups[m.group][i].size for i in regions[m.group])
+        for m in groups
+    )
+    return TierTransfer(job.direction, groups, nbytes, regions)
+
+
+def _map_whole(
+    spec: TransferSpec,
+    cache: CacheBlocks,
+    blocks: TierBlocks,
+    layout: KVLayout,
+    tier: HostTier,
+    check: PairChecker | None,
+) -> TierTransfer:
+    direction = spec.direction
     cache_ids, tier_ids = cache.block_ids, blocks.block_ids
     n = cache_ids.shape[0]
     if (

@@ -63,10 +63,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             extra["stats_path"] = args.stats_path
         extra.update(json.loads(args.extra))
         kwargs["kv_transfer_config"] = {
-            "kv_connector": "OffloadingConnector",
+            "kv_connector": args.connector,
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+        if args.connector == "EngineConnector":
+            kwargs["kv_transfer_config"]["kv_connector_module_path"] = (
+                "offload_engine.connectors.vllm"
+            )
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model),
@@ -110,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model-dir", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--offload", action="store_true")
+    p.add_argument(
+        "--connector",
+        default="OffloadingConnector",
+        choices=["OffloadingConnector", "EngineConnector"],
+        help="vLLM's connector, or offload-engine's (loaded from offload_engine.connectors.vllm)",
+    )
     p.add_argument("--spec-name", default="EngineOffloadingSpec")
     p.add_argument("--spec-module", default="offload_engine.connectors.vllm")
     p.add_argument("--cpu-bytes", type=int, default=64 * 2**20)

@@ -1,0 +1,213 @@
+"""``EngineConnector``: vLLM's OffloadingConnector, with loads inside the forward pass.
+
+Load it by module path (no patching)::
+
+    --kv-transfer-config '{"kv_connector": "EngineConnector",
+      "kv_connector_module_path": "offload_engine.connectors.vllm", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"cpu_bytes_to_use": 4000000000, "load_mode": "layerwise"}}'
+
+The scheduler side is vLLM's OffloadingConnector (its policies, its tiering) over
+one of this package's specs, ``EngineOffloadingSpec`` by default, and every key of
+those specs works as it does under vLLM's connector. ``load_mode`` chooses:
+
+- ``"async"`` (the default): vLLM's own behaviour. A request whose prefix is in
+  the tier waits (WAITING_FOR_REMOTE_KVS) until its load is done, and computes in
+  a later step.
+- ``"layerwise"``: the request is scheduled in the same step. Its load goes to the
+  engine part by part in layer order (``layers_per_load`` layers a part), and each
+  attention layer's ``wait_for_layer_load`` orders only that layer's part before
+  the layer, so loading the next layers overlaps computing this one. A hit in a
+  tier below host memory is first promoted by vLLM's tiering, as before.
+
+This module imports vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+    OffloadingConnectorMetadata,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+
+from offload_engine import ConfigError
+
+from .config import ENGINE_CONNECTOR_KEY, parse_extra_config
+from .layerwise import LayerPlan, LayerwiseLoads
+from .spec import EngineOffloadingSpec
+from .tiering import EngineTieringSpec
+from .worker import EngineOffloadingWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+MODULE_PATH = "offload_engine.connectors.vllm"
+
+
+def _engine_extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
+    """The connector's ``kv_connector_extra_config``, with this package's spec as the
+    default and the mark that lets a spec accept a layer-wise ``load_mode``. Refuses a
+    spec that is not one of this package's (or a subclass) with :class:`ConfigError`."""
+    transfer = vllm_config.kv_transfer_config
+    extra = transfer.kv_connector_extra_config if transfer is not None else None
+    if extra is None:
+        raise ConfigError("EngineConnector needs a kv_transfer_config")
+    if "spec_name" not in extra:
+        extra["spec_name"] = "EngineOffloadingSpec"
+    if extra["spec_name"] in ("EngineOffloadingSpec", "EngineTieringSpec"):
+        extra.setdefault("spec_module_path", MODULE_PATH)
+    try:
+        spec_cls = OffloadingSpecFactory.get_spec_cls(extra)
+    except (ValueError, ImportError, AttributeError) as exc:
+        raise ConfigError(
+            f"kv_connector_extra_config['spec_name']={extra.get('spec_name')!r} "
+            f"(spec_module_path={extra.get('spec_module_path')!r}) does not load: {exc}"
+        ) from exc
+    if not issubclass(spec_cls, (EngineOffloadingSpec, EngineTieringSpec)):
+        raise ConfigError(
+            f"kv_connector_extra_config['spec_name']={extra['spec_name']!r}: EngineConnector "
+            "moves bytes with offload-engine, so it serves EngineOffloadingSpec or "
+            "EngineTieringSpec (or a subclass); use vLLM's OffloadingConnector for others"
+        )
+    extra[ENGINE_CONNECTOR_KEY] = True
+    return extra  # type: ignore[no-any-return]
+
+
+def _layer_addresses(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: int(t.data_ptr()) for name, t in kv_caches.items()}
+
+
+class _Fresh:
+    """A cache block as the scheduler sees it before vLLM caches it: no hash yet."""
+
+    __slots__ = ("block_hash", "block_id", "is_null")
+
+    def __init__(self, block: Any) -> None:
+        self.block_id = block.block_id
+        self.is_null = block.is_null
+        self.block_hash = None
+
+
+def _fresh_past(blocks: KVCacheBlocks, local_tokens: int, group_configs: Any) -> KVCacheBlocks:
+    """``blocks`` with every block of an offloaded group past ``local_tokens`` unhashed."""
+    groups = list(blocks.blocks)
+    for config in group_configs:
+        first = local_tokens // config.tokens_per_block
+        own = groups[config.group_idx]
+        groups[config.group_idx] = [*own[:first], *(_Fresh(b) for b in own[first:])]  # type: ignore[list-item]
+    return dataclasses.replace(blocks, blocks=tuple(groups))
+
+
+class EngineConnector(OffloadingConnector):
+    """vLLM's OffloadingConnector with ``load_mode`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        extra = _engine_extra_config(vllm_config)
+        # the spec parses again (with vLLM's resolved chunk size) and raises the same
+        # errors; this reads the connector's own keys
+        self._config = parse_extra_config(extra)
+        self._layerwise = self._config.load_mode == "layerwise"
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._loads: LayerwiseLoads | None = None
+        # request id -> its locally computed tokens, from a layer-wise hit to its allocation
+        self._local_tokens: dict[str, int] = {}
+
+    # ------------------------------------------------------------ scheduler side
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        hit, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._layerwise and hit:
+            # the hit is in host memory (vLLM's tiering answers None until a promotion
+            # from a lower tier is done): load it inside this step's forward pass
+            self._local_tokens[request.request_id] = num_computed_tokens
+            return hit, False
+        return hit, load_async
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        local = self._local_tokens.pop(request.request_id, None)
+        if local is not None and num_external_tokens:
+            # vLLM caches a synchronously loaded request's blocks at allocation, so the
+            # scheduler's search for the load's first block (the first fresh, unhashed
+            # one past the local prefix) would find none: show it them as fresh
+            blocks = _fresh_past(blocks, local, self.scheduler.config.kv_group_configs)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    # ------------------------------------------------------------ worker side
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        if not self._layerwise:
+            return
+        worker = self.connector_worker.worker if self.connector_worker else None
+        layout = worker.bridge.layout if isinstance(worker, EngineOffloadingWorker) else None
+        if not isinstance(worker, EngineOffloadingWorker) or layout is None:
+            raise ConfigError(
+                "kv_connector_extra_config['load_mode']='layerwise' needs the worker of "
+                "EngineOffloadingSpec or EngineTieringSpec"
+            )
+        bridge = worker.bridge
+        plan = LayerPlan.build(layout, _layer_addresses(kv_caches), self._config.layers_per_load)
+        self._loads = LayerwiseLoads(bridge, plan, timeout=self._config.job_timeout_s)
+        worker.layerwise = self._loads
+        worker.record_load = self._record_load
+
+    def _record_load(self, nbytes: int, seconds: float) -> None:
+        # vLLM's worker gathers the step's transfer stats here (a fresh object each step)
+        meta = self.connector_worker._connector_worker_meta  # type: ignore[union-attr]
+        meta.transfer_stats.load.record(nbytes, seconds)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        loads = self._loads
+        if loads is None:
+            super().start_load_kv(forward_context, **kwargs)
+            return
+        metadata = self._connector_metadata
+        if not isinstance(metadata, OffloadingConnectorMetadata):
+            raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
+        # the stores deferred from the last step go first, as under vLLM's connector
+        self.connector_worker.start_kv_transfers(  # type: ignore[union-attr]
+            dataclasses.replace(metadata, load_jobs={})
+        )
+        loads.start(
+            (
+                job_id,
+                entry.src_spec.block_ids,  # type: ignore[attr-defined]
+                entry.dst_spec.block_ids,  # type: ignore[attr-defined]
+                entry.dst_spec.group_sizes,  # type: ignore[attr-defined]
+                entry.dst_spec.block_indices,  # type: ignore[attr-defined]
+            )
+            for job_id, entry in metadata.load_jobs.items()
+        )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._loads is not None:
+            self._loads.wait_for_layer(layer_name)
+
+    def wait_for_save(self) -> None:
+        if self._loads is not None:
+            self._loads.finish_step()
+        super().wait_for_save()  # type: ignore[no-untyped-call]
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self._loads is None:
+            return set()
+        return self._loads.take_invalid()

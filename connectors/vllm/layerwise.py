@@ -1,0 +1,184 @@
+"""Layer-wise loads for vLLM, vLLM-free: which layers each part moves, and the waits.
+
+A step's loads go to the engine as one job per *part*: the KV tensors of a run of
+``layers_per_load`` layers, in the order the forward pass reads them. Each part
+carries a :class:`~offload_engine.JobFence`. vLLM calls
+``wait_for_layer_load(layer)`` before each attention layer;
+:meth:`LayerwiseLoads.wait_for_layer` then makes the model's stream wait for that
+layer's part (on a GPU or NPU; on the host it waits for the copy) and returns.
+
+Nothing the model reads is left unaccounted for: a part that fails before its
+copies are enqueued raises from its wait, and one that fails on the device comes
+back failed in its result; either way the load's cache blocks are reported
+through :meth:`LayerwiseLoads.take_invalid` (vLLM's
+``get_block_ids_with_load_errors``), so vLLM recomputes them or fails the request.
+A layer this module cannot place in a part waits for every part.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload_engine import JobFence, KVLayout, OffloadError
+
+from .bridge import EngineBridge, IdsLike
+
+logger = logging.getLogger(__name__)
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def forward_order(layer_names: Iterable[str]) -> list[str]:
+    """Layer names in the order a forward pass reaches them: by the first ``.N.`` index
+    in the name (``model.layers.3.self_attn.attn``), names without one last, ties
+    (several caches of one layer) in the given order."""
+    names = list(layer_names)
+
+    def key(item: tuple[int, str]) -> tuple[int, int]:
+        position, name = item
+        match = _LAYER_INDEX.search(name)
+        return (int(match.group(1)) if match else 1 << 30, position)
+
+    return [name for _, name in sorted(enumerate(names), key=key)]
+
+
+def tensor_of(layout: KVLayout, address: int) -> int | None:
+    """The index of the layout tensor whose bytes hold ``address``, if exactly one does."""
+    found = [
+        i
+        for i, t in enumerate(layout.tensors)
+        if t.data_ptr() <= address < t.data_ptr() + int(t.shape[0]) * t.stride(0) * t.element_size()
+    ]
+    return found[0] if len(found) == 1 else None
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Which part loads each layer, and the KV tensors of each part (None: all)."""
+
+    part_of: Mapping[str, int]
+    tensor_sets: tuple[tuple[int, ...] | None, ...]
+
+    @classmethod
+    def build(
+        cls, layout: KVLayout, layer_addresses: Mapping[str, int], layers_per_load: int
+    ) -> LayerPlan:
+        """Parts of ``layers_per_load`` layers each, in forward order. ``layer_addresses``:
+        each layer's KV tensor address as vLLM registered it. Where the layers share one
+        tensor (the cross-layer layout) or one is not found, there is one part: the
+        whole load, complete before the first layer reads."""
+        order = forward_order(layer_addresses)
+        tensors = {name: tensor_of(layout, layer_addresses[name]) for name in order}
+        distinct = list(dict.fromkeys(t for t in tensors.values() if t is not None))
+        if None in tensors.values() or len(distinct) < 2:
+            return cls({name: 0 for name in order}, (None,))
+        sets: list[tuple[int, ...]] = []
+        part_of_tensor: dict[int, int] = {}
+        for i in range(0, len(distinct), layers_per_load):
+            chunk = distinct[i : i + layers_per_load]
+            for t in chunk:
+                part_of_tensor[t] = len(sets)
+            sets.append(tuple(sorted(chunk)))
+        part_of = {name: part_of_tensor[t] for name, t in tensors.items() if t is not None}
+        return cls(part_of, tuple(sets))
+
+    @property
+    def parts(self) -> int:
+        return len(self.tensor_sets)
+
+
+@dataclass
+class _Step:
+    """One step's layer-wise loads: per part, (load id, fence); which parts were waited."""
+
+    fences: list[list[tuple[int, JobFence]]]
+    waited: int = 0  # parts 0 .. waited-1 have been waited on
+    blocks: dict[int, list[int]] = field(default_factory=dict)  # load id -> cache block ids
+
+
+class LayerwiseLoads:
+    """A worker's layer-wise loads over its :class:`EngineBridge`."""
+
+    def __init__(
+        self, bridge: EngineBridge, plan: LayerPlan, *, timeout: float | None = None
+    ) -> None:
+        self.bridge = bridge
+        self.plan = plan
+        self.timeout = timeout
+        self._step: _Step | None = None
+        self._blocks: dict[int, list[int]] = {}  # load id -> its cache blocks, until its result
+        self._invalid: set[int] = set()
+
+    def start(
+        self,
+        loads: Iterable[tuple[int, IdsLike, IdsLike, Sequence[int], Sequence[int]]],
+    ) -> None:
+        """Submit the step's loads, each as ``(job id, tier ids, cache ids, group sizes,
+        first block indices)``, part by part in layer order across all of them."""
+        self.finish_step()
+        loads = list(loads)
+        step = _Step([[] for _ in range(self.plan.parts)])
+        for job_id, tier_ids, cache_ids, sizes, indices in loads:
+            blocks = [int(b) for b in cache_ids]
+            self._blocks[job_id] = blocks
+            step.blocks[job_id] = blocks
+            fences = self.bridge.submit_load_layers(
+                job_id, tier_ids, cache_ids, sizes, indices, self.plan.tensor_sets
+            )
+            for part, fence in enumerate(fences):
+                step.fences[part].append((job_id, fence))
+        self._step = step if loads else None
+
+    def wait_for_layer(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention: its part (and any earlier one not yet
+        waited on) is ordered before the model's next work on its stream."""
+        step = self._step
+        if step is None:
+            return
+        part = self.plan.part_of.get(layer_name, self.plan.parts - 1)
+        while step.waited <= part:
+            for job_id, fence in step.fences[step.waited]:
+                try:
+                    fence.wait_on_stream(self.timeout)
+                except OffloadError as exc:
+                    self._fail(job_id, step.blocks[job_id], exc)
+            step.waited += 1
+
+    def finish_step(self) -> None:
+        """The forward pass is over: order whatever part no layer waited on before the
+        stream's next work (a model whose layers skip the wait still reads whole loads)."""
+        step = self._step
+        if step is not None:
+            self.wait_for_layer("")  # an unknown name waits for the last part
+            self._step = None
+
+    def owns(self, job_id: int) -> bool:
+        return job_id in self._blocks
+
+    def finished(self, job_id: int, success: bool, error: BaseException | None) -> None:
+        """A layer-wise load's result: a failed one's blocks are reported invalid."""
+        blocks = self._blocks.pop(job_id, [])
+        if not success:
+            self._fail(job_id, blocks, error)
+
+    def take_invalid(self) -> set[int]:
+        """Cache blocks whose loads failed since the last call (for vLLM to recompute)."""
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def _fail(self, job_id: int, blocks: list[int], error: Any) -> None:
+        if not blocks:
+            return
+        logger.error(
+            "offload-engine layer-wise load %d failed (%d cache blocks reported for "
+            "recomputation): %s: %s",
+            job_id,
+            len(blocks),
+            type(error).__name__,
+            error,
+        )
+        self._invalid.update(blocks)
