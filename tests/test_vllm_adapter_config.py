@@ -10,6 +10,7 @@ import pytest
 from offload_engine.connectors.vllm.config import (
     DEFAULT_QUEUE_CAPACITY,
     DEFAULT_STAGING_BYTES,
+    ENGINE_CONNECTOR_KEY,
     EngineOffloadingConfig,
     parse_extra_config,
 )
@@ -120,6 +121,10 @@ def test_missing_cpu_bytes_names_the_key() -> None:
         ("host_workers", 0),
         ("stats_path", 7),
         ("stats_path", "/tmp/{pid}.json"),
+        ("load_mode", "eager"),
+        ("load_mode", 1),
+        ("layers_per_load", 0),
+        ("layers_per_load", "all"),
     ],
 )
 def test_invalid_value_names_the_key(key: str, value: Any) -> None:
@@ -157,3 +162,13 @@ def test_none_means_default() -> None:
 def test_not_a_mapping() -> None:
     with pytest.raises(ConfigError, match="must be a mapping"):
         parse_extra_config(["cpu_bytes_to_use"])  # type: ignore[arg-type]
+
+
+def test_layerwise_load_mode_needs_engine_connector() -> None:
+    with pytest.raises(ConfigError, match=r"\['load_mode'\]='layerwise' needs .*EngineConnector"):
+        parse_extra_config({**BASE, "load_mode": "layerwise"})
+    cfg = parse_extra_config(
+        {**BASE, "load_mode": "layerwise", "layers_per_load": 4, ENGINE_CONNECTOR_KEY: True}
+    )
+    assert (cfg.load_mode, cfg.layers_per_load) == ("layerwise", 4)
+    assert parse_extra_config(BASE).load_mode == "async"

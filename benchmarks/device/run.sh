@@ -16,7 +16,8 @@ usage: bash benchmarks/device/run.sh [options] PASS...
 passes (any order; they run in the order below):
   --env          versions: GPU, driver, torch, numpy, Python, compiler, CPU cores
   --suite        the GPU test suite (bit-exact round trips of every layout x strategy)
-  --demo         offload-engine demo --device cuda --quick (every load compared byte for byte)
+  --demo         offload-engine demo --device cuda --quick (every load compared byte for byte),
+                 and examples/layerwise_forward.py on cuda
   --bandwidth    GB/s per job size against the same-run contiguous ceiling
                  (staged, 16-token blocks, 8/32/512 blocks per job, random and allocator slots)
   --gemm         512-block jobs under a long GEMM, against the contiguous copy under that GEMM
@@ -94,7 +95,7 @@ fi
 SUITE=(tests/gpu tests/test_device_handler.py tests/test_integrity.py tests/test_layout.py
        tests/test_launch_in_submitter.py tests/test_tier_over.py tests/test_hardening.py
        tests/test_npu_handler.py tests/test_polled_completion.py tests/test_native_launch.py
-       tests/test_tier_checks.py tests/test_cuda_connections.py)
+       tests/test_tier_checks.py tests/test_cuda_connections.py tests/test_layerwise_engine.py)
 
 # run LOG TREE CMD...: from TREE's root, with TREE's package first on the path, run CMD under the
 # time limit; its output is appended to LOG and shown.
@@ -146,6 +147,7 @@ if [ -n "${WANT[suite]:-}" ]; then
 fi
 if [ -n "${WANT[demo]:-}" ]; then
     run demo.log "$ROOT" python -m offload_engine demo --device cuda --quick
+    run demo.log "$ROOT" python examples/layerwise_forward.py --device cuda
 fi
 if [ -n "${WANT[bandwidth]:-}" ]; then
     extra=(); [ -n "$MAX_INFLIGHT" ] && extra=(--max-inflight "$MAX_INFLIGHT")

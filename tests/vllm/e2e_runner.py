@@ -90,7 +90,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rounds: list[list[list[int]]] = []
     t1 = time.perf_counter()
-    for _ in range(args.rounds):
+    aborted = 0
+    for i in range(args.rounds):
+        if args.abort_round and i == args.rounds - 1:
+            aborted = abort_round(llm, prompts, params)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
     t_gen = time.perf_counter() - t1
@@ -106,7 +109,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "series": series,
         "seconds": {"init": t_init, "generate": t_gen},
         "offload": bool(args.offload),
+        "aborted": aborted,
     }
+
+
+def abort_round(llm: Any, prompts: list[str], params: Any) -> int:
+    """Send every prompt, step until a first batch has computed a token (its prefix
+    loads ran in that step), then abort them all, before the last round: requests go
+    away with their loads in flight or just done. Returns how many were aborted."""
+    engine = llm.llm_engine
+    ids = list(llm.enqueue(prompts, params, use_tqdm=False))
+    while not any(out.outputs and out.outputs[0].token_ids for out in engine.step()):
+        pass  # until a first batch has computed (its loads ran in that step)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return len(ids)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +151,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--abort-round",
+        action="store_true",
+        help="before the last round, send every prompt, step once and abort them all",
+    )
     return p.parse_args(argv)
 
 

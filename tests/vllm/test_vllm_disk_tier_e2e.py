@@ -3,7 +3,8 @@
 Run A serves the prompts twice with the disk tier under vLLM's tiering: the
 chunks cascade from the host tier to disk. Run B is a fresh process on the same
 directory, with an empty host tier: its prefix hits can only come from disk.
-Greedy token ids must equal plain vLLM's in every round of both runs.
+Run C is B again under EngineConnector with layer-wise loads of what vLLM promotes
+from disk. Greedy token ids must equal plain vLLM's in every round of every run.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def closed_cleanly(run: dict[str, Any]) -> bool:
 PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
 
 
-def tiering_args(kv_dir: Path, rounds: int) -> list[str]:
+def tiering_args(kv_dir: Path, rounds: int, load_mode: str = "async") -> list[str]:
     tier = {
         "type": "EngineDiskTier",
         "module_path": "offload_engine.connectors.vllm",
@@ -49,8 +50,9 @@ def tiering_args(kv_dir: Path, rounds: int) -> list[str]:
         "EngineTieringSpec",
         "--spec-module",
         "offload_engine.connectors.vllm",
+        *(["--connector", "EngineConnector"] if load_mode != "async" else []),
         "--extra",
-        json.dumps({"secondary_tiers": [tier]}),
+        json.dumps({"secondary_tiers": [tier], "load_mode": load_mode}),
         *PROMPTS,
         "--rounds",
         str(rounds),
@@ -64,6 +66,8 @@ def test_hits_come_from_disk_in_a_fresh_process_with_identical_tokens(tmp_path: 
     plain: dict[str, Any] = run_vllm(tmp_path, "plain", model, *PROMPTS, "--rounds", "1")
     first = run_vllm(tmp_path, "disk-a", model, *tiering_args(kv_dir, 2))
     second = run_vllm(tmp_path, "disk-b", model, *tiering_args(kv_dir, 1))
+    # a fresh process again, loading layer by layer what vLLM promotes from disk
+    third = run_vllm(tmp_path, "disk-c", model, *tiering_args(kv_dir, 1, "layerwise"))
     want = plain["rounds"][0]
     assert len(want) == 12
     assert first["rounds"] == [want, want]
@@ -77,6 +81,11 @@ def test_hits_come_from_disk_in_a_fresh_process_with_identical_tokens(tmp_path: 
     assert second["metrics"]["vllm:prefix_cache_hits"] == 0
     assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
     assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert third["rounds"] == [want]
+    assert third["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    assert third["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert third["metrics"]["vllm:kv_offload_load_bytes"] > 0
     # the scheduler process closed vLLM's shared offload region at each exit
     assert closed_cleanly(first), first["log"]
     assert closed_cleanly(second), second["log"]
+    assert closed_cleanly(third), third["log"]

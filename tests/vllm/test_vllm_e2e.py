@@ -30,6 +30,10 @@ RUNNER = HERE / "e2e_runner.py"
 SCENARIO = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8", "--rounds", "2"]
 
 
+#: the runner's arguments for offload-engine's connector with layer-wise loads
+LAYERWISE = ["--connector", "EngineConnector", "--extra", '{"load_mode": "layerwise"}']
+
+
 def run_vllm(out_dir: Path, name: str, model_dir: Path, *args: str) -> dict[str, Any]:
     out = out_dir / f"{name}.json"
     log = out_dir / f"{name}.log"
@@ -66,6 +70,8 @@ def baseline(workdir: Path) -> dict[str, Any]:
     ("variant", "args"),
     [
         ("chunk1", ["--blocks-per-chunk", "1"]),
+        # EngineConnector: the hits load inside the forward pass, layer by layer
+        ("layerwise", [*LAYERWISE, "--blocks-per-chunk", "2"]),
         (
             # stores slowed down on the engine's worker thread, so vLLM finds stores
             # pending when it reuses blocks and flushes them through worker.wait()
@@ -122,6 +128,40 @@ def test_offloaded_prefixes_come_back_with_identical_tokens(
     assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
     if variant == "chunk2-slow-stores":
         assert adapter["waited_jobs"] > 0, "vLLM never flushed a pending store"
+
+
+#: few cache blocks and long outputs: running requests outgrow the cache and are preempted
+PREEMPTING = ["--gpu-blocks", "9", "--max-num-seqs", "8", "--max-tokens", "120"]
+
+
+def test_layerwise_loads_under_preemption_and_aborts(workdir: Path) -> None:
+    """Layer-wise loads with requests preempted (their stores flushed, their hits
+    loaded again) and, before the last round, a round aborted after its first
+    computed batch: the last round's tokens still equal plain vLLM's."""
+    plain = run_vllm(workdir, "preempting-plain", workdir / "model", *PREEMPTING)
+    stats_path = workdir / "layerwise-preempt-stats.json"
+    run = run_vllm(
+        workdir,
+        "layerwise-preempt-abort",
+        workdir / "model",
+        "--offload",
+        *LAYERWISE,
+        "--stats-path",
+        str(stats_path),
+        "--abort-round",
+        *PREEMPTING,
+    )
+    assert plain["metrics"]["vllm:num_preemptions"] > 0
+    assert run["metrics"]["vllm:num_preemptions"] > 0
+    assert run["aborted"] == 12
+    assert run["rounds"] == plain["rounds"]
+    assert run["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    stats = json.loads(stats_path.read_text())
+    engine, adapter = stats["engine"], stats["adapter"]
+    assert engine["loads_succeeded"] > 0 and engine["handlers"][0]["failed"] == 0
+    assert adapter["waited_jobs"] > 0, "no preempted request's store was flushed"
+    assert adapter["live_jobs"] == 0 and adapter["failures_delivered"] == 0
+    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
 
 
 # ---------------------------------------------------------------- EngineTieringSpec

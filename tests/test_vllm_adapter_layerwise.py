@@ -1,0 +1,158 @@
+"""The adapter's layer-wise loads without vLLM: parts by layer, waits, failures reported.
+
+A bridge over the device handler on the fake runtime: the model's (fake) compute
+stream reads each layer's blocks right after that layer's wait, and finds them in
+place; a part the engine refuses makes its load's blocks come back as load errors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from offload_engine import KVLayout, Medium, SyncOffloadingEngine
+from offload_engine.connectors.vllm.bridge import EngineBridge
+from offload_engine.connectors.vllm.layerwise import (
+    LayerPlan,
+    LayerwiseLoads,
+    forward_order,
+)
+from offload_engine.device import make_device_handlers, pinned_host_tier
+from offload_engine.host.layout import byte_view
+from offload_engine.testing import FakeRuntime, build_layout
+
+LAYERS = 6
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeRuntime]:
+    runtime = FakeRuntime()
+    yield runtime
+    runtime.close()
+
+
+def names(n: int) -> list[str]:
+    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+
+
+def addresses(layout: KVLayout) -> dict[str, int]:
+    # vLLM registers each layer's tensor; the dict's order is not the forward order
+    return dict(
+        reversed(
+            [
+                (n, t.data_ptr())
+                for n, t in zip(names(len(layout.tensors)), layout.tensors, strict=True)
+            ]
+        )
+    )
+
+
+def test_forward_order_sorts_by_layer_index() -> None:
+    got = forward_order(["m.layers.10.attn", "m.layers.2.attn", "head", "m.layers.2.cross"])
+    assert got == ["m.layers.2.attn", "m.layers.2.cross", "m.layers.10.attn", "head"]
+
+
+def test_plans_group_layers_in_forward_order(fake: FakeRuntime) -> None:
+    layout = build_layout("flashinfer", fake.empty, num_blocks=4, num_layers=LAYERS)
+    plan = LayerPlan.build(layout, addresses(layout), 4)
+    assert plan.tensor_sets == ((0, 1, 2, 3), (4, 5))
+    assert [plan.part_of[n] for n in names(LAYERS)] == [0, 0, 0, 0, 1, 1]
+    one = LayerPlan.build(layout, addresses(layout), 1)
+    assert one.parts == LAYERS and one.part_of[names(LAYERS)[3]] == 3
+
+
+def test_layers_in_one_tensor_load_as_one_part(fake: FakeRuntime) -> None:
+    layout = build_layout("cross-layer", fake.empty, num_blocks=4, num_layers=LAYERS)
+    base = layout.tensors[0].data_ptr()
+    plan = LayerPlan.build(layout, {n: base + 64 * i for i, n in enumerate(names(LAYERS))}, 1)
+    assert plan.tensor_sets == (None,) and set(plan.part_of.values()) == {0}
+    # a layer whose tensor is not in the layout: one part, the whole load
+    other = LayerPlan.build(build_layout("flashinfer", fake.empty), {"x.0.a": 1, "x.1.a": 2}, 1)
+    assert other.tensor_sets == (None,)
+
+
+def block_bytes(layout: KVLayout, tensor: int, block: int) -> bytes:
+    [r] = [r for r in layout.groups[0] if r.tensor == tensor]
+    base = byte_view(layout.tensors[tensor])
+    return (
+        base[r.offset + block * r.stride : r.offset + block * r.stride + r.size].numpy().tobytes()
+    )
+
+
+def test_each_layer_wait_orders_that_layer_before_the_compute_stream(fake: FakeRuntime) -> None:
+    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
+    tier = pinned_host_tier(fake, layout, 8)
+    bridge = EngineBridge(
+        SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier))),
+        Medium.GPU,
+        tier=tier,
+        layout=layout,
+    )
+    try:
+        assert bridge.submit_store(1, [0, 1], (2,), (0,), [3, 4])
+        bridge.wait([1])
+        assert [r.job_id for r in bridge.get_finished()] == [1]
+        want = {
+            (t, b): block_bytes(layout, t, s) for t in range(LAYERS) for s, b in ((0, 5), (1, 6))
+        }
+        for t in range(LAYERS):
+            for b in (5, 6):
+                byte_view(layout.tensors[t])[b * layout.groups[0][t].stride :][
+                    : layout.groups[0][t].size
+                ].fill_(0)
+        loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 2), timeout=10)
+        seen: dict[int, dict[tuple[int, int], bytes]] = {}
+        done = threading.Event()
+        loads.start([(7, [3, 4], [5, 6], (2,), (0,))])
+        for i, name in enumerate(names(LAYERS)):
+            loads.wait_for_layer(name)
+
+            def look(i: int = i) -> None:
+                seen[i] = {(t, b): block_bytes(layout, t, b) for t in range(LAYERS) for b in (5, 6)}
+
+            fake.enqueue(fake.compute, look)
+        loads.finish_step()
+        fake.enqueue(fake.compute, done.set)
+        assert done.wait(10)
+        for i in range(LAYERS):
+            for b in (5, 6):
+                assert seen[i][(i, b)] == want[(i, b)], (i, b)
+        bridge.wait([7])
+        [result] = bridge.get_finished()
+        assert result.job_id == 7 and result.success  # the parts come back as one load
+        assert result.bytes_moved == 2 * layout.slot_bytes
+        assert loads.owns(7)
+        loads.finished(7, True, None)
+        assert not loads.owns(7) and loads.take_invalid() == set()
+        assert bridge.stats()["adapter"]["loads_submitted"] == 1
+    finally:
+        bridge.shutdown()
+
+
+def test_a_refused_part_reports_its_loads_blocks_as_load_errors(fake: FakeRuntime) -> None:
+    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
+    tier = pinned_host_tier(fake, layout, 8)
+    bridge = EngineBridge(
+        SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier))),
+        Medium.GPU,
+        tier=tier,
+        layout=layout,
+    )
+    try:
+        plan = LayerPlan.build(layout, addresses(layout), 3)
+        loads = LayerwiseLoads(bridge, plan, timeout=10)
+        # tier block 99 is out of range: every part is refused at submit
+        loads.start([(4, [99], [2], (1,), (0,))])
+        for name in names(LAYERS):
+            loads.wait_for_layer(name)  # does not raise: the failure is reported
+        loads.finish_step()
+        assert loads.take_invalid() == {2}
+        [result] = bridge.get_finished()
+        assert result.job_id == 4 and not result.success
+        loads.finished(4, False, result.error)
+        assert loads.take_invalid() == {2}
+        assert bridge.stats()["adapter"]["submits_refused"] == plan.parts
+    finally:
+        bridge.shutdown()

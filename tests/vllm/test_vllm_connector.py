@@ -1,0 +1,67 @@
+"""EngineConnector's checks at startup: which spec it serves, with vLLM's spec factory."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base")
+
+from offload_engine import ConfigError
+from offload_engine.connectors.vllm.config import ENGINE_CONNECTOR_KEY
+
+pytestmark = [
+    pytest.mark.vllm,
+    # importing vLLM's platform layer imports torch modules that warn at import time
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+]
+
+
+def _engine_extra_config(vllm_config: Any) -> dict[str, Any]:
+    from offload_engine.connectors.vllm.connector import _engine_extra_config as check
+
+    return check(vllm_config)
+
+
+def config(extra: dict[str, Any]) -> Any:
+    return SimpleNamespace(kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra))
+
+
+def test_the_default_spec_is_engine_offloading_spec() -> None:
+    extra = _engine_extra_config(config({"cpu_bytes_to_use": 1 << 20}))
+    assert extra["spec_name"] == "EngineOffloadingSpec"
+    assert extra["spec_module_path"] == "offload_engine.connectors.vllm"
+    assert extra[ENGINE_CONNECTOR_KEY] is True
+
+
+def test_the_tiering_spec_is_served() -> None:
+    extra = _engine_extra_config(config({"spec_name": "EngineTieringSpec"}))
+    assert extra["spec_module_path"] == "offload_engine.connectors.vllm"
+
+
+@pytest.mark.parametrize(
+    ("extra", "match"),
+    [
+        ({"spec_name": "CPUOffloadingSpec"}, "serves EngineOffloadingSpec or EngineTieringSpec"),
+        ({"spec_name": "Nope", "spec_module_path": "offload_engine"}, "does not load"),
+        ({"spec_name": "Nope"}, "does not load"),
+    ],
+)
+def test_a_spec_it_cannot_serve_is_one_config_error(extra: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=rf"\['spec_name'\].*{match}"):
+        _engine_extra_config(config(extra))
+
+
+def test_it_is_vllms_offloading_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    from offload_engine.connectors.vllm import EngineConnector
+
+    assert issubclass(EngineConnector, OffloadingConnector)
+    # the hooks vLLM's attention layers call (kv_transfer_utils.maybe_transfer_kv_layer)
+    for hook in ("wait_for_layer_load", "save_kv_layer", "start_load_kv", "wait_for_save"):
+        assert callable(getattr(EngineConnector, hook))
