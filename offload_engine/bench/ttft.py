@@ -61,6 +61,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.attention.bias import causal_lower_right
 
 from offload_engine import (
     JobFence,
@@ -70,6 +71,7 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
+from offload_engine.bench import first_failure
 from offload_engine.device import DeviceHandlerConfig, make_device_handlers, pinned_host_tier
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.errors import ConfigError
@@ -245,8 +247,6 @@ class PrefillModel:
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of ``q`` (the last ``n`` positions) over ``k``, ``v``."""
-        from torch.nn.attention.bias import causal_lower_right
-
         f = torch.nn.functional
         mask = causal_lower_right(q.shape[-2], k.shape[-2])
         if self.attention == "sdpa-gqa":
@@ -411,9 +411,9 @@ class TtftBench:
 
 
 def _check(results: Sequence[TransferResult]) -> None:
-    for r in results:
-        if r.error is not None:
-            raise r.error
+    error = first_failure(results)
+    if error is not None:
+        raise error
 
 
 def _cell(
