@@ -24,6 +24,12 @@ Pass 4 (``step``): a decode-like model step's slowdown while each step stores
 and loads 4, 16 and 64 blocks, eager and as a CUDA graph, on the default and a
 side stream, against the same bytes as one contiguous pinned copy
 (:mod:`offload_engine.bench.step` documents the step).
+Pass 5 (``ttft``): time to first token of a Llama-3-8B-shaped prefill whose prefix
+hit of H tokens sits in the pinned tier, N new tokens: load then compute, layer by
+layer (one job per ``--ttft-layers-per-load`` layers, the compute stream waiting on
+each part's fence), recompute, the load alone and the compute alone
+(:mod:`offload_engine.bench.ttft` documents it); the layer-wise loads are checked
+bit-exact first, and a mismatch makes the script exit 1.
 """
 
 from __future__ import annotations
@@ -485,6 +491,36 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(line, flush=True)
 
 
+def pass_ttft(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from offload_engine.bench.cuda import run_cuda_ttft
+    from offload_engine.bench.ttft import TtftPlan, format_ttft_rows
+
+    base = TtftPlan.quick() if args.quick else TtftPlan()  # H and N unless given
+    plan = TtftPlan(
+        hits=tuple(args.ttft_hits) or base.hits,
+        new=tuple(args.ttft_new) or base.new,
+        layers_per_load=tuple(args.ttft_layers_per_load),
+        reps=args.reps,
+    )
+    shown = [""]
+
+    def tick(what: str) -> None:  # one line per cell and per check
+        cell = what.rsplit(" ", 1)[0]
+        if cell != shown[0]:
+            shown[0] = cell
+            print(f"  {cell}", flush=True)
+
+    found = run_cuda_ttft(plan, tick=tick)
+    rows += [{"pass": "ttft", **r} for r in found]
+    for line in format_ttft_rows(found):
+        print(f"  {line}", flush=True)
+    return found
+
+
+def _ints(text: str | None) -> list[int]:
+    return [int(t) for t in text.split(",")] if text else []
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--json", help="write every row here")
@@ -538,7 +574,21 @@ def main() -> int:
         "(as vLLM's CPU offloading manager hands them out: runs of consecutive slots)",
     )
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
+    parser.add_argument(
+        "--ttft-hits", default=None, help="ttft pass: prefix-hit tokens H (default 2048,8192,32768)"
+    )
+    parser.add_argument(
+        "--ttft-new", default=None, help="ttft pass: new tokens N (default 128,512,2048)"
+    )
+    parser.add_argument(
+        "--ttft-layers-per-load",
+        default="1,4",
+        help="ttft pass: layers per layer-wise load job (G), one variant each",
+    )
     args = parser.parse_args()
+    args.ttft_hits = _ints(args.ttft_hits)
+    args.ttft_new = _ints(args.ttft_new)
+    args.ttft_layers_per_load = _ints(args.ttft_layers_per_load)
     args.tokens = [int(t) for t in args.tokens.split(",")]
     args.per_job = [int(t) for t in args.per_job.split(",")]
     args.strategies = [CopyStrategy(t) for t in args.strategies.split(",")]
@@ -559,6 +609,9 @@ def main() -> int:
         pass_submit_cpu(args, rows)
     if "step" in passes:
         pass_step(args, rows)
+    ttft: list[dict[str, Any]] = []
+    if "ttft" in passes:
+        ttft = pass_ttft(args, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -598,7 +651,13 @@ def main() -> int:
         if r["pass"] == "step" and r["variant"] != "none":
             what = f"{r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks {r['variant']:10}"
             print(f"  step {what} {r['slowdown'] * 100:+5.1f}% ({r['step_ms']:.2f} ms a step)")
-    return 0
+    if ttft:
+        from offload_engine.bench.ttft import format_ttft_rows
+
+        print("\ntime to first token (ttft pass)")
+        for line in format_ttft_rows(ttft):
+            print(f"  {line}")
+    return 1 if any(r["errors"] for r in ttft) else 0
 
 
 if __name__ == "__main__":

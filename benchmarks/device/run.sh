@@ -23,6 +23,9 @@ passes (any order; they run in the order below):
   --gemm         512-block jobs under a long GEMM, against the contiguous copy under that GEMM
   --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
   --step         a decode-like model step's slowdown, against the same bytes as one copy
+  --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
+                 compute, layer-wise (G 1 and 4 layers a job), recompute, load alone, compute
+                 alone; its table is printed again at the end
   --overhead     benchmarks/engine_overhead.py (the engine alone, instant handler)
   --all          every pass above
 
@@ -52,13 +55,13 @@ LIMIT=300
 SLOW=""
 DRY=""
 declare -A WANT=()
-PASSES=(env suite demo bandwidth gemm cpu step overhead)
+PASSES=(env suite demo bandwidth gemm cpu step ttft overhead)
 
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --all) for p in "${PASSES[@]}"; do WANT[$p]=1; done ;;
-        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--overhead) WANT[${1#--}]=1 ;;
+        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--ttft|--overhead) WANT[${1#--}]=1 ;;
         --out) OUTDIR=${2:?--out needs a directory}; shift ;;
         --baseline) BASELINE=${2:?--baseline needs a directory}; shift ;;
         --rounds) ROUNDS=${2:?--rounds needs a number}; shift ;;
@@ -166,6 +169,10 @@ if [ -n "${WANT[step]:-}" ]; then
     bench_rounds step --passes step --tokens 16 --step-strategies auto \
         --launch-modes loop,submitter-polled --step-steps 40 --reps 3
 fi
+if [ -n "${WANT[ttft]:-}" ]; then
+    bench_rounds ttft --passes ttft --ttft-hits 2048,8192,32768 --ttft-new 128,512,2048 \
+        --ttft-layers-per-load 1,4 --reps 3
+fi
 if [ -n "${WANT[overhead]:-}" ]; then
     if [ -n "$BASELINE" ]; then
         run overhead.log "$ROOT" python benchmarks/engine_overhead.py --baseline "$BASELINE" \
@@ -174,5 +181,18 @@ if [ -n "${WANT[overhead]:-}" ]; then
         run overhead.log "$ROOT" python benchmarks/engine_overhead.py --rounds "$ROUNDS" \
             --jobs 100000 --latency-samples 3000 --json "$OUTDIR/overhead.json"
     fi
+fi
+if [ -n "${WANT[ttft]:-}" ] && [ -z "$DRY" ]; then
+    # the time-to-first-token tables last, one per round (and tree), from the JSON files
+    for f in "$OUTDIR"/ttft-*.json; do
+        [ -e "$f" ] || continue
+        echo "== time to first token: $f"
+        PYTHONPATH="$ROOT${EXTRA_PATH:+:$EXTRA_PATH}" python -c '
+import json, sys
+from offload_engine.bench.ttft import format_ttft_rows
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if r["pass"] == "ttft"]
+print("\n".join(format_ttft_rows(rows)))
+' "$f" | tee -a "$OUTDIR/ttft.log"
+    done
 fi
 echo "== done; output in $OUTDIR"

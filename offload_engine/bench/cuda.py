@@ -16,6 +16,9 @@
 * :func:`run_cuda_step` is ``bench``'s model-step pass: how much a decode-like
   step slows while each step stores and loads a few blocks
   (:mod:`offload_engine.bench.step`).
+* :func:`run_cuda_ttft` is ``bench``'s time-to-first-token pass: a prefill on a
+  prefix hit, loaded then computed, layer by layer, or recomputed
+  (:mod:`offload_engine.bench.ttft`).
 
 They raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
 CUDA runtime cannot start, which the command line turns into a one-line
@@ -25,6 +28,7 @@ message (``--device cuda``) or a note and a host run (``--device auto``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -32,6 +36,7 @@ from offload_engine.bench import BenchPlan, CaseResults
 from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, open_host_rig
 from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
+from offload_engine.bench.ttft import TtftDevice, TtftPlan, run_ttft_pass
 from offload_engine.device import CopyStrategy
 from offload_engine.device.runtimes import probe as runtimes
 from offload_engine.device.runtimes.cuda import CudaRuntime
@@ -125,5 +130,26 @@ def run_cuda_step(plan: StepPlan, *, tick: Callable[[str], None]) -> list[StepRo
     runtime = CudaRuntime()
     try:
         return run_step_pass(runtime, plan, tick=tick)
+    finally:
+        runtime.close()
+
+
+def run_cuda_ttft(plan: TtftPlan, *, tick: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The time-to-first-token pass on the current CUDA device: one row per (H, N).
+
+    Raises :class:`InsufficientMemoryError` before allocating if the device's free
+    memory cannot hold the plan's KV cache, reference copy, weights and activations.
+    """
+    runtime = CudaRuntime()
+    try:
+        free, _ = torch.cuda.mem_get_info(runtime.device)
+        need = plan.device_bytes()
+        if need > free:
+            raise InsufficientMemoryError(
+                f"the time-to-first-token pass needs about {need / 2**30:.1f} GiB of "
+                f"{runtime.device} memory (hits up to {max(plan.hits)} tokens, "
+                f"{max(plan.new)} new), but only {free / 2**30:.1f} GiB is free"
+            )
+        return run_ttft_pass(TtftDevice.cuda(runtime), plan, tick=tick)
     finally:
         runtime.close()

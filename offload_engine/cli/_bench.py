@@ -14,7 +14,7 @@ import json
 import shlex
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +28,7 @@ from offload_engine.device.runtimes import probe as runtimes
 if TYPE_CHECKING:
     from offload_engine.bench.overhead import OverheadResult
     from offload_engine.bench.step import StepPlan, StepRow
+    from offload_engine.bench.ttft import TtftPlan
     from offload_engine.device.runtimes.probe import RuntimeInfo
 
 SCHEMA = "offload-engine-bench/1"
@@ -206,35 +207,47 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return cmd_bench_host(args)
 
 
+@dataclass
+class _GpuFound:
+    """What the GPU passes produced (all empty where they did not run)."""
+
+    cases: CaseResults
+    step: list[StepRow]
+    ttft: list[dict[str, Any]]
+    status: dict[str, object]
+
+
 def _gpu_cases(
     args: argparse.Namespace,
     cuda: RuntimeInfo,
     plan: BenchPlan,
-    step_plan: StepPlan,
+    plans: tuple[StepPlan, TtftPlan],
     tick: Callable[[str], None],
-) -> tuple[CaseResults, list[StepRow], dict[str, object]]:
-    """The GPU cases and the model-step pass, or why they did not run."""
-    from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step
+) -> _GpuFound:
+    """The GPU cases, the model-step pass and the time-to-first-token pass, or why they
+    did not run."""
+    from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step, run_cuda_ttft
     from offload_engine.errors import RuntimeUnavailableError
 
     none = CaseResults(sweep=[], latency=[])
     if not (args.device == "cuda" or (args.device == "auto" and cuda.available)):
         why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
-        return none, [], {"run": False, "reason": why}
+        return _GpuFound(none, [], [], {"run": False, "reason": why})
     try:
         gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
-        step_rows = run_cuda_step(step_plan, tick=tick)
+        step_rows = run_cuda_step(plans[0], tick=tick)
+        ttft_rows = run_cuda_ttft(plans[1], tick=tick)
     except RuntimeUnavailableError as exc:
         if args.device == "cuda":
             raise
-        return none, [], {"run": False, "reason": str(exc)}
-    return gpu, step_rows, {"run": True, "devices": list(cuda.devices)}
+        return _GpuFound(none, [], [], {"run": False, "reason": str(exc)})
+    return _GpuFound(gpu, step_rows, ttft_rows, {"run": True, "devices": list(cuda.devices)})
 
 
 def _print_host_report(
     report: dict[str, Any],
     results: CaseResults,
-    step_rows: list[StepRow],
+    gpu: _GpuFound,
     overhead: list[OverheadResult],
     written: list[Path],
 ) -> None:
@@ -242,6 +255,7 @@ def _print_host_report(
     from rich.table import Table
 
     from offload_engine.bench.step import format_step_rows
+    from offload_engine.bench.ttft import format_ttft_rows
 
     out = Console(highlight=False, soft_wrap=True)
     quick = " (quick)" if report["quick"] else ""
@@ -250,10 +264,14 @@ def _print_host_report(
         out.print(f"GPU cases not run: {report['gpu']['reason']}", markup=False)
     out.print(_sweep_table(results.sweep))
     out.print(_latency_table(results.latency))
-    if step_rows:
+    if gpu.step:
         out.print("Model step slowdown (offload_engine.bench.step), against the same step alone:")
-        for line in format_step_rows(step_rows):
+        for line in format_step_rows(gpu.step):
             out.print(line, markup=False)
+    if gpu.ttft:
+        out.print("Time to first token on a prefix hit (offload_engine.bench.ttft):")
+        for line in format_ttft_rows(gpu.ttft):
+            out.print(f"  {line}", markup=False)
     table = Table(title="Engine overhead (instant handler)", title_justify="left")
     table.add_column("host")
     for col in ("jobs/s", "p50 us", "p99 us"):
@@ -273,7 +291,6 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     from offload_engine.bench.overhead import backends, run_overhead
     from offload_engine.bench.plots import latency_figure, throughput_figure
     from offload_engine.bench.rigs import open_host_rig
-    from offload_engine.bench.step import StepPlan
     from offload_engine.bench.transfers import run_rig_cases
     from offload_engine.errors import RuntimeUnavailableError
 
@@ -294,16 +311,17 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     day = date.today().isoformat()
 
     total = plan.steps + len(backends()) + 1
-    step_plan = StepPlan.quick() if args.quick else StepPlan()
+    step_plan, ttft_plan = _gpu_plans(args.quick)
     if run_gpu:
-        total += plan.steps * len(cuda.strategies) + step_plan.ticks
+        total += plan.steps * len(cuda.strategies) + step_plan.ticks + ttft_plan.ticks
     with progress_bar(err) as progress:
         task = progress.add_task("bench", total=total)
 
         def tick(what: str) -> None:
             progress.update(task, advance=1, description=what)
 
-        results, step_rows, gpu_status = _gpu_cases(args, cuda, plan, step_plan, tick)
+        gpu = _gpu_cases(args, cuda, plan, (step_plan, ttft_plan), tick)
+        results = gpu.cases
         rig = open_host_rig(BENCH_SHAPE, workers=plan.workers)
         try:
             host = run_rig_cases(rig, plan, variant=f"{plan.workers} copy threads", tick=tick)
@@ -320,12 +338,13 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "runtimes": [asdict(r) for r in found],
         "plan": asdict(plan),
-        "gpu": gpu_status,
+        "gpu": gpu.status,
         "transfers": {
             "sweep": [p.as_dict() for p in results.sweep],
             "latency": [s.as_dict() for s in results.latency],
         },
-        "step": [r.as_dict() for r in step_rows],
+        "step": [r.as_dict() for r in gpu.step],
+        "ttft": gpu.ttft,
         "overhead": {
             "jobs": jobs,
             "latency_samples": samples,
@@ -335,5 +354,29 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     }
     (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     written = [out_dir / f for f in (REPORT, THROUGHPUT_PNG, LATENCY_PNG)]
-    _print_host_report(report, results, step_rows, overhead, written)
+    _print_host_report(report, results, gpu, overhead, written)
+    _check_ttft(gpu.ttft)
     return 0
+
+
+def _gpu_plans(quick: bool) -> tuple[StepPlan, TtftPlan]:
+    """The model-step and time-to-first-token plans (CI-sized with ``--quick``)."""
+    from offload_engine.bench.step import StepPlan
+    from offload_engine.bench.ttft import TtftPlan
+
+    if quick:
+        return StepPlan.quick(), TtftPlan.quick()
+    return StepPlan(), TtftPlan()
+
+
+def _check_ttft(rows: list[dict[str, Any]]) -> None:
+    """Fail the command (exit 1, after the report is written) on a layer-wise load that
+    was not bit-exact."""
+    from offload_engine.errors import JobFailedError
+
+    errors = [e for r in rows for e in r["errors"]]
+    if errors:
+        raise JobFailedError(
+            "the time-to-first-token pass found layer-wise loads that are not bit-exact: "
+            + "; ".join(errors)
+        )

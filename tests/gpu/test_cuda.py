@@ -282,6 +282,34 @@ def test_the_model_step_pass_runs_every_mode_and_variant(cuda: object) -> None:
     assert len(format_step_rows(rows)) == len(plan.modes)
 
 
+def test_the_ttft_pass_loads_layer_by_layer_bit_exact(cuda: object) -> None:
+    """The time-to-first-token pass on the GPU at small sizes (bf16, 8 KV heads of 128, so
+    SDPA's GPU kernels run): every row filled, every layer-wise load bit-exact."""
+    from offload_engine.bench.ttft import (
+        TtftDevice,
+        TtftPlan,
+        TtftShape,
+        format_ttft_rows,
+        run_ttft_pass,
+    )
+
+    plan = TtftPlan(
+        shape=TtftShape(layers=4, hidden=512, intermediate=1024),
+        hits=(64, 512),
+        new=(16, 64),
+        layers_per_load=(1, 3),
+        reps=1,
+    )
+    rows = run_ttft_pass(TtftDevice.cuda(cuda), plan)  # type: ignore[arg-type]
+    assert len(rows) == 4
+    for r in rows:
+        assert r["bit_exact"] and r["errors"] == [], r["errors"]
+        assert r["load_ms"] > 0 and r["compute_ms"] > 0 and r["recompute_ms"] > 0
+        assert all(t > 0 for t in r["layerwise_ms"].values())
+        assert r["attention"] in ("sdpa-gqa", "sdpa-expanded")
+    assert len(format_ttft_rows(rows)) == 6
+
+
 @pytest.mark.parametrize("strategy", list(CopyStrategy))
 @pytest.mark.parametrize("factor", [1, 3])
 def test_a_tier_inside_an_mmap_region_is_registered_in_place(
