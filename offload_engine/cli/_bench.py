@@ -227,7 +227,7 @@ def _gpu_cases(
     """The GPU cases, the model-step pass and the time-to-first-token pass, or why they
     did not run."""
     from offload_engine.bench.cuda import run_cuda_cases, run_cuda_step, run_cuda_ttft
-    from offload_engine.errors import RuntimeUnavailableError
+    from offload_engine.errors import InsufficientMemoryError, RuntimeUnavailableError
 
     none = CaseResults(sweep=[], latency=[])
     if not (args.device == "cuda" or (args.device == "auto" and cuda.available)):
@@ -236,12 +236,18 @@ def _gpu_cases(
     try:
         gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
         step_rows = run_cuda_step(plans[0], tick=tick)
-        ttft_rows = run_cuda_ttft(plans[1], tick=tick)
     except RuntimeUnavailableError as exc:
         if args.device == "cuda":
             raise
         return _GpuFound(none, [], [], {"run": False, "reason": str(exc)})
-    return _GpuFound(gpu, step_rows, ttft_rows, {"run": True, "devices": list(cuda.devices)})
+    status: dict[str, object] = {"run": True, "devices": list(cuda.devices)}
+    try:
+        ttft_rows = run_cuda_ttft(plans[1], tick=tick)
+    except InsufficientMemoryError as exc:
+        # a smaller GPU still gets the other passes; the report says why this one is missing
+        ttft_rows = []
+        status["ttft_skipped"] = str(exc)
+    return _GpuFound(gpu, step_rows, ttft_rows, status)
 
 
 def _print_host_report(
@@ -268,6 +274,10 @@ def _print_host_report(
         out.print("Model step slowdown (offload_engine.bench.step), against the same step alone:")
         for line in format_step_rows(gpu.step):
             out.print(line, markup=False)
+    if "ttft_skipped" in gpu.status:
+        out.print(
+            f"note: time-to-first-token pass skipped: {gpu.status['ttft_skipped']}", markup=False
+        )
     if gpu.ttft:
         out.print("Time to first token on a prefix hit (offload_engine.bench.ttft):")
         for line in format_ttft_rows(gpu.ttft):
