@@ -189,3 +189,12 @@ def test_the_quick_plan_is_small() -> None:
     # the full plan's KV cache (4.25 GiB), the hit's reference copy (4 GiB), one layer's
     # weights and the recompute's activations over 34,816 tokens
     assert 12 << 30 < TtftPlan().device_bytes() < 16 << 30
+
+
+def test_the_grid_is_drawn(fake: FakeRuntime, tmp_path: Any) -> None:
+    from offload_engine.bench.plots import ttft_figure
+
+    rows = run_ttft_pass(fake_device(fake), PLAN)
+    assert all(set(r["layerwise_load_ms"]) == {"1", "3"} for r in rows)
+    path = ttft_figure(rows, "fake", "2026-11-26", tmp_path / "ttft.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

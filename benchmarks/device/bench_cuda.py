@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from datetime import date
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -514,6 +515,11 @@ def pass_ttft(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict
     rows += [{"pass": "ttft", **r} for r in found]
     for line in format_ttft_rows(found):
         print(f"  {line}", flush=True)
+    if args.ttft_figure:
+        from offload_engine.bench.plots import ttft_figure
+
+        machine = torch.cuda.get_device_name()
+        print(f"  figure: {ttft_figure(found, machine, str(date.today()), Path(args.ttft_figure))}")
     return found
 
 
@@ -582,9 +588,10 @@ def main() -> int:
     )
     parser.add_argument(
         "--ttft-layers-per-load",
-        default="1,4",
+        default="1,4,8",
         help="ttft pass: layers per layer-wise load job (G), one variant each",
     )
+    parser.add_argument("--ttft-figure", help="ttft pass: draw the grid into this PNG")
     args = parser.parse_args()
     args.ttft_hits = _ints(args.ttft_hits)
     args.ttft_new = _ints(args.ttft_new)

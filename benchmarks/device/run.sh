@@ -24,7 +24,7 @@ passes (any order; they run in the order below):
   --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
   --step         a decode-like model step's slowdown, against the same bytes as one copy
   --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
-                 compute, layer-wise (G 1 and 4 layers a job), recompute, load alone, compute
+                 compute, layer-wise (G 1, 4 and 8 layers a job), recompute, load alone, compute
                  alone; its table is printed again at the end
   --overhead     benchmarks/engine_overhead.py (the engine alone, instant handler)
   --all          every pass above
@@ -171,7 +171,7 @@ if [ -n "${WANT[step]:-}" ]; then
 fi
 if [ -n "${WANT[ttft]:-}" ]; then
     bench_rounds ttft --passes ttft --ttft-hits 2048,8192,32768 --ttft-new 128,512,2048 \
-        --ttft-layers-per-load 1,4 --reps 3
+        --ttft-layers-per-load 1,4,8 --reps 3 --ttft-figure "$OUTDIR/ttft.png"
 fi
 if [ -n "${WANT[overhead]:-}" ]; then
     if [ -n "$BASELINE" ]; then

@@ -30,7 +30,7 @@ LoadMode: TypeAlias = Literal["async", "layerwise"]
 LOAD_MODES: tuple[LoadMode, ...] = ("async", "layerwise")
 
 #: ``layers_per_load``'s default: the KV tensors (layers) one part of a layer-wise load moves.
-DEFAULT_LAYERS_PER_LOAD = 1
+DEFAULT_LAYERS_PER_LOAD = 4
 
 #: Set in ``kv_connector_extra_config`` by ``EngineConnector`` (never by a user): a
 #: layer-wise ``load_mode`` under vLLM's own OffloadingConnector would be ignored.

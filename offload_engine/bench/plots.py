@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -148,5 +149,44 @@ def draw_latency(series: Sequence[LatencySeries], machine: str, day: str, note: 
     axes[0].set_ylabel("fraction of jobs")
     axes[0].set_ylim(0, 1.02)
     fig.suptitle("Job latency distribution")
+    _footer(fig, machine, day, note)
+    return fig
+
+
+def ttft_figure(
+    rows: Sequence[dict[str, Any]], machine: str, day: str, path: Path, note: str = ""
+) -> Path:
+    """Draw :func:`draw_ttft` into ``path`` (PNG)."""
+    return _save(draw_ttft(rows, machine, day, note), path)
+
+
+def draw_ttft(rows: Sequence[dict[str, Any]], machine: str, day: str, note: str = "") -> Figure:
+    """Time to first token per (hit, new tokens), as a multiple of max(load, compute):
+    load-then-compute and each layer-wise part size, with the target (1.10) and the
+    bound (1.0) drawn in. ``rows``: the ttft pass's rows."""
+    fig = _figure(4.8)
+    ax = fig.add_subplot()
+    groups = sorted({g for r in rows for g in r["layerwise_ms"]}, key=int)
+    series = [("load, then compute (a)", "load_then_compute_ms", None)] + [
+        (f"layer-wise, {g} layer{'s' if g != '1' else ''} a job (b)", "layerwise_ms", g)
+        for g in groups
+    ]
+    width = 0.8 / len(series)
+    for i, (label, key, g) in enumerate(series):
+        values = []
+        for r in rows:
+            bound = max(r["load_ms"], r["compute_ms"])
+            ms = r[key] if g is None else r[key][g]
+            values.append(ms / bound)
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
+        ax.bar(xs, values, width=width, label=label)
+    ax.axhline(1.0, color="0.2", linewidth=1, label="max(load, compute)")
+    ax.axhline(1.10, color="tab:red", linewidth=1, linestyle="--", label="target: 1.10 x max")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"H {r['hit_tokens']}\nN {r['new_tokens']}" for r in rows], fontsize=8)
+    ax.set_ylabel("time to first token / max(load, compute)")
+    ax.set_ylim(0.8, max(2.1, ax.get_ylim()[1]))
+    ax.set_title("Prefix hit of H tokens in the pinned tier, N new tokens (Llama-3-8B shapes)")
+    ax.legend(fontsize=8, loc="upper right")
     _footer(fig, machine, day, note)
     return fig

@@ -13,6 +13,9 @@ engine's pinned host tier, and a prefill computes the ``N`` new ones. Per
   KV tensors>, fence=JobFence())``), all submitted up front; before a part's
   first layer the forward pass calls ``fence.wait_on_stream()``, which makes the
   compute stream wait for that part's copies without a host wait;
+* **p**, per ``G``, the parts of b with no compute (the compute stream waits on
+  every fence, then the host on the stream): the layer-wise load's own pace,
+  reported as ``layerwise_load_ms``;
 * **c**, recompute: the whole prompt (``H + N`` tokens) through the model, no load;
 * **L**, the load alone (as in a, without compute), and **C**, the compute
   alone with the hit's KV already in place.
@@ -161,6 +164,7 @@ class TtftPlan:
             COMPUTE,
             LOAD_THEN_COMPUTE,
             *(f"b{g}" for g in self.layers_per_load),
+            *(f"p{g}" for g in self.layers_per_load),
             RECOMPUTE,
         )
 
@@ -213,7 +217,12 @@ class TtftDevice:
         def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device=device)
 
-        return cls(runtime, empty, synchronize=lambda: torch.cuda.synchronize(device))
+        # every part of a layer-wise load launches at once, as under the vLLM adapter's
+        # layer-wise mode (its device handlers' max_inflight)
+        config = DeviceHandlerConfig(max_inflight=LAYERWISE_MAX_INFLIGHT)
+        return cls(
+            runtime, empty, synchronize=lambda: torch.cuda.synchronize(device), config=config
+        )
 
     def sync(self) -> None:
         """Wait until the work put on the device so far has finished."""
@@ -223,6 +232,10 @@ class TtftDevice:
         event = self.runtime.new_event()
         self.runtime.record(event, self.runtime.current_stream())
         self.runtime.synchronize(event)
+
+
+#: the device handlers' ``max_inflight`` on CUDA: room for every part of a step's loads
+LAYERWISE_MAX_INFLIGHT = 256
 
 
 class PrefillModel:
@@ -387,6 +400,10 @@ class TtftBench:
         elif variant.startswith("b"):
             jobs, fences = self._submit_parts(hit_tokens, int(variant[1:]))
             self._forward(new_tokens, blocks, fences)
+        elif variant.startswith("p"):  # the layer-wise load alone
+            jobs, fences = self._submit_parts(hit_tokens, int(variant[1:]))
+            for fence in fences.values():
+                fence.wait_on_stream()
         self.device.sync()
         seconds = time.perf_counter() - t0
         if jobs:
@@ -458,6 +475,9 @@ def _row(
         "load_then_compute_ms": both,
         "recompute_ms": ms[RECOMPUTE],
         "layerwise_ms": layerwise,
+        # the same parts with no compute: the layer-wise load's own pace (its pieces are
+        # one layer's share of a block each)
+        "layerwise_load_ms": {str(g): ms[f"p{g}"] for g in plan.layers_per_load},
         "best_layers_per_load": int(best),
         "layerwise_best_ms": layerwise[best],
         "layerwise_vs_bound": {g: t / bound for g, t in layerwise.items()},

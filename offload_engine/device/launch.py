@@ -79,22 +79,16 @@ def enqueue(h: DeviceCopyHandler, plan: DevicePlan) -> None:
         enqueue_staged_native(h, plan, sm, dmas, h._staging, native)
     else:
         enqueue_staged(h, plan, sm, dmas)
-    fence = plan.fence
-    if fence is None:
-        if native is not None:
-            native.run()
-        return
-    # the fence gets events of its own (the job's are pooled and reused once it is
-    # done), recorded after the job's last writes on each stream that wrote
-    ops, rt = h._ops, h.runtime
-    events = []
-    for _, stream in h._last_effect:
-        event = rt.new_event()
-        ops.record(event, stream)
-        events.append(event)
     if native is not None:
         native.run()
-    fence.launched(functools.partial(_current_stream_waits, rt, events))
+    fence = plan.fence
+    if fence is not None:
+        # the events after which this job's writes are done. They are pooled: once the
+        # job is done (the fence then waits no more) one may be recorded again for a
+        # later job, and a stream wait that slips in just then waits for that job too,
+        # which delays but never reorders
+        events = [event for event, _ in h._last_effect]
+        fence.launched(functools.partial(_current_stream_waits, h.runtime, events))
 
 
 def _current_stream_waits(rt: Any, events: list[Any]) -> None:

@@ -36,10 +36,12 @@ def gpu_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def tensor_views(layout: Any, tensor: int, blocks: list[int]) -> list[torch.Tensor]:
-    """Each region of ``tensor`` in every group, as (len(blocks), size) byte rows."""
+    """Each region of ``tensor`` in every group, as byte rows of that group's share of
+    ``blocks`` (the spec's ids are ordered by group, an equal share each)."""
     out = []
-    index = torch.tensor(blocks, device="cuda")
+    share = len(blocks) // len(layout.groups)
     for g in range(len(layout.groups)):
+        index = torch.tensor(blocks[g * share : (g + 1) * share], device="cuda")
         for view, r in zip(layout.region_views(g), layout.groups[g], strict=True):
             if r.tensor == tensor:
                 out.append(view.index_select(0, index))
@@ -73,11 +75,10 @@ def test_layer_by_layer_round_trip_and_race(
             assert stored.success, stored.error
             tensors = list(range(len(layout.tensors)))
             want = {t: [v.clone() for v in tensor_views(layout, t, src)] for t in tensors}
-            for t in tensors:
-                for g in range(groups):
-                    for view, r in zip(layout.region_views(g), layout.groups[g], strict=True):
-                        if r.tensor == t:
-                            view[torch.tensor(dst, device="cuda")] = POISON
+            for g in range(groups):
+                index = torch.tensor(dst[g * n : (g + 1) * n], device="cuda")
+                for view in layout.region_views(g):
+                    view[index] = POISON
             parts = [tensors[i : i + per_part] for i in range(0, len(tensors), per_part)]
             fences = [JobFence() for _ in parts]
             jobs = [
