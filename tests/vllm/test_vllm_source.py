@@ -263,3 +263,39 @@ def test_only_the_releases_that_ran_are_claimed_end_to_end() -> None:
     pytest.importorskip("vllm")
     assert set(compat.RAN_END_TO_END) <= set(compat.SUPPORTED_VLLM)
     assert compat.vllm_version() in compat.RAN_END_TO_END
+
+
+def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
+    """EngineConnector subclasses vLLM's OffloadingConnector: the methods it overrides take
+    the same arguments, and the scheduler and worker internals it reads are there."""
+    base = "vllm.distributed.kv_transfer.kv_connector.v1"
+    connector = cls(module(src, f"{base}.offloading_connector"), "OffloadingConnector")
+    for name, args in {
+        "__init__": ["self", "vllm_config", "role", "kv_cache_config"],
+        "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
+        "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
+        "register_kv_caches": ["self", "kv_caches"],
+        "start_load_kv": ["self", "forward_context"],
+        "wait_for_layer_load": ["self", "layer_name"],
+        "wait_for_save": ["self"],
+    }.items():
+        assert params(method(connector, name)) == args, name
+    worker = cls(module(src, f"{base}.offloading.worker"), "OffloadingConnectorWorker")
+    assert params(method(worker, "start_kv_transfers")) == ["self", "metadata"]
+    assert "_connector_worker_meta" in self_assigned(method(worker, "__init__"))
+    assert "transfer_stats.load" in ast.unparse(method(worker, "get_finished"))
+    scheduler = cls(module(src, f"{base}.offloading.scheduler"), "OffloadingConnectorScheduler")
+    assert "config" in self_assigned(method(scheduler, "__init__"))
+    alloc = ast.unparse(method(scheduler, "update_state_after_alloc"))
+    # the load's first block is the first fresh (unhashed) one past the local prefix
+    for read in (
+        "self.config.kv_group_configs",
+        "group_config.group_idx",
+        "group_config.tokens_per_block",
+        "block.block_hash is None",
+        "block.is_null",
+    ):
+        assert read in alloc, read
+    common = cls(module(src, f"{base}.offloading.common"), "OffloadingConnectorMetadata")
+    fields = {n.target.id for n in common.body if isinstance(n, ast.AnnAssign)}  # type: ignore[union-attr]
+    assert "load_jobs" in fields
