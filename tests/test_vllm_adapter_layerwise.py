@@ -152,7 +152,35 @@ def test_a_refused_part_reports_its_loads_blocks_as_load_errors(fake: FakeRuntim
         [result] = bridge.get_finished()
         assert result.job_id == 4 and not result.success
         loads.finished(4, False, result.error)
-        assert loads.take_invalid() == {2}
+        # reported once, at the wait: a later report could name blocks another request owns
+        assert loads.take_invalid() == set()
+        assert not loads.owns(4)
         assert bridge.stats()["adapter"]["submits_refused"] == plan.parts
+    finally:
+        bridge.shutdown()
+
+
+def test_a_part_that_fails_on_the_device_is_reported_by_its_result(fake: FakeRuntime) -> None:
+    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
+    tier = pinned_host_tier(fake, layout, 8)
+    bridge = EngineBridge(
+        SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier))),
+        Medium.GPU,
+        tier=tier,
+        layout=layout,
+    )
+    try:
+        loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 3), timeout=10)
+        fake.fail_next("copy")  # the first part's copies fail on the device, after launch
+        loads.start([(9, [0, 1], [4, 5], (2,), (0,))])
+        for name in names(LAYERS):
+            loads.wait_for_layer(name)  # launched: the wait cannot know yet
+        loads.finish_step()
+        assert loads.take_invalid() == set()
+        bridge.wait([9])
+        [result] = bridge.get_finished()
+        assert result.job_id == 9 and not result.success
+        loads.finished(9, result.success, result.error)
+        assert loads.take_invalid() == {4, 5}  # reported when the result says so
     finally:
         bridge.shutdown()

@@ -112,6 +112,9 @@ class LayerwiseLoads:
         self._step: _Step | None = None
         self._blocks: dict[int, list[int]] = {}  # load id -> its cache blocks, until its result
         self._invalid: set[int] = set()
+        # loads whose blocks were reported already (a failed part's wait and, later, the
+        # load's result must not report them twice: by then the blocks may be another's)
+        self._reported: set[int] = set()
 
     def start(
         self,
@@ -164,6 +167,7 @@ class LayerwiseLoads:
         blocks = self._blocks.pop(job_id, [])
         if not success:
             self._fail(job_id, blocks, error)
+        self._reported.discard(job_id)
 
     def take_invalid(self) -> set[int]:
         """Cache blocks whose loads failed since the last call (for vLLM to recompute)."""
@@ -171,8 +175,9 @@ class LayerwiseLoads:
         return out
 
     def _fail(self, job_id: int, blocks: list[int], error: Any) -> None:
-        if not blocks:
+        if not blocks or job_id in self._reported:
             return
+        self._reported.add(job_id)
         logger.error(
             "offload-engine layer-wise load %d failed (%d cache blocks reported for "
             "recomputation): %s: %s",

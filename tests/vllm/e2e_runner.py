@@ -67,6 +67,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kv_role": "kv_both",
             "kv_connector_extra_config": extra,
         }
+        if args.kv_load_failure_policy:
+            kwargs["kv_transfer_config"]["kv_load_failure_policy"] = args.kv_load_failure_policy
         if args.connector == "EngineConnector":
             kwargs["kv_transfer_config"]["kv_connector_module_path"] = (
                 "offload_engine.connectors.vllm"
@@ -137,6 +139,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="OffloadingConnector",
         choices=["OffloadingConnector", "EngineConnector"],
         help="vLLM's connector, or offload-engine's (loaded from offload_engine.connectors.vllm)",
+    )
+    p.add_argument(
+        "--kv-load-failure-policy",
+        choices=["fail", "recompute"],
+        help="vLLM's policy for blocks whose load failed (vLLM's default when not given)",
     )
     p.add_argument("--spec-name", default="EngineOffloadingSpec")
     p.add_argument("--spec-module", default="offload_engine.connectors.vllm")

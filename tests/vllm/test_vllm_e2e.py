@@ -164,6 +164,45 @@ def test_layerwise_loads_under_preemption_and_aborts(workdir: Path) -> None:
     assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_failed_layerwise_loads_are_recomputed_or_fail_their_requests(
+    workdir: Path, baseline: dict[str, Any], policy: str
+) -> None:
+    """Every third load part fails on the engine's worker thread. Its load's blocks go to
+    vLLM as load errors in the step that read them: under ``recompute`` vLLM computes them
+    again and the tokens are plain vLLM's; under ``fail`` the requests that read them end
+    with no tokens, and every other request's tokens are plain vLLM's."""
+    stats_path = workdir / f"failing-{policy}-stats.json"
+    run = run_vllm(
+        workdir,
+        f"layerwise-failing-{policy}",
+        workdir / "model",
+        "--offload",
+        *LAYERWISE,
+        "--spec-module",
+        "failing_load_spec",
+        "--spec-name",
+        "FailingLoadEngineOffloadingSpec",
+        "--kv-load-failure-policy",
+        policy,
+        "--stats-path",
+        str(stats_path),
+    )
+    stats = json.loads(stats_path.read_text())
+    assert stats["adapter"]["failures_delivered"] > 0
+    assert "reported for recomputation" in Path(run["log"]).read_text()
+    if policy == "recompute":
+        assert run["rounds"] == baseline["rounds"]
+        return
+    pairs = [
+        (g, w)
+        for got, want in zip(run["rounds"], baseline["rounds"], strict=True)
+        for g, w in zip(got, want, strict=True)
+    ]
+    assert all(g in (w, []) for g, w in pairs)
+    assert any(g == [] for g, _ in pairs)
+
+
 # ---------------------------------------------------------------- EngineTieringSpec
 
 #: 8 chunks of the tiny model's 32 KiB blocks: far fewer than the prompts' prefix
