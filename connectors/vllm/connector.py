@@ -151,6 +151,16 @@ class EngineConnector(OffloadingConnector):
             blocks = _fresh_past(blocks, local, self.scheduler.config.kv_group_configs)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
+        self._local_tokens.pop(request.request_id, None)  # a hit never allocated
+        return super().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, Any]:
+        self._local_tokens.pop(request.request_id, None)
+        return super().request_finished_all_groups(request, block_ids)
+
     # ------------------------------------------------------------ worker side
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

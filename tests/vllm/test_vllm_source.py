@@ -278,6 +278,8 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
         "start_load_kv": ["self", "forward_context"],
         "wait_for_layer_load": ["self", "layer_name"],
         "wait_for_save": ["self"],
+        "request_finished": ["self", "request", "block_ids"],
+        "request_finished_all_groups": ["self", "request", "block_ids"],
     }.items():
         assert params(method(connector, name)) == args, name
     worker = cls(module(src, f"{base}.offloading.worker"), "OffloadingConnectorWorker")
