@@ -79,6 +79,15 @@ def _as_counts(values: object, what: str) -> tuple[int, ...]:
         raise InvalidTransferError(f"{what} could not be read: {exc!r}") from exc
 
 
+def _job_id(job_id: object) -> int:
+    """vLLM's job id as a plain int (the engine refuses negative ones). Anything else is
+    a caller bug, raised (TypeError) rather than logged: None would make the engine
+    pick an id that the bridge never learns."""
+    if isinstance(job_id, bool) or not isinstance(job_id, int):
+        raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
+    return int(job_id)
+
+
 #: Seconds between the stats file's snapshots while serving (see :meth:`EngineBridge.get_finished`).
 STATS_INTERVAL_S = 2.0
 
@@ -169,9 +178,10 @@ class EngineBridge:
         tier_ids: IdsLike,
     ) -> bool:
         """KV cache -> tier. False (logged with its typed error) if the engine refuses it."""
-        return self._submit(
-            job_id, Direction.STORE, cache_ids, group_sizes, block_indices, tier_ids
+        refused = self._try_submit(
+            _job_id(job_id), Direction.STORE, cache_ids, group_sizes, block_indices, tier_ids
         )
+        return refused is None
 
     def submit_load(
         self,
@@ -182,7 +192,10 @@ class EngineBridge:
         block_indices: Sequence[int],
     ) -> bool:
         """Tier -> KV cache. False (logged with its typed error) if the engine refuses it."""
-        return self._submit(job_id, Direction.LOAD, cache_ids, group_sizes, block_indices, tier_ids)
+        refused = self._try_submit(
+            _job_id(job_id), Direction.LOAD, cache_ids, group_sizes, block_indices, tier_ids
+        )
+        return refused is None
 
     def submit_load_layers(
         self,
@@ -200,8 +213,7 @@ class EngineBridge:
         The parts report as one result under ``job_id`` once all are done, failed if
         any failed. A part the engine refuses is logged, and its fence is already
         finished with the error, so its wait raises instead of passing."""
-        if isinstance(job_id, bool) or not isinstance(job_id, int):
-            raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
+        job_id = _job_id(job_id)
         fences: list[JobFence] = []
         parts: list[int] = []
         with self._cond:
@@ -213,7 +225,7 @@ class EngineBridge:
             with self._cond:
                 part = self._next_part
                 self._next_part += 1
-            refused = self._refusal(
+            refused = self._try_submit(
                 part,
                 Direction.LOAD,
                 cache_ids,
@@ -243,26 +255,7 @@ class EngineBridge:
                 self._stash.append((TransferResult(job_id, False, 0, 0.0, error), Direction.LOAD))
         return fences
 
-    def _submit(
-        self,
-        job_id: int,
-        direction: Direction,
-        cache_ids: IdsLike,
-        group_sizes: Sequence[int],
-        block_indices: Sequence[int],
-        tier_ids: IdsLike,
-    ) -> bool:
-        # vLLM's ids are ints; anything else is a caller bug, raised (TypeError,
-        # ValueError) rather than logged: None would make the engine pick an id that
-        # this bridge never learns
-        if isinstance(job_id, bool) or not isinstance(job_id, int):
-            raise TypeError(f"job ids are ints, got {type(job_id).__name__}: {job_id!r}")
-        refused = self._refusal(
-            int(job_id), direction, cache_ids, group_sizes, block_indices, tier_ids
-        )
-        return refused is None
-
-    def _refusal(
+    def _try_submit(
         self,
         job_id: int,
         direction: Direction,

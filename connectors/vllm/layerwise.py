@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from offload_engine import JobFence, KVLayout, OffloadError
@@ -97,7 +97,6 @@ class _Step:
 
     fences: list[list[tuple[int, JobFence]]]
     waited: int = 0  # parts 0 .. waited-1 have been waited on
-    blocks: dict[int, list[int]] = field(default_factory=dict)  # load id -> cache block ids
 
 
 class LayerwiseLoads:
@@ -126,9 +125,7 @@ class LayerwiseLoads:
         loads = list(loads)
         step = _Step([[] for _ in range(self.plan.parts)])
         for job_id, tier_ids, cache_ids, sizes, indices in loads:
-            blocks = [int(b) for b in cache_ids]
-            self._blocks[job_id] = blocks
-            step.blocks[job_id] = blocks
+            self._blocks[job_id] = [int(b) for b in cache_ids]
             fences = self.bridge.submit_load_layers(
                 job_id, tier_ids, cache_ids, sizes, indices, self.plan.tensor_sets
             )
@@ -148,7 +145,7 @@ class LayerwiseLoads:
                 try:
                     fence.wait_on_stream(self.timeout)
                 except OffloadError as exc:
-                    self._fail(job_id, step.blocks[job_id], exc)
+                    self._fail(job_id, self._blocks.get(job_id, []), exc)
             step.waited += 1
 
     def finish_step(self) -> None:

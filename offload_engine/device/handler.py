@@ -318,26 +318,25 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.runtime.record_current(ready)
         groups = job.groups
         regions = job.regions
+        strategy = self._strategy
         if regions is not None:
             # a part of each block (some layers): its pieces are regions, which only
             # dma moves in place (staged and kernel move whole blocks)
+            strategy = CopyStrategy.DMA
             units = sum(m.cache_ids.shape[0] * len(regions[m.group]) for m in groups)
-            return DevicePlan(
-                groups,
-                job.nbytes,
-                CopyStrategy.DMA,
-                ready,
-                [ready],
-                units=units,
-                regions=regions,
-                fence=spec.fence,
-            )
-        if len(groups) == 1:
+        elif len(groups) == 1:
             units = groups[0].cache_ids.shape[0] * self._unit_regions[0]
         else:
             units = sum(m.cache_ids.shape[0] * self._unit_regions[m.group] for m in groups)
         return DevicePlan(
-            groups, job.nbytes, self._strategy, ready, [ready], units=units, fence=spec.fence
+            groups,
+            job.nbytes,
+            strategy,
+            ready,
+            [ready],
+            units=units,
+            regions=regions,
+            fence=spec.fence,
         )
 
     # ------------------------------------------------------------ launch and completion
