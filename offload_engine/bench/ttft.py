@@ -340,11 +340,10 @@ class TtftBench:
 
     # ------------------------------------------------------------ pieces of a variant
 
-    def _hit(self, hit_tokens: int) -> tuple[Any, TransferSpec]:
-        """The hit's cache block ids (numpy) and its whole-block load."""
+    def _hit_load(self, hit_tokens: int) -> TransferSpec:
+        """The whole-block load of the hit."""
         nh = hit_tokens // self.plan.shape.block_tokens
-        ids = self.table_np[:nh]
-        return ids, TransferSpec(cpu_blocks(np.arange(nh)), gpu_blocks(ids))
+        return TransferSpec(cpu_blocks(np.arange(nh)), gpu_blocks(self.table_np[:nh]))
 
     def poison(self, hit_tokens: int) -> None:
         """Overwrite the hit's cache blocks and wait for it."""
@@ -385,7 +384,7 @@ class TtftBench:
         bt = self.plan.shape.block_tokens
         blocks = (hit_tokens + new_tokens) // bt
         engine = self._engine()
-        _, load = self._hit(hit_tokens)
+        load = self._hit_load(hit_tokens)
         if variant != COMPUTE:
             self.poison(hit_tokens)
         jobs: list[int] = []
@@ -416,7 +415,7 @@ class TtftBench:
         """One load job per ``per_load`` layers, all submitted; the fence of each part,
         keyed by its first layer."""
         engine = self._engine()
-        _, load = self._hit(hit_tokens)
+        load = self._hit_load(hit_tokens)
         jobs: list[int] = []
         fences: dict[int, JobFence] = {}
         for first in range(0, self.plan.shape.layers, per_load):
