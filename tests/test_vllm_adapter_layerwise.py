@@ -33,6 +33,17 @@ def fake() -> Iterator[FakeRuntime]:
     runtime.close()
 
 
+@pytest.fixture
+def bridge(fake: FakeRuntime) -> Iterator[EngineBridge]:
+    """A bridge over the device handlers on the fake runtime, with a 6-layer cache."""
+    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
+    tier = pinned_host_tier(fake, layout, 8)
+    engine = SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier)))
+    made = EngineBridge(engine, Medium.GPU, tier=tier, layout=layout)
+    yield made
+    made.shutdown()
+
+
 def names(n: int) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
 
@@ -81,106 +92,83 @@ def block_bytes(layout: KVLayout, tensor: int, block: int) -> bytes:
     )
 
 
-def test_each_layer_wait_orders_that_layer_before_the_compute_stream(fake: FakeRuntime) -> None:
-    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
-    tier = pinned_host_tier(fake, layout, 8)
-    bridge = EngineBridge(
-        SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier))),
-        Medium.GPU,
-        tier=tier,
-        layout=layout,
-    )
-    try:
-        assert bridge.submit_store(1, [0, 1], (2,), (0,), [3, 4])
-        bridge.wait([1])
-        assert [r.job_id for r in bridge.get_finished()] == [1]
-        want = {
-            (t, b): block_bytes(layout, t, s) for t in range(LAYERS) for s, b in ((0, 5), (1, 6))
-        }
-        for t in range(LAYERS):
-            for b in (5, 6):
-                byte_view(layout.tensors[t])[b * layout.groups[0][t].stride :][
-                    : layout.groups[0][t].size
-                ].fill_(0)
-        loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 2), timeout=10)
-        seen: dict[int, dict[tuple[int, int], bytes]] = {}
-        done = threading.Event()
-        loads.start([(7, [3, 4], [5, 6], (2,), (0,))])
-        for i, name in enumerate(names(LAYERS)):
-            loads.wait_for_layer(name)
+def test_each_layer_wait_orders_that_layer_before_the_compute_stream(
+    fake: FakeRuntime, bridge: EngineBridge
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    assert bridge.submit_store(1, [0, 1], (2,), (0,), [3, 4])
+    bridge.wait([1])
+    assert [r.job_id for r in bridge.get_finished()] == [1]
+    want = {(t, b): block_bytes(layout, t, s) for t in range(LAYERS) for s, b in ((0, 5), (1, 6))}
+    for t in range(LAYERS):
+        for b in (5, 6):
+            byte_view(layout.tensors[t])[b * layout.groups[0][t].stride :][
+                : layout.groups[0][t].size
+            ].fill_(0)
+    loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 2), timeout=10)
+    seen: dict[int, dict[tuple[int, int], bytes]] = {}
+    done = threading.Event()
+    loads.start([(7, [3, 4], [5, 6], (2,), (0,))])
+    for i, name in enumerate(names(LAYERS)):
+        loads.wait_for_layer(name)
 
-            def look(i: int = i) -> None:
-                seen[i] = {(t, b): block_bytes(layout, t, b) for t in range(LAYERS) for b in (5, 6)}
+        def look(i: int = i) -> None:
+            seen[i] = {(t, b): block_bytes(layout, t, b) for t in range(LAYERS) for b in (5, 6)}
 
-            fake.enqueue(fake.compute, look)
-        loads.finish_step()
-        fake.enqueue(fake.compute, done.set)
-        assert done.wait(10)
-        for i in range(LAYERS):
-            for b in (5, 6):
-                assert seen[i][(i, b)] == want[(i, b)], (i, b)
-        bridge.wait([7])
-        [result] = bridge.get_finished()
-        assert result.job_id == 7 and result.success  # the parts come back as one load
-        assert result.bytes_moved == 2 * layout.slot_bytes
-        assert loads.owns(7)
-        loads.finished(7, True, None)
-        assert not loads.owns(7) and loads.take_invalid() == set()
-        assert bridge.stats()["adapter"]["loads_submitted"] == 1
-    finally:
-        bridge.shutdown()
+        fake.enqueue(fake.compute, look)
+    loads.finish_step()
+    fake.enqueue(fake.compute, done.set)
+    assert done.wait(10)
+    for i in range(LAYERS):
+        for b in (5, 6):
+            assert seen[i][(i, b)] == want[(i, b)], (i, b)
+    bridge.wait([7])
+    [result] = bridge.get_finished()
+    assert result.job_id == 7 and result.success  # the parts come back as one load
+    assert result.bytes_moved == 2 * layout.slot_bytes
+    assert loads.owns(7)
+    loads.finished(7, True, None)
+    assert not loads.owns(7) and loads.take_invalid() == set()
+    assert bridge.stats()["adapter"]["loads_submitted"] == 1
 
 
-def test_a_refused_part_reports_its_loads_blocks_as_load_errors(fake: FakeRuntime) -> None:
-    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
-    tier = pinned_host_tier(fake, layout, 8)
-    bridge = EngineBridge(
-        SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier))),
-        Medium.GPU,
-        tier=tier,
-        layout=layout,
-    )
-    try:
-        plan = LayerPlan.build(layout, addresses(layout), 3)
-        loads = LayerwiseLoads(bridge, plan, timeout=10)
-        # tier block 99 is out of range: every part is refused at submit
-        loads.start([(4, [99], [2], (1,), (0,))])
-        for name in names(LAYERS):
-            loads.wait_for_layer(name)  # does not raise: the failure is reported
-        loads.finish_step()
-        assert loads.take_invalid() == {2}
-        [result] = bridge.get_finished()
-        assert result.job_id == 4 and not result.success
-        loads.finished(4, False, result.error)
-        # reported once, at the wait: a later report could name blocks another request owns
-        assert loads.take_invalid() == set()
-        assert not loads.owns(4)
-        assert bridge.stats()["adapter"]["submits_refused"] == plan.parts
-    finally:
-        bridge.shutdown()
+def test_a_refused_part_reports_its_loads_blocks_as_load_errors(
+    fake: FakeRuntime, bridge: EngineBridge
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    plan = LayerPlan.build(layout, addresses(layout), 3)
+    loads = LayerwiseLoads(bridge, plan, timeout=10)
+    # tier block 99 is out of range: every part is refused at submit
+    loads.start([(4, [99], [2], (1,), (0,))])
+    for name in names(LAYERS):
+        loads.wait_for_layer(name)  # does not raise: the failure is reported
+    loads.finish_step()
+    assert loads.take_invalid() == {2}
+    [result] = bridge.get_finished()
+    assert result.job_id == 4 and not result.success
+    loads.finished(4, False, result.error)
+    # reported once, at the wait: a later report could name blocks another request owns
+    assert loads.take_invalid() == set()
+    assert not loads.owns(4)
+    assert bridge.stats()["adapter"]["submits_refused"] == plan.parts
 
 
-def test_a_part_that_fails_on_the_device_is_reported_by_its_result(fake: FakeRuntime) -> None:
-    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=2)
-    tier = pinned_host_tier(fake, layout, 8)
-    bridge = EngineBridge(
-        SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier))),
-        Medium.GPU,
-        tier=tier,
-        layout=layout,
-    )
-    try:
-        loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 3), timeout=10)
-        fake.fail_next("copy")  # the first part's copies fail on the device, after launch
-        loads.start([(9, [0, 1], [4, 5], (2,), (0,))])
-        for name in names(LAYERS):
-            loads.wait_for_layer(name)  # launched: the wait cannot know yet
-        loads.finish_step()
-        assert loads.take_invalid() == set()
-        bridge.wait([9])
-        [result] = bridge.get_finished()
-        assert result.job_id == 9 and not result.success
-        loads.finished(9, result.success, result.error)
-        assert loads.take_invalid() == {4, 5}  # reported when the result says so
-    finally:
-        bridge.shutdown()
+def test_a_part_that_fails_on_the_device_is_reported_by_its_result(
+    fake: FakeRuntime, bridge: EngineBridge
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 3), timeout=10)
+    fake.fail_next("copy")  # the first part's copies fail on the device, after launch
+    loads.start([(9, [0, 1], [4, 5], (2,), (0,))])
+    for name in names(LAYERS):
+        loads.wait_for_layer(name)  # launched: the wait cannot know yet
+    loads.finish_step()
+    assert loads.take_invalid() == set()
+    bridge.wait([9])
+    [result] = bridge.get_finished()
+    assert result.job_id == 9 and not result.success
+    loads.finished(9, result.success, result.error)
+    assert loads.take_invalid() == {4, 5}  # reported when the result says so

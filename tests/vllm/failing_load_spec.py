@@ -12,8 +12,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from slow_store_spec import wrap_host_copies
+
 from offload_engine.connectors.vllm.spec import EngineOffloadingSpec
-from offload_engine.host.handler import HostCopyHandler
 from offload_engine.vocabulary import Direction
 
 FAIL_EVERY = 3
@@ -22,16 +23,11 @@ FAIL_EVERY = 3
 class FailingLoadEngineOffloadingSpec(EngineOffloadingSpec):
     def get_worker(self, kv_caches: Any) -> Any:
         worker = super().get_worker(kv_caches)
-        for handler in worker.bridge.engine.manager.handlers:
-            if isinstance(handler, HostCopyHandler) and not hasattr(handler, "_failing"):
-                copy = handler.execute
-                loads = itertools.count(1)
+        loads = itertools.count(1)
 
-                def failing_execute(job: Any, copy: Any = copy, loads: Any = loads) -> int:
-                    if job.prepared.direction is Direction.LOAD and next(loads) % FAIL_EVERY == 0:
-                        raise OSError("injected load failure")
-                    return int(copy(job))
+        def fail_some_loads(job: Any) -> None:
+            if job.prepared.direction is Direction.LOAD and next(loads) % FAIL_EVERY == 0:
+                raise OSError("injected load failure")
 
-                handler.execute = failing_execute  # type: ignore[method-assign]
-                handler._failing = True  # type: ignore[attr-defined]
+        wrap_host_copies(worker, fail_some_loads)
         return worker

@@ -12,6 +12,7 @@ the delay in the test itself.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from offload_engine.connectors.vllm.spec import EngineOffloadingSpec
@@ -21,18 +22,28 @@ from offload_engine.vocabulary import Direction
 STORE_DELAY_S = 0.25
 
 
+def wrap_host_copies(worker: Any, before: Callable[[Any], None]) -> None:
+    """Make the worker's host handler call ``before(job)`` on its copy thread ahead of
+    each job's copy (once per handler, however often vLLM asks for the worker)."""
+    for handler in worker.bridge.engine.manager.handlers:
+        if isinstance(handler, HostCopyHandler) and not hasattr(handler, "_wrapped"):
+            copy = handler.execute
+
+            def execute(job: Any, copy: Any = copy) -> int:
+                before(job)
+                return int(copy(job))
+
+            handler.execute = execute  # type: ignore[method-assign]
+            handler._wrapped = True  # type: ignore[attr-defined]
+
+
+def _slow_store(job: Any) -> None:
+    if job.prepared.direction is Direction.STORE:
+        time.sleep(STORE_DELAY_S)
+
+
 class SlowStoreEngineOffloadingSpec(EngineOffloadingSpec):
     def get_worker(self, kv_caches: Any) -> Any:
         worker = super().get_worker(kv_caches)
-        for handler in worker.bridge.engine.manager.handlers:
-            if isinstance(handler, HostCopyHandler) and not hasattr(handler, "_slowed"):
-                copy = handler.execute
-
-                def slow_execute(job: Any, copy: Any = copy) -> int:
-                    if job.prepared.direction is Direction.STORE:
-                        time.sleep(STORE_DELAY_S)
-                    return int(copy(job))
-
-                handler.execute = slow_execute  # type: ignore[method-assign]
-                handler._slowed = True  # type: ignore[attr-defined]
+        wrap_host_copies(worker, _slow_store)
         return worker
