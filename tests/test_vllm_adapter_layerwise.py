@@ -155,7 +155,7 @@ def test_a_refused_part_reports_its_loads_blocks_as_load_errors(
     assert bridge.stats()["adapter"]["submits_refused"] == plan.parts
 
 
-def test_a_part_that_fails_on_the_device_is_reported_by_its_result(
+def test_a_part_that_fails_on_the_device_is_reported_once(
     fake: FakeRuntime, bridge: EngineBridge
 ) -> None:
     layout = bridge.layout
@@ -164,11 +164,13 @@ def test_a_part_that_fails_on_the_device_is_reported_by_its_result(
     fake.fail_next("copy")  # the first part's copies fail on the device, after launch
     loads.start([(9, [0, 1], [4, 5], (2,), (0,))])
     for name in names(LAYERS):
-        loads.wait_for_layer(name)  # launched: the wait cannot know yet
+        loads.wait_for_layer(name)  # the copy may or may not have failed by now
     loads.finish_step()
-    assert loads.take_invalid() == set()
+    at_wait = loads.take_invalid()  # known at a wait only if the failure came first
     bridge.wait([9])
     [result] = bridge.get_finished()
     assert result.job_id == 9 and not result.success
     loads.finished(9, result.success, result.error)
-    assert loads.take_invalid() == {4, 5}  # reported when the result says so
+    by_result = loads.take_invalid()
+    # reported once, by whichever saw the failure first
+    assert at_wait | by_result == {4, 5} and not at_wait & by_result
