@@ -24,6 +24,9 @@ Pass 4 (``step``): a decode-like model step's slowdown while each step stores
 and loads 4, 16 and 64 blocks, eager and as a CUDA graph, on the default and a
 side stream, against the same bytes as one contiguous pinned copy
 (:mod:`offload_engine.bench.step` documents the step).
+Pass ``gaps``: the gaps between a Python thread's kernel launches while one store and one
+load of 8, 64 and 512 blocks are kept in flight, against the same loop with no engine
+(:mod:`offload_engine.bench.gaps` documents it).
 Pass 5 (``ttft``): time to first token of a Llama-3-8B-shaped prefill whose prefix
 hit of H tokens sits in the pinned tier, N new tokens: load then compute, layer by
 layer (one job per ``--ttft-layers-per-load`` layers, the compute stream waiting on
@@ -492,6 +495,22 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         print(line, flush=True)
 
 
+def pass_gaps(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    from offload_engine.bench.gaps import GapPlan, format_gap_rows, run_gap_pass
+
+    runtime = CudaRuntime()
+    plan = GapPlan(
+        blocks=tuple(_ints(args.gap_blocks)),
+        strategies=tuple(args.gap_strategies.split(",")),
+        seconds=args.gap_seconds,
+        reps=args.reps,
+    )
+    found = run_gap_pass(runtime, plan)
+    rows += [{"pass": "gaps", **r.as_dict()} for r in found]
+    for line in format_gap_rows(found):
+        print(line, flush=True)
+
+
 def pass_ttft(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     from offload_engine.bench.cuda import run_cuda_ttft
     from offload_engine.bench.ttft import TtftPlan, format_ttft_rows
@@ -591,6 +610,15 @@ def main() -> int:
         default="1,4,8",
         help="ttft pass: layers per layer-wise load job (G), one variant each",
     )
+    parser.add_argument("--gap-blocks", default="8,64,512", help="gaps pass: blocks per job")
+    parser.add_argument(
+        "--gap-strategies",
+        default="auto,dma,auto/submitter-polled",
+        help="gaps pass: strategy or strategy/launch-mode variants",
+    )
+    parser.add_argument(
+        "--gap-seconds", type=float, default=1.0, help="gaps pass: seconds per variant and round"
+    )
     parser.add_argument("--ttft-figure", help="ttft pass: draw the grid into this PNG")
     args = parser.parse_args()
     args.ttft_hits = _ints(args.ttft_hits)
@@ -616,6 +644,8 @@ def main() -> int:
         pass_submit_cpu(args, rows)
     if "step" in passes:
         pass_step(args, rows)
+    if "gaps" in passes:
+        pass_gaps(args, rows)
     ttft: list[dict[str, Any]] = []
     if "ttft" in passes:
         ttft = pass_ttft(args, rows)

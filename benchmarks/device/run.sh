@@ -23,6 +23,8 @@ passes (any order; they run in the order below):
   --gemm         512-block jobs under a long GEMM, against the contiguous copy under that GEMM
   --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
   --step         a decode-like model step's slowdown, against the same bytes as one copy
+  --gaps         the gaps between a Python thread's kernel launches while the engine keeps a
+                 store and a load of 8/64/512 blocks in flight, against no engine
   --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
                  compute, layer-wise (G 1, 4 and 8 layers a job), recompute, load alone, compute
                  alone; its table is printed again at the end
@@ -55,13 +57,13 @@ LIMIT=300
 SLOW=""
 DRY=""
 declare -A WANT=()
-PASSES=(env suite demo bandwidth gemm cpu step ttft overhead)
+PASSES=(env suite demo bandwidth gemm cpu step gaps ttft overhead)
 
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --all) for p in "${PASSES[@]}"; do WANT[$p]=1; done ;;
-        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--ttft|--overhead) WANT[${1#--}]=1 ;;
+        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--gaps|--ttft|--overhead) WANT[${1#--}]=1 ;;
         --out) OUTDIR=${2:?--out needs a directory}; shift ;;
         --baseline) BASELINE=${2:?--baseline needs a directory}; shift ;;
         --rounds) ROUNDS=${2:?--rounds needs a number}; shift ;;
@@ -168,6 +170,9 @@ fi
 if [ -n "${WANT[step]:-}" ]; then
     bench_rounds step --passes step --tokens 16 --step-strategies auto \
         --launch-modes loop,submitter-polled --step-steps 40 --reps 3
+fi
+if [ -n "${WANT[gaps]:-}" ]; then
+    bench_rounds gaps --passes gaps --gap-blocks 8,64,512 --gap-strategies auto,dma,auto/submitter-polled --reps 3
 fi
 if [ -n "${WANT[ttft]:-}" ]; then
     bench_rounds ttft --passes ttft --ttft-hits 2048,8192,32768 --ttft-new 128,512,2048 \

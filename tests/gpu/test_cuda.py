@@ -366,3 +366,105 @@ def test_fewer_hardware_queues_are_noted_and_logged_once(
     note = connections_note()
     assert note is not None and all(note in rt.notes for rt in runtimes)
     assert [r.getMessage() for r in caplog.records if r.name == "offload_engine.cuda"] == [note]
+
+
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_engines_built_and_closed_in_a_row_leave_nothing_that_slows_the_next(
+    cuda: object, mode: str
+) -> None:
+    """An embedder that rebuilds its engine (a reconfiguration, a reload) must not pay for
+    the engines it closed: after each close no engine thread and no device memory is
+    left, and the last engine of a row costs a GEMM step what the first one did (a slowdown
+    that grew with the engines closed before, tenfold, is the defect this guards)."""
+    import threading
+
+    layers = [
+        torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(32)
+    ]
+    from offload_engine import KVLayout
+
+    layout = KVLayout.flash_attention(layers)  # 2 MiB blocks of 64 KiB regions, as a decode step's
+    tier = pinned_host_tier(cuda, layout, 64)  # type: ignore[arg-type]
+    a = torch.randn(2048, 4096, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(4096, 4096, dtype=torch.bfloat16, device="cuda")
+    c = torch.empty(2048, 4096, dtype=torch.bfloat16, device="cuda")
+
+    def gemms() -> None:
+        for _ in range(8):
+            torch.mm(a, b, out=c)
+
+    graph = None
+    if mode == "graph":  # captured before any engine thread exists
+        side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(side):
+            gemms()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()  # type: ignore[no-untyped-call]
+        with torch.cuda.graph(graph):
+            gemms()
+    rng = np.random.default_rng(0)
+
+    def median_step(engine: SyncOffloadingEngine | None, steps: int = 40) -> float:
+        times, pending = [], set()
+        for i in range(steps + 3):
+            t0 = time.perf_counter()
+            if engine is not None:
+                pending.add(
+                    engine.submit_nowait(
+                        TransferSpec(
+                            cpu_blocks(rng.choice(32, 8, replace=False) + 32),
+                            gpu_blocks(rng.choice(32, 8, replace=False) + 32),
+                        )
+                    )
+                )
+            graph.replay() if graph is not None else gemms()
+            if engine is not None:
+                pending.add(
+                    engine.submit_nowait(
+                        TransferSpec(
+                            gpu_blocks(rng.choice(32, 8, replace=False)),
+                            cpu_blocks(rng.choice(32, 8, replace=False)),
+                        )
+                    )
+                )
+            torch.cuda.current_stream().synchronize()
+            if engine is not None:
+                done = engine.get_finished()
+                assert all(r.success for r in done)
+                pending -= {r.job_id for r in done}
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        if engine is not None:
+            assert all(r.success for r in engine.wait(pending))
+        return float(np.median(times))
+
+    threads = threading.active_count()
+    try:
+        alone = median_step(None)
+        memory = torch.cuda.memory_allocated()  # with cuBLAS's workspace
+        costs, left = [], []
+        for strategy in ("dma", "auto", "auto", "auto", "dma"):
+            config = DeviceHandlerConfig(strategy=CopyStrategy(strategy))
+            engine = SyncOffloadingEngine(list(make_device_handlers(cuda, layout, tier, config)))  # type: ignore[arg-type]
+            try:
+                costs.append(median_step(engine) / alone - 1)
+            finally:
+                engine.close()
+            assert threading.active_count() == threads
+            left.append(torch.cuda.memory_allocated() - memory)
+        # the runtime's own scratch (a few KiB, made on first use) stays; nothing per engine
+        assert left == [left[0]] * len(left) and left[0] <= 64 << 10, left
+        assert costs[-1] <= max(2 * costs[0], costs[0] + 0.05), costs
+    finally:
+        tier.release()
+
+
+def test_the_launch_gap_pass_measures_every_variant(cuda: object) -> None:
+    from offload_engine.bench.gaps import GapPlan, format_gap_rows, run_gap_pass
+
+    plan = GapPlan(blocks=(2,), strategies=("dma",), seconds=0.1, reps=1)
+    rows = run_gap_pass(cuda, plan)  # type: ignore[arg-type]
+    assert [(r.variant, r.blocks) for r in rows] == [("none", 2), ("dma", 2)]
+    assert rows[0].jobs_per_s == 0 and rows[1].jobs_per_s > 0
+    assert all(0 < r.p50_us <= r.p99_us <= r.max_us for r in rows)
+    assert len(format_gap_rows(rows)) == 4
