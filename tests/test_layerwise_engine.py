@@ -311,3 +311,44 @@ def test_layer_jobs_stay_bit_exact_on_random_ids(fake: FakeRuntime) -> None:
                 assert torch.equal(view[dst], want[i])
     finally:
         tier.release()
+
+
+@pytest.mark.parametrize("kind", ["flash-attention", "flashinfer", "separate-kv", "mla"])
+@pytest.mark.parametrize("factor", [1, 2])
+def test_staged_parts_of_consecutive_layers_land_bit_exact(
+    fake: FakeRuntime, kind: str, factor: int
+) -> None:
+    """A staging handler moves a run of consecutive layers as one span of each tier slot
+    (one descriptor per block, then a scatter from its staging row); any other choice
+    of layers goes region by region. Either way exactly the chosen tensors' bytes land,
+    on random ids and slots, over staging pieces smaller than the job."""
+    layout = build_layout(kind, fake.empty, num_blocks=16, num_layers=LAYERS, seed=3)
+    tier = pinned_host_tier(fake, layout, 16, factor=factor)  # blocks of `factor` slots
+    config = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, staging_bytes=6 * layout.slot_bytes)
+    store, load = make_device_handlers(fake, layout, tier, config)
+    taken: list[str] = []
+    enqueue = load._enqueue
+    load._enqueue = lambda plan: (taken.append(plan.strategy.value), enqueue(plan))[1]  # type: ignore[method-assign]
+    rng = np.random.default_rng(7)
+    tensors = len(layout.tensors)
+    try:
+        with SyncOffloadingEngine([store, load]) as engine:
+            src = [int(x) for x in rng.choice(8, 8, replace=False)]
+            slots = [int(x) for x in rng.choice(16, 8 // factor, replace=False)]
+            spec = TransferSpec(gpu_blocks(src), cpu_blocks(slots))
+            assert engine.wait([engine.submit(spec)])[0].success
+            want = {(t, s): tensor_bytes(layout, t, s) for t in range(tensors) for s in src}
+            choices = [[0, 1], list(range(tensors)), [tensors - 1], [0, tensors - 1]]
+            for chosen in choices:
+                dst = [8 + x for x in rng.permutation(8).tolist()]
+                poison_blocks(layout, dst)
+                before = {(t, b): tensor_bytes(layout, t, b) for t in range(tensors) for b in dst}
+                spec = TransferSpec(cpu_blocks(slots), gpu_blocks(dst), tensors=chosen)
+                assert engine.wait([engine.submit(spec)])[0].success, chosen
+                for t in range(tensors):
+                    for s, b in zip(src, dst, strict=True):
+                        expect = want[(t, s)] if t in chosen else before[(t, b)]
+                        assert tensor_bytes(layout, t, b) == expect, (chosen, t)
+    finally:
+        tier.release()
+    assert "staged" in taken and "dma" in taken, taken

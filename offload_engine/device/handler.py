@@ -43,7 +43,7 @@ from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
-from offload_engine.host import HostTier, KVLayout, map_transfer
+from offload_engine.host import GroupMapping, HostTier, KVLayout, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
 log = logging.getLogger("offload_engine.device")
@@ -319,11 +319,17 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         groups = job.groups
         regions = job.regions
         strategy = self._strategy
+        parts = None
         if regions is not None:
-            # a part of each block (some layers): its pieces are regions, which only
-            # dma moves in place (staged and kernel move whole blocks)
-            strategy = CopyStrategy.DMA
-            units = sum(m.cache_ids.shape[0] * len(regions[m.group]) for m in groups)
+            # a part of each block (some layers): staged where each group's part is
+            # one span of its slot of several regions (one descriptor per block
+            # instead of one per region), else dma, region by region
+            parts = self._parts(groups, regions)
+            if parts is None:
+                strategy = CopyStrategy.DMA
+                units = sum(m.cache_ids.shape[0] * len(regions[m.group]) for m in groups)
+            else:
+                units = sum(m.cache_ids.shape[0] for m in groups)
         elif len(groups) == 1:
             units = groups[0].cache_ids.shape[0] * self._unit_regions[0]
         else:
@@ -337,7 +343,26 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             units=units,
             regions=regions,
             fence=spec.fence,
+            parts=parts,
         )
+
+    def _parts(
+        self, groups: list[GroupMapping], regions: tuple[tuple[int, ...], ...]
+    ) -> tuple[int, ...] | None:
+        """Per KV group, the region table of a staged job's part of each block, or None
+        where the job goes by dma: a handler that does not stage, or a group whose
+        part is a single region (dma moves it as one descriptor already) or leaves
+        gaps in its slot."""
+        if self._strategy is not CopyStrategy.STAGED:
+            return None
+        parts = [0] * len(self.layout.groups)
+        for m in groups:
+            chosen = regions[m.group]
+            index = self._tables.part(m.group, chosen) if len(chosen) > 1 else None
+            if index is None:
+                return None
+            parts[m.group] = index
+        return tuple(parts)
 
     # ------------------------------------------------------------ launch and completion
 

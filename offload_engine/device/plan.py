@@ -40,6 +40,9 @@ class DevicePlan:
     # TransferSpec.tensors: per group, the regions moved (None: all of them)
     regions: tuple[tuple[int, ...], ...] | None = None
     fence: JobFence | None = None  # told at launch how a stream waits for this job
+    # a staged job of ``regions``: per group, the index of the region table for its
+    # part of each block (:meth:`RegionTables.part`); None: whole blocks
+    parts: tuple[int, ...] | None = None
 
 
 def after_last_effect(h: DeviceCopyHandler, streams: tuple[Any, ...]) -> None:

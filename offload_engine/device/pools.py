@@ -139,6 +139,39 @@ class RegionTables:
             self.tables.append((base, stride, size, offset, int(tables.size.max())))
         # the same regions as torch byte views, for runtimes that copy with torch ops
         self.views = [layout.region_views(g) for g in range(len(layout.groups))]
+        self.slot_offsets: list[tuple[int, ...]] = list(layout.slot_offsets)
+        # per table: where its bytes start in a tier slot and how many there are
+        self.spans: list[tuple[int, int]] = [(0, b) for b in layout.group_bytes]
+        self._parts: dict[tuple[int, tuple[int, ...]], int | None] = {}
+        self._lock = threading.Lock()
+
+    def part(self, group: int, regions: tuple[int, ...]) -> int | None:
+        """A table for a run of ``group``'s regions (a job with ``TransferSpec.tensors``
+        of consecutive layers), which lie back to back in the group's tier slot: its
+        index for :meth:`block_copy` and :attr:`spans`, or None for regions that are
+        not a run. The device tables are slices of the group's (nothing is uploaded);
+        their slot offsets still count from the slot's start, so a launch of this
+        table puts its slot base :attr:`spans`' start bytes before the staging row,
+        where the span's bytes are. The torch views' offsets count from the row."""
+        key = (group, regions)
+        with self._lock:
+            if key in self._parts:
+                return self._parts[key]
+            first = regions[0]
+            if regions != tuple(range(first, first + len(regions))):
+                self._parts[key] = None
+                return None
+            end = first + len(regions)
+            base, stride, size, offset, _ = self.tables[group]
+            picked = (base[first:end], stride[first:end], size[first:end], offset[first:end])
+            sizes = [self._layout.groups[group][i].size for i in regions]
+            self.tables.append((*picked, max(sizes)))
+            self.views.append(self.views[group][first:end])
+            start = self._layout.slot_offsets[group][first]
+            self.slot_offsets.append(tuple(o - start for o in self.slot_offsets[group][first:end]))
+            self.spans.append((start, sum(sizes)))
+            index = self._parts[key] = len(self.tables) - 1
+            return index
 
     def block_copy(
         self,
@@ -166,5 +199,5 @@ class RegionTables:
             direction=self._direction,
             cache_views=self.views[group],
             slot_view=slot_view,
-            slot_offsets=self._layout.slot_offsets[group],
+            slot_offsets=self.slot_offsets[group],
         )

@@ -157,9 +157,25 @@ class _PythonSet:
 
     header: StagedHeader
     batch: Any  # the batch op template
-    groups: list[tuple[int, int]]  # per group: bytes per block, launch template's address
+    # per region table (RegionTables' index): bytes per block, launch template's
+    # address, where the bytes start in a tier slot
+    groups: list[tuple[int, int, int]]
     templates: list[Any]  # kept alive with their addresses
     buffer_index: dict[int, int]  # a staging buffer's address -> its index
+
+    def entry(self, h: DeviceCopyHandler, table: int) -> tuple[int, int, int]:
+        """A region table's words of the planner's tail (a part's made on first use):
+        the launch template names the table in its function word."""
+        while len(self.groups) <= table:
+            t = len(self.groups)
+            template = np.zeros(_LAUNCH_WORDS, dtype=np.int64)
+            template[:2] = (OP_LAUNCH, t)
+            template[LAUNCH_STREAM] = _SM
+            template[LAUNCH_NPARAMS] = _LAUNCH_WORDS - LAUNCH_PARAMS
+            self.templates.append(template)
+            start, size = h._tables.spans[t]
+            self.groups.append((size, template.ctypes.data, start))
+        return self.groups[table]
 
 
 def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
@@ -170,16 +186,8 @@ def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
     batch = np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
     header = stream_set_header(h, staging, (_SM, _DMA0, _DMA1), batch.ctypes.data)
     header.device_ids = 0  # the launch ops' id words are then byte offsets into the job's ids
-    groups, templates = [], []
-    for g, size in enumerate(h.layout.group_bytes):
-        template = np.zeros(_LAUNCH_WORDS, dtype=np.int64)
-        template[:2] = (OP_LAUNCH, g)
-        template[LAUNCH_STREAM] = _SM
-        template[LAUNCH_NPARAMS] = _LAUNCH_WORDS - LAUNCH_PARAMS
-        templates.append(template)
-        groups.append((size, template.ctypes.data))
     index = {a: b for b, a in enumerate(staging.addresses)}
-    found = h._native_sets["python"] = _PythonSet(header, batch, groups, templates, index)
+    found = h._native_sets["python"] = _PythonSet(header, batch, [], [], index)
     return found
 
 
@@ -210,8 +218,9 @@ def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[
         header.pieces_before = h._pieces
         header.groups = len(plan.groups)
         tail = handles
+        parts = plan.parts
         for m, n in zip(plan.groups, sizes_n, strict=True):
-            tail += (n, *found.groups[m.group])
+            tail += (n, *found.entry(h, m.group if parts is None else parts[m.group]))
         tail += range(k, k + len(events))
         planner.begin()
         # a piece: at most two waits and two records (3 words each), a batch, a launch
@@ -255,11 +264,11 @@ def _issue(
             batch = (desc[d : d + count], desc[s : s + count], desc[z : z + count])
             ops.memcpy_batch(streams[stream - 1], *batch, h.direction)
             at += BATCH_WORDS
-        else:  # OP_LAUNCH: the group, the block count, the ids' offset, the buffer
+        else:  # OP_LAUNCH: the region table, the block count, the ids' offset, the buffer
             group, count = words[at + 1], words[at + LAUNCH_GRID_X]
             first, address = words[at + LAUNCH_IDS] // 8, words[at + LAUNCH_SLOT_BASE]
             piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
-            b = buffer_index[address]
+            b = buffer_index[address + h._tables.spans[group][0]]  # see RegionTables.part
             copy = h._tables.block_copy(group, piece_ids, None, count, address, staging.views[b])
             ops.copy_blocks(streams[words[at + LAUNCH_STREAM] - 1], copy)
             at += _LAUNCH_WORDS

@@ -35,9 +35,28 @@ class NativeStreamSet:
     """What the planner needs of one stream set, whatever the job."""
 
     header: StagedHeader  # its stream-set fields filled in
-    groups: list[tuple[int, int]]  # per group: bytes per block, launch template's address
+    # per region table (RegionTables' index): bytes per block, launch template's
+    # address, where the bytes start in a tier slot
+    groups: list[tuple[int, int, int]]
     piece_words: int  # the most words a piece's ops take
     templates: list[Any]  # the op templates, kept alive with their addresses
+    program: Any
+    sm: Any
+    staging: StagingBuffers
+
+    def entry(self, h: DeviceCopyHandler, table: int) -> tuple[int, int, int]:
+        """A region table's words of the planner's tail, its launch template made on
+        first use (a part's table, made after the stream set)."""
+        while len(self.groups) <= table:
+            t = len(self.groups)
+            ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
+            staging = self.staging
+            template = h._tables.block_copy(t, ids, None, 1, staging.addresses[0], staging.views[0])
+            words = self.program.launch_row(template, self.sm)
+            self.templates.append(words)
+            start, size = h._tables.spans[t]
+            self.groups.append((size, words.ctypes.data, start))
+        return self.groups[table]
 
 
 def native_stream_set(
@@ -51,16 +70,12 @@ def native_stream_set(
     batch = program.batch_row(h.direction)
     streams = (rt.stream_handle(sm), rt.stream_handle(dmas[0]), rt.stream_handle(dmas[1]))
     header = stream_set_header(h, staging, streams, batch.ctypes.data)
-    groups = []
-    templates = [batch]
-    ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
+    found = NativeStreamSet(header, [], 0, [batch], program, sm, staging)
     for g in range(len(h.layout.groups)):
-        template = h._tables.block_copy(g, ids, None, 1, staging.addresses[0], staging.views[0])
-        words = program.launch_row(template, sm)
-        templates.append(words)
-        groups.append((h.layout.group_bytes[g], words.ctypes.data))
-    piece_words = _PIECE_WORDS + len(batch) + max(len(t) for t in templates[1:])
-    found = h._native_sets[id(sm)] = NativeStreamSet(header, groups, piece_words, templates)
+        found.entry(h, g)
+    # a part's template has the same words as its group's (the same kernel)
+    found.piece_words = _PIECE_WORDS + len(batch) + max(len(t) for t in found.templates[1:])
+    h._native_sets[id(sm)] = found
     return found
 
 
@@ -97,8 +112,9 @@ def enqueue_staged_native(
     header.groups = len(groups)
     handle = h.runtime.event_handle
     tail = [0 if e is None else handle(e) for e in staging.free]
+    parts = plan.parts
     for m, n in zip(groups, sizes_n, strict=True):
-        tail += (n, *found.groups[m.group])
+        tail += (n, *found.entry(h, m.group if parts is None else parts[m.group]))
     tail += [handle(e) for e in events]
     program.build_staged(header, tail, found.piece_words * pieces, 3 * total)
     leave_state(h, plan, (sm, dmas), staging, events, pieces)

@@ -181,9 +181,11 @@ struct oe_staged_header {
     int64_t next_buffer;   /* the staging buffer the first piece takes */
     int64_t pieces_before; /* pieces staged before this job (their DMA streams' parity) */
     int64_t groups;
-    /* `buffers` words (each buffer's last event, 0: none), then per group three
-       (its blocks, its bytes per block, its launch op template's address), then
-       two events per piece (its first half done, its second) */
+    /* `buffers` words (each buffer's last event, 0: none), then per group four
+       (its blocks, its bytes per block, its launch op template's address, where
+       those bytes start in a tier slot: a part of each block, such as some layers,
+       moves from that offset), then two events per piece (its first half done,
+       its second) */
     const int64_t *tail;
 };
 
@@ -285,19 +287,20 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
     int64_t *ids = h->host_ids;
     const int64_t ids_device = h->device_ids, next = h->next_buffer, before = h->pieces_before;
     const int64_t ngroups = h->groups;
-    const int64_t *free_in = h->tail, *groups = free_in + nbuf, *events = groups + 3 * ngroups;
+    const int64_t *free_in = h->tail, *groups = free_in + nbuf, *events = groups + 4 * ngroups;
     int64_t *last = malloc((size_t)(nbuf > 0 ? nbuf : 1) * sizeof *last);
     if (!last) return -1;
     memcpy(last, free_in, (size_t)nbuf * sizeof *last);
     int64_t nw = 0, ops = 0, piece = 0, at = 0;
     for (int64_t g = 0; g < ngroups; g++) {
-        const int64_t n = groups[3 * g], size = groups[3 * g + 1];
-        const int64_t *launch_tpl = (const int64_t *)(intptr_t)groups[3 * g + 2];
+        const int64_t n = groups[4 * g], size = groups[4 * g + 1];
+        const int64_t *launch_tpl = (const int64_t *)(intptr_t)groups[4 * g + 2];
+        const uint64_t start = (uint64_t)groups[4 * g + 3];
         const int64_t launch_words = LAUNCH_PARAMS + launch_tpl[LAUNCH_NPARAMS];
         const int merge = size == pitch;
         for (int64_t i = at; i < at + n; i++) { /* slots to tier addresses, in place */
             const uint64_t slot = tier[i];
-            tier[i] = tier_base + slot / factor * block_stride + slot % factor * slot_bytes;
+            tier[i] = tier_base + slot / factor * block_stride + slot % factor * slot_bytes + start;
         }
         if (sort_rows(tier + at, ids + at, n)) {
             free(last);
@@ -349,7 +352,9 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
                     memcpy(op, launch_tpl, (size_t)launch_words * sizeof *op);
                     op[LAUNCH_GRID_X] = count;
                     op[LAUNCH_IDS] = ids_device + 8 * (at + lo);
-                    op[LAUNCH_SLOT_BASE] = (int64_t)row0;
+                    /* a part's region table counts slot offsets from the slot's
+                       start, and its bytes sit at the row's start */
+                    op[LAUNCH_SLOT_BASE] = (int64_t)(row0 - start);
                     nw += launch_words;
                 } else {
                     memcpy(w + nw, batch, sizeof batch);
