@@ -193,3 +193,36 @@ def test_the_step_figure_takes_rows_of_several_runs_and_rows_without_a_layout(
     assert [t.get_text() for t in panels[0].get_xticklabels()] == ["4", "16", "64"]
     path = step_figure(rows, "fake", "2026-11-23", tmp_path / "step.png")
     assert path.stat().st_size > 10_000
+
+
+def test_bench_device_cuda_runs_the_step_pass_and_draws_its_figure(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``offload-engine bench --device cuda`` with the GPU passes faked: the step pass gets
+    the quick plan (both layouts), its rows go into the report and into step.png."""
+    from offload_engine.bench import CaseResults
+    from offload_engine.bench import cuda as bench_cuda
+    from offload_engine.cli import main
+    from offload_engine.device.runtimes import probe as runtimes
+    from offload_engine.runtimes import RuntimeInfo
+
+    fake = RuntimeInfo("cuda", True, "simulated", ("cuda:0 Simulated GPU",), ("dma",))
+    monkeypatch.setattr(runtimes, "probe_cuda", lambda: fake)
+    plans: list[StepPlan] = []
+
+    def step(plan: StepPlan, *, tick: Any) -> list[StepRow]:
+        plans.append(plan)
+        return _rows()
+
+    monkeypatch.setattr(bench_cuda, "run_cuda_cases", lambda *a, **k: CaseResults([], []))
+    monkeypatch.setattr(bench_cuda, "run_cuda_step", step)
+    monkeypatch.setattr(bench_cuda, "run_cuda_ttft", lambda *a, **k: [])
+    assert main(["bench", "--quick", "--device", "cuda", "-o", str(tmp_path)]) == 0
+    [plan] = plans
+    assert plan == StepPlan.quick() and plan.layouts == LAYOUTS
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["figures"]["step"] == "step.png"
+    assert [r["layout"] for r in report["step"]] == [r.layout for r in _rows()]
+    assert (tmp_path / "step.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    out = capsys.readouterr().out
+    assert "step cross-layer" in out and "3 waits for room" in out and "step.png" in out
