@@ -207,7 +207,8 @@ def test_the_decode_step_keeps_its_shapes_and_the_plan_counts_its_ticks() -> Non
         step.run("graph")
     quick = StepPlan.quick()
     assert quick.variants == ("none", "contiguous", "instant", "auto", "dma")
-    assert quick.ticks == 2 * 2 * 1 * 5
+    assert quick.layouts == ("per-layer", "cross-layer")
+    assert quick.ticks == 2 * 2 * 2 * 1 * 5  # layouts x modes x blocks x rounds x variants
     rows = [
         StepRow("eager", "default", 4, v, ms, ms / 4.0 - 1, 0.5)
         for v, ms in (("none", 4.0), ("contiguous", 4.1), ("auto", 4.2))

@@ -21,9 +21,12 @@ Pass 3: CPU microseconds per job in submit (the caller's thread) and in launch
 (the handler's launcher thread: descriptors and driver calls), measured as
 thread CPU time.
 Pass 4 (``step``): a decode-like model step's slowdown while each step stores
-and loads 4, 16 and 64 blocks, eager and as a CUDA graph, on the default and a
-side stream, against the same bytes as one contiguous pinned copy
-(:mod:`offload_engine.bench.step` documents the step).
+and loads 4, 16 and 32 blocks, with the blocks in a per-layer and in a cross-layer
+KV cache (``--step-layouts``), eager and as a CUDA graph, on the default and a side
+stream, against the same bytes as one contiguous pinned copy (the floor); a submit
+that finds its queue full waits for the oldest job of its direction and is counted
+(:mod:`offload_engine.bench.step` documents the step). ``--step-figure`` draws the
+slowdown against blocks per step, with the floor.
 Pass ``gaps``: the gaps between a Python thread's kernel launches while one store and one
 load of 8, 64 and 512 blocks are kept in flight, against the same loop with no engine
 (:mod:`offload_engine.bench.gaps` documents it).
@@ -484,6 +487,8 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         steps=args.step_steps,
         reps=args.reps,
         launch_modes=tuple(m for m in args.launch_modes if m != "loop"),
+        layouts=tuple(args.step_layouts.split(",")),
+        capacity=args.step_capacity,
     )
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
@@ -493,6 +498,13 @@ def pass_step(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
         rows.append({"pass": "step", **r.as_dict()})
     for line in format_step_rows(found):
         print(line, flush=True)
+    if args.step_figure:
+        from offload_engine.bench.plots import step_figure
+
+        machine = torch.cuda.get_device_name()
+        drawn = step_figure([r.as_dict() for r in found], machine, str(date.today()),
+                            Path(args.step_figure), "bench_cuda.py --passes step")  # fmt: skip
+        print(f"  figure: {drawn}", flush=True)
 
 
 def pass_gaps(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
@@ -558,7 +570,20 @@ def main() -> int:
     )
     parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
     parser.add_argument("--step-steps", type=int, default=30, help="timed steps per variant")
-    parser.add_argument("--step-blocks", default="4,16,64", help="blocks each way per step")
+    parser.add_argument("--step-blocks", default="4,16,32", help="blocks each way per step")
+    parser.add_argument(
+        "--step-layouts",
+        default="per-layer,cross-layer",
+        help="the moved blocks' KV cache layouts in the step pass, one after the other",
+    )
+    parser.add_argument(
+        "--step-capacity",
+        type=int,
+        default=None,
+        help="step pass: queued + in-flight jobs per handler before a submit finds the queue "
+        "full and the step waits for its oldest job (default: the engine's)",
+    )
+    parser.add_argument("--step-figure", help="step pass: draw slowdown against blocks here (PNG)")
     parser.add_argument(
         "--step-strategies", default="auto,dma", help="strategies measured in the step pass"
     )
@@ -686,8 +711,12 @@ def main() -> int:
             print(f"  cpu  {what} {cpu}")
     for r in rows:
         if r["pass"] == "step" and r["variant"] != "none":
-            what = f"{r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks {r['variant']:10}"
-            print(f"  step {what} {r['slowdown'] * 100:+5.1f}% ({r['step_ms']:.2f} ms a step)")
+            what = f"{r['layout']:11} {r['mode']:5} {r['stream']:7} {r['blocks']:2} blocks"
+            waits = f", {r['queue_full']} waits for room" if r["queue_full"] else ""
+            print(
+                f"  step {what} {r['variant']:10} {r['slowdown'] * 100:+5.1f}% "
+                f"({r['step_ms']:.2f} ms a step{waits})"
+            )
     if ttft:
         from offload_engine.bench.ttft import format_ttft_rows
 

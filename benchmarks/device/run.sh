@@ -22,7 +22,10 @@ passes (any order; they run in the order below):
                  (staged, 16-token blocks, 8/32/512 blocks per job, random and allocator slots)
   --gemm         512-block jobs under a long GEMM, against the contiguous copy under that GEMM
   --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
-  --step         a decode-like model step's slowdown, against the same bytes as one copy
+  --step         a decode-like model step's slowdown while it stores and loads N = 4/16/32 blocks
+                 each way (per-layer and cross-layer KV cache, eager and graph, default and side
+                 stream; the engine's auto and dma), against the same bytes as one contiguous copy
+                 (the floor); step.png: slowdown against N from this tree's rounds, floor drawn in
   --gaps         the gaps between a Python thread's kernel launches while the engine keeps a
                  store and a load of 8/64/512 blocks in flight, against no engine
   --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
@@ -168,8 +171,22 @@ if [ -n "${WANT[cpu]:-}" ]; then
         --slots allocator,random
 fi
 if [ -n "${WANT[step]:-}" ]; then
-    bench_rounds step --passes step --tokens 16 --step-strategies auto \
-        --launch-modes loop,submitter-polled --step-steps 40 --reps 3
+    bench_rounds step --passes step --tokens 16 --step-strategies auto,dma --launch-modes loop \
+        --step-blocks 4,16,32 --step-layouts per-layer,cross-layer --step-steps 40 --reps 3
+    step_json=("$OUTDIR"/step-tree-*.json)
+    if [ -z "$DRY" ] && [ -e "${step_json[0]}" ]; then
+        # one figure from every round of this tree: medians, bars from the lowest to the highest
+        PYTHONPATH="$ROOT${EXTRA_PATH:+:$EXTRA_PATH}" python -c '
+import json, sys
+from pathlib import Path
+from offload_engine.bench.plots import step_figure
+runs = [json.load(open(f)) for f in sys.argv[2:]]
+rows = [r for run in runs for r in run["rows"] if r["pass"] == "step"]
+if rows:
+    note = f"benchmarks/device/run.sh --step, {len(runs)} rounds"
+    print("== figure:", step_figure(rows, runs[0]["device"], runs[0]["date"], Path(sys.argv[1]), note))
+' "$OUTDIR/step.png" "${step_json[@]}" 2>&1 | tee -a "$OUTDIR/step.log"
+    fi
 fi
 if [ -n "${WANT[gaps]:-}" ]; then
     bench_rounds gaps --passes gaps --gap-blocks 8,64,512 --gap-strategies auto,dma,auto/submitter-polled --reps 3

@@ -6,7 +6,8 @@ Every figure carries the machine and the date in a footer.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,5 +189,124 @@ def draw_ttft(rows: Sequence[dict[str, Any]], machine: str, day: str, note: str 
     ax.set_ylim(0.8, max(2.1, ax.get_ylim()[1]))
     ax.set_title("Prefix hit of H tokens in the pinned tier, N new tokens (Llama-3-8B shapes)")
     ax.legend(fontsize=8, loc="upper right")
+    _footer(fig, machine, day, note)
+    return fig
+
+
+#: the step's target over the floor, in points of slowdown: STEP_TARGET_POINTS, and
+#: STEP_SATURATED_POINTS from STEP_SATURATED_BLOCKS blocks each way per step (64 MiB each
+#: way, which keeps a host link of about 50 GB/s each way busy for 1.3 ms: a short
+#: step cannot hide it)
+STEP_TARGET_POINTS, STEP_SATURATED_POINTS, STEP_SATURATED_BLOCKS = 1.5, 3.0, 32
+
+
+def step_figure(
+    rows: Sequence[Mapping[str, Any]], machine: str, day: str, path: Path, note: str = ""
+) -> Path:
+    """Draw :func:`draw_step` into ``path`` (PNG)."""
+    return _save(draw_step(rows, machine, day, note), path)
+
+
+def _step_cells(
+    rows: Sequence[Mapping[str, Any]],
+) -> dict[tuple[str, str, str], dict[str, dict[int, list[float]]]]:
+    """(layout, mode, stream) -> variant -> blocks -> slowdowns in % (one per round)."""
+    cells: dict[tuple[str, str, str], dict[str, dict[int, list[float]]]] = {}
+    for r in rows:
+        key = (str(r.get("layout", "per-layer")), str(r["mode"]), str(r["stream"]))
+        by_n = cells.setdefault(key, {}).setdefault(str(r["variant"]), {})
+        by_n.setdefault(int(r["blocks"]), []).append(100 * float(r["slowdown"]))
+    return cells
+
+
+def _median_and_spread(values: dict[int, list[float]]) -> tuple[list[int], list[float], Any]:
+    ns = sorted(values)
+    ys = [statistics.median(values[n]) for n in ns]
+    spread = [
+        [y - min(values[n]) for y, n in zip(ys, ns, strict=True)],
+        [max(values[n]) - y for y, n in zip(ys, ns, strict=True)],
+    ]
+    return ns, ys, spread
+
+
+def _draw_step_cell(
+    ax: Axes, cell: dict[str, dict[int, list[float]]], colors: dict[str, str], floor: str
+) -> None:
+    """One panel: the floor and its target band, then a line per variant in ``colors``."""
+    if floor in cell:
+        ns, ys, spread = _median_and_spread(cell[floor])
+        top = [
+            y + (STEP_SATURATED_POINTS if n >= STEP_SATURATED_BLOCKS else STEP_TARGET_POINTS)
+            for n, y in zip(ns, ys, strict=True)
+        ]
+        band = (
+            f"target: floor + {STEP_TARGET_POINTS:g} points "
+            f"(+{STEP_SATURATED_POINTS:g} from {STEP_SATURATED_BLOCKS} blocks)"
+        )
+        ax.fill_between(ns, ys, top, color="0.85", label=band)
+        ax.errorbar(ns, ys, yerr=spread, fmt="s-", color="0.1", lw=1.6, capsize=3,
+                    label="floor: one contiguous copy each way")  # fmt: skip
+    for v, color in colors.items():
+        if v in cell:
+            ns, ys, spread = _median_and_spread(cell[v])
+            ax.errorbar(ns, ys, yerr=spread, fmt="o-", color=color, capsize=3, label=v)
+    ax.axhline(0, color="0.5", lw=0.6)
+    ax.grid(True, alpha=0.3)
+
+
+def draw_step(rows: Sequence[Mapping[str, Any]], machine: str, day: str, note: str = "") -> Figure:
+    """A decode step's slowdown (%) against blocks stored and loaded each step, one
+    panel per (layout, mode, stream), one line per engine variant, with the floor (the
+    same bytes as one contiguous copy each way) and the target band above it drawn in.
+
+    ``rows``: the step pass's rows (:class:`~offload_engine.bench.step.StepRow` as
+    dicts), from one run or several: points are the median over the rows of a cell,
+    bars span the lowest to the highest."""
+    from offload_engine.bench.step import BASELINE, FLOOR, LAYOUTS
+
+    cells = _step_cells(rows)
+    found = {k[0] for k in cells}
+    layouts = [x for x in LAYOUTS if x in found] + sorted(found - set(LAYOUTS))
+    modes = list(dict.fromkeys((k[1], k[2]) for k in cells))
+    variants = dict.fromkeys(v for c in cells.values() for v in c if v not in (BASELINE, FLOOR))
+    colors = {v: f"C{i % 10}" for i, v in enumerate(variants)}
+    runs = max((len(x) for c in cells.values() for n in c.values() for x in n.values()), default=1)
+    height = 1.6 + 2.8 * max(1, len(layouts))
+    fig = _figure(height)
+    grid = fig.subplots(
+        max(1, len(layouts)), max(1, len(modes)), sharex=True, sharey=True, squeeze=False
+    )
+    sizes = sorted({int(r["blocks"]) for r in rows})
+    for (i, layout), (j, (mode, stream)) in [
+        (a, b) for a in enumerate(layouts) for b in enumerate(modes)
+    ]:
+        ax = grid[i][j]
+        _draw_step_cell(ax, cells.get((layout, mode, stream), {}), colors, FLOOR)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, labels=[str(n) for n in sizes])
+        ax.minorticks_off()
+        ax.set_title(f"{layout}, {mode}, {stream} stream", fontsize=9)
+        if i == len(layouts) - 1:
+            ax.set_xlabel("blocks each way per step (2 MiB each)", fontsize=8)
+        if j == 0:
+            spread = f"\nmedian of {runs} runs, bars: min to max" if runs > 1 else ""
+            ax.set_ylabel(f"step slowdown (%){spread}", fontsize=8)
+    handles: list[Any] = []
+    labels: list[str] = []
+    for ax in grid.flat:  # a panel may lack a variant that another has
+        for h, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    # the legend below the panels, above the footer, in a strip the layout leaves free
+    # (an "outside" legend would sit on the footer)
+    strip = (0.3 + 0.22 * math.ceil(len(labels) / 4)) / height
+    engine = fig.get_layout_engine()
+    if isinstance(engine, ConstrainedLayoutEngine):
+        engine.set(rect=(0, strip, 1, 1 - strip))
+    if handles:
+        fig.legend(handles, labels, loc="lower center", bbox_to_anchor=(0.5, 0.2 / height),
+                   ncols=min(4, len(labels)), fontsize=8)  # fmt: skip
+    fig.suptitle("Decode step slowdown while the engine stores and loads N blocks each step")
     _footer(fig, machine, day, note)
     return fig

@@ -29,9 +29,19 @@ the wall time of all of that. Compute runs on the default stream or on a side
 stream (``torch.cuda.stream``), eager or as a CUDA graph.
 
 The moved blocks live in their own KV cache (32 layers, K and V, 8 x 128 bf16,
-16-token blocks: 2 MiB a block, as in ``bench_cuda.py``); stores read random
-cache blocks of one half into random tier slots of one half, loads read the
-other half of the tier into the other half of the cache.
+16-token blocks: 2 MiB a block, as in ``bench_cuda.py``), in one of two layouts
+(:data:`LAYOUTS`): ``per-layer``, FlashAttention's tensor per layer (64 regions
+of 32 KiB a block), or ``cross-layer``, one tensor holding each block's layers
+together (one 2 MiB region a block). Each layout gets its own cache, tier and
+engines, built after the previous layout's are freed. Stores read random cache
+blocks of one half into random tier slots of one half, loads read the other
+half of the tier into the other half of the cache.
+
+The step respects backpressure: when a submit finds its handler's queue full
+(:class:`~offload_engine.errors.QueueFullError`, at the engine's ``capacity``),
+the step waits for the oldest pending job of the same direction and submits
+again. Each row counts those waits (``queue_full``); a refusal with nothing of
+its direction pending would be a bug, and is raised.
 """
 
 from __future__ import annotations
@@ -60,11 +70,18 @@ from offload_engine.device import (
     pinned_host_tier,
 )
 from offload_engine.device.runtimes.base import DeviceRuntime
+from offload_engine.errors import ConfigError, QueueFullError
 from offload_engine.testing import FakeHandler
 
 #: variants measured per (mode, stream, blocks) besides the strategies: nothing moved,
 #: the contiguous floor, and the engine with an instant fake handler (the queue alone)
 BASELINE, FLOOR, INSTANT = "none", "contiguous", "instant"
+#: the moved blocks' KV cache layouts (see the module docstring)
+PER_LAYER, CROSS_LAYER = "per-layer", "cross-layer"
+LAYOUTS = (PER_LAYER, CROSS_LAYER)
+#: the moved blocks' cache shape: layers, and each block's tokens, KV heads and head size
+#: (bf16): 2 MiB a block
+CACHE_LAYERS, CACHE_BLOCK = 32, (16, 8, 128)
 #: where a small job's device work is enqueued, as DeviceHandlerConfig fields: the
 #: engine's loop (the default), the submitting thread, or the launcher thread; the
 #: ``-polled`` modes also find finished jobs in the caller's ``get_finished``
@@ -99,16 +116,20 @@ class StepShape:
 
 @dataclass(frozen=True)
 class StepRow:
-    """One (mode, stream, blocks, variant) measurement; ``slowdown`` is relative to
-    the ``none`` variant of the same mode, stream and blocks, in the same run."""
+    """One (layout, mode, stream, blocks, variant) measurement; ``slowdown`` is relative
+    to the ``none`` variant of the same layout, mode, stream and blocks, in the same run."""
 
     mode: str  # "eager" or "graph"
     stream: str  # "default" or "side"
     blocks: int  # stored and loaded per step, each way
-    variant: str  # "none", "contiguous", or a strategy
+    variant: str  # "none", "contiguous", "instant", or a strategy
     step_ms: float  # median wall time per step
     slowdown: float
     drain_ms: float  # after the last step, until every transfer had finished
+    layout: str = PER_LAYER  # the moved blocks' cache layout (LAYOUTS)
+    #: submits refused with QueueFullError, each answered by waiting for the oldest
+    #: pending job of its direction (all rounds, warm-up steps included)
+    queue_full: int = 0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -193,41 +214,60 @@ class DecodeStep:
 
 
 class _Mover:
-    """What moves ``k`` blocks each way per step: nothing, a contiguous copy, or an engine."""
+    """What moves ``k`` blocks each way per step: nothing, a contiguous copy, or an engine
+    (``engine``; :meth:`build` makes the one a variant names)."""
 
     def __init__(
         self,
         variant: str,
-        runtime: DeviceRuntime,
-        layout: KVLayout,
-        tier: Any,
         block_bytes: int,
         max_blocks: int,
-        config: DeviceHandlerConfig | None,
+        device: torch.device,
+        engine: SyncOffloadingEngine | None = None,
     ) -> None:
         self.variant = variant
-        self.engine: SyncOffloadingEngine | None = None
-        self.pending: list[int] = []
+        self.engine = engine
+        #: submitted jobs not yet seen finished, oldest first: (job id, is a store)
+        self.pending: list[tuple[int, bool]] = []
+        self.queue_full = 0  # submits refused with QueueFullError, each answered by a wait
         self.block_bytes = block_bytes
         if variant == FLOOR:
             nbytes = max_blocks * block_bytes
-            device = layout.device
             self.dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
             self.host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self.streams = [torch.cuda.Stream(device=device) for _ in range(2)]  # type: ignore[no-untyped-call]
-        elif variant == INSTANT:
-            self.engine = SyncOffloadingEngine(
-                [FakeHandler(Medium.GPU, Medium.CPU), FakeHandler(Medium.CPU, Medium.GPU)],
-                capacity=100_000,
+
+    @classmethod
+    def build(
+        cls,
+        variant: str,
+        runtime: DeviceRuntime,
+        layout: KVLayout,
+        tier: Any,
+        max_blocks: int,
+        config: DeviceHandlerConfig | None,
+        capacity: int | None,
+    ) -> _Mover:
+        """The mover ``variant`` names; its engine (if any) holds ``capacity`` queued +
+        in-flight jobs per handler (``None``: the engine's default)."""
+        handlers: list[Any] = []
+        if variant == INSTANT:
+            handlers = [FakeHandler(Medium.GPU, Medium.CPU), FakeHandler(Medium.CPU, Medium.GPU)]
+        elif variant not in (BASELINE, FLOOR):
+            handlers = list(make_device_handlers(runtime, layout, tier, config))
+        engine = None
+        if handlers:
+            engine = (
+                SyncOffloadingEngine(handlers)
+                if capacity is None
+                else SyncOffloadingEngine(handlers, capacity=capacity)
             )
-        elif variant != BASELINE:
-            store, load = make_device_handlers(runtime, layout, tier, config)
-            self.engine = SyncOffloadingEngine([store, load], capacity=100_000)
+        return cls(variant, layout.slot_bytes, max_blocks, layout.device, engine)
 
     def move(self, spec: TransferSpec | None, k: int, *, store: bool) -> None:
         """Submit this step's load (before the forward pass) or store (after it)."""
         if self.engine is not None and spec is not None:
-            self.pending.append(self.engine.submit_nowait(spec))
+            self.pending.append((self._submit(self.engine, spec, store), store))
         elif self.variant == FLOOR:
             side = 0 if store else 1
             stream = self.streams[side]
@@ -237,23 +277,33 @@ class _Mover:
                 dst, src = (self.host, self.dev) if store else (self.dev, self.host)
                 dst[side][:n].copy_(src[side][:n], non_blocking=True)
 
+    def _submit(self, engine: SyncOffloadingEngine, spec: TransferSpec, store: bool) -> int:
+        """Submit ``spec``, respecting backpressure: while its handler's queue is full,
+        wait for the oldest pending job of the same direction, then try again."""
+        while True:
+            try:
+                return engine.submit_nowait(spec)
+            except QueueFullError:
+                oldest = next((j for j, is_store in self.pending if is_store == store), None)
+                if oldest is None:  # nothing of ours holds the queue: not backpressure
+                    raise
+                self.queue_full += 1
+                _check(engine.wait([oldest]))
+                self.pending = [p for p in self.pending if p[0] != oldest]
+
     def poll(self) -> None:
         if self.engine is not None:
             done = self.engine.get_finished()
-            failed = [r for r in done if not r.success]
-            if failed:
-                raise RuntimeError(f"a transfer failed: {failed[0].error}")
+            _check(done)
             finished = {r.job_id for r in done}
-            self.pending = [j for j in self.pending if j not in finished]
+            self.pending = [p for p in self.pending if p[0] not in finished]
 
     def drain(self) -> None:
         if self.engine is not None:
-            results = self.engine.wait(self.pending)
+            results = self.engine.wait([j for j, _ in self.pending])
             self.pending = []
             self.engine.get_finished()
-            failed = [r for r in results if not r.success]
-            if failed:
-                raise RuntimeError(f"a transfer failed: {failed[0].error}")
+            _check(results)
         elif self.variant == FLOOR:
             for s in self.streams:
                 s.synchronize()
@@ -263,12 +313,18 @@ class _Mover:
             self.engine.close()
 
 
+def _check(results: Sequence[Any]) -> None:
+    failed = [r for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"a transfer failed: {failed[0].error}")
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """What :func:`run_step_pass` measures."""
 
     shape: StepShape = StepShape()
-    blocks: tuple[int, ...] = (4, 16, 64)
+    blocks: tuple[int, ...] = (4, 16, 32)
     strategies: tuple[CopyStrategy, ...] = (CopyStrategy.AUTO, CopyStrategy.DMA)
     modes: tuple[tuple[str, str], ...] = (
         ("eager", "default"),
@@ -282,11 +338,29 @@ class StepPlan:
     #: also run each strategy with its small jobs launched elsewhere than the
     #: default (``loop``), as variants ``<strategy>/<mode>`` (see LAUNCH_MODES)
     launch_modes: tuple[str, ...] = ()
+    #: the moved blocks' cache layouts, one after the other (see LAYOUTS)
+    layouts: tuple[str, ...] = LAYOUTS
+    #: queued + in-flight jobs per handler before a submit raises QueueFullError
+    #: (the step then waits for its oldest job); ``None``: the engine's default
+    capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [x for x in self.layouts if x not in LAYOUTS]
+        if unknown or not self.layouts:
+            raise ConfigError(f"StepPlan.layouts must be some of {LAYOUTS}, got {self.layouts!r}")
+        if not self.blocks or min(self.blocks) < 1 or max(self.blocks) > self.cache_blocks // 2:
+            raise ConfigError(
+                f"StepPlan.blocks must be 1 to cache_blocks / 2 = {self.cache_blocks // 2} "
+                f"(a step stores from one half of the cache and loads into the other), "
+                f"got {self.blocks!r}"
+            )
+        if self.capacity is not None and self.capacity < 1:
+            raise ConfigError(f"StepPlan.capacity must be positive, got {self.capacity!r}")
 
     @classmethod
     def quick(cls) -> StepPlan:
-        """CI-sized: a 4-layer step, 4 and 16 blocks, eager and graph on the default
-        stream, 10 steps, one round."""
+        """CI-sized: a 4-layer step, 4 and 16 blocks, both layouts, eager and graph on
+        the default stream, 10 steps, one round."""
         return cls(
             shape=StepShape.quick(),
             blocks=(4, 16),
@@ -304,7 +378,23 @@ class StepPlan:
     @property
     def ticks(self) -> int:
         """How many times :func:`run_step_pass` calls ``tick``."""
-        return len(self.modes) * len(self.blocks) * self.reps * len(self.variants)
+        cells = len(self.layouts) * len(self.modes) * len(self.blocks)
+        return cells * self.reps * len(self.variants)
+
+
+def step_cache(layout: str, blocks: int, device: torch.device) -> KVLayout:
+    """The moved blocks' KV cache of ``blocks`` 2 MiB blocks in ``layout`` (see LAYOUTS)."""
+    bf16 = torch.bfloat16
+    if layout == PER_LAYER:
+        layers = [
+            torch.randn(2, blocks, *CACHE_BLOCK, device=device, dtype=bf16)
+            for _ in range(CACHE_LAYERS)
+        ]
+        return KVLayout.flash_attention(layers)
+    if layout == CROSS_LAYER:
+        cache = torch.randn(blocks, CACHE_LAYERS, 2, *CACHE_BLOCK, device=device, dtype=bf16)
+        return KVLayout.cross_layer(cache)
+    raise ConfigError(f"unknown step cache layout {layout!r}; expected one of {LAYOUTS}")
 
 
 def _make_movers(
@@ -319,7 +409,7 @@ def _make_movers(
             config = DeviceHandlerConfig(
                 strategy=CopyStrategy(strategy), **LAUNCH_MODES[mode or "loop"]
             )
-        movers[v] = _Mover(v, runtime, layout, tier, layout.slot_bytes, max(plan.blocks), config)
+        movers[v] = _Mover.build(v, runtime, layout, tier, max(plan.blocks), config, plan.capacity)
 
 
 def _step_specs(rng: np.random.Generator, half: int, k: int) -> tuple[TransferSpec, TransferSpec]:
@@ -340,10 +430,11 @@ def _run_steps(
     steps: int,
     rng: np.random.Generator,
     half: int,
-) -> tuple[list[float], float]:
+) -> tuple[list[float], float, int]:
     """``steps`` timed steps (after 3 warm-up steps) on the current stream, then the drain:
-    the step times and the drain time, in seconds."""
+    the step times and the drain time, in seconds, and the submits that waited for room."""
     samples = []
+    mover.queue_full = 0
     for i in range(steps + 3):
         load = store = None
         if mover.engine is not None:
@@ -358,7 +449,17 @@ def _run_steps(
             samples.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     mover.drain()
-    return samples, time.perf_counter() - t0
+    return samples, time.perf_counter() - t0, mover.queue_full
+
+
+def _warm_up(model: DecodeStep, plan: StepPlan, device: torch.device) -> None:
+    """Run every mode 10 times before the first timed step."""
+    for mode, stream_kind in plan.modes:
+        warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
+        with torch.cuda.stream(warm):
+            for _ in range(10):
+                model.run(mode)
+            torch.cuda.current_stream().synchronize()
 
 
 def run_step_pass(
@@ -367,48 +468,58 @@ def run_step_pass(
     *,
     tick: Callable[[str], None] = lambda what: None,
 ) -> list[StepRow]:
-    """Measure every (mode, stream, blocks) with every variant, interleaved: each of
-    ``plan.reps`` rounds runs ``plan.steps`` steps of each variant in turn; the median
+    """Measure every (layout, mode, stream, blocks) with every variant, interleaved: each
+    of ``plan.reps`` rounds runs ``plan.steps`` steps of each variant in turn; the median
     step over all rounds is reported, and the slowdown against ``none`` from the same
-    rounds."""
+    rounds. The layouts run one after the other, each on its own cache and engines."""
     plan = plan or StepPlan()
     device = runtime.device
     model = DecodeStep(plan.shape, device)
     if any(mode == "graph" for mode, _ in plan.modes):
         model.capture()  # before any engine thread exists
-    layers = [
-        torch.randn(2, plan.cache_blocks, 16, 8, 128, device=device, dtype=torch.bfloat16)
-        for _ in range(32)
-    ]
-    layout = KVLayout.flash_attention(layers)
+    _warm_up(model, plan, device)
+    rng = np.random.default_rng(0)
+    rows: list[StepRow] = []
+    for name in plan.layouts:
+        rows += _run_layout(runtime, plan, model, name, rng, tick)
+        torch.cuda.empty_cache()  # the layout's cache, before the next one is allocated
+    return rows
+
+
+def _run_layout(
+    runtime: DeviceRuntime,
+    plan: StepPlan,
+    model: DecodeStep,
+    name: str,
+    rng: np.random.Generator,
+    tick: Callable[[str], None],
+) -> list[StepRow]:
+    """Every (mode, stream, blocks) and variant on a fresh cache in layout ``name``."""
+    device = runtime.device
+    layout = step_cache(name, plan.cache_blocks, device)
     tier = pinned_host_tier(runtime, layout, plan.cache_blocks)
     variants = list(plan.variants)
     movers: dict[str, _Mover] = {}
+    half = plan.cache_blocks // 2
+    rows: list[StepRow] = []
     try:
         _make_movers(plan, runtime, layout, tier, movers)
-        for mode, stream_kind in plan.modes:  # warm every mode up before the first timed step
-            warm = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
-            with torch.cuda.stream(warm):
-                for _ in range(10):
-                    model.run(mode)
-                torch.cuda.current_stream().synchronize()
-        rows: list[StepRow] = []
-        rng = np.random.default_rng(0)
-        half = plan.cache_blocks // 2
         for mode, stream_kind in plan.modes:
             side = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
             for k in plan.blocks:
                 samples: dict[str, list[float]] = {v: [] for v in variants}
                 drains: dict[str, list[float]] = {v: [] for v in variants}
+                waits = dict.fromkeys(variants, 0)
                 for _ in range(plan.reps):
                     for v in variants:
-                        tick(f"step {mode}/{stream_kind} {k} blocks {v}")
+                        tick(f"step {name} {mode}/{stream_kind} {k} blocks {v}")
                         with torch.cuda.stream(side):  # None: the default stream
-                            times, drain = _run_steps(
+                            times, drain, full = _run_steps(
                                 model, movers[v], mode, k, plan.steps, rng, half
                             )
                         samples[v] += times
                         drains[v].append(drain)
+                        waits[v] += full
                 base = statistics.median(samples[BASELINE])
                 rows += [
                     StepRow(
@@ -419,6 +530,8 @@ def run_step_pass(
                         step_ms=statistics.median(samples[v]) * 1e3,
                         slowdown=statistics.median(samples[v]) / base - 1,
                         drain_ms=statistics.median(drains[v]) * 1e3,
+                        layout=name,
+                        queue_full=waits[v],
                     )
                     for v in variants
                 ]
@@ -430,23 +543,26 @@ def run_step_pass(
 
 
 def format_step_rows(rows: Sequence[StepRow]) -> list[str]:
-    """One line per (mode, stream, blocks): step ms alone and each variant's slowdown."""
+    """One line per (layout, mode, stream, blocks): step ms alone and each variant's
+    slowdown, with the submits that waited for room where there were any."""
     out = []
-    keys: list[tuple[str, str, int]] = []
+    keys: list[tuple[str, str, str, int]] = []
     for r in rows:
-        key = (r.mode, r.stream, r.blocks)
+        key = (r.layout, r.mode, r.stream, r.blocks)
         if key not in keys:
             keys.append(key)
     for key in keys:
-        group = [r for r in rows if (r.mode, r.stream, r.blocks) == key]
+        group = [r for r in rows if (r.layout, r.mode, r.stream, r.blocks) == key]
         base = next(r for r in group if r.variant == BASELINE)
         parts = [
-            f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms)"
+            f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms"
+            + (f", {r.queue_full} waits for room" if r.queue_full else "")
+            + ")"
             for r in group
             if r.variant != BASELINE
         ]
         out.append(
-            f"  step {key[0]:5} {key[1]:7} {key[2]:3} blocks: {base.step_ms:.2f} ms alone; "
-            + ", ".join(parts)
+            f"  step {key[0]:11} {key[1]:5} {key[2]:7} {key[3]:3} blocks: "
+            f"{base.step_ms:.2f} ms alone; " + ", ".join(parts)
         )
     return out

@@ -4,7 +4,7 @@ Host memory always: the host handler's GB/s against blocks per job, the job
 latency distribution, and the engine's own overhead. The GPU when CUDA is
 usable: the same cases once per copy strategy (:mod:`offload_engine.bench.cuda`).
 Writes ``report.json``, ``throughput.png`` and ``latency.png`` into the
-output directory.
+output directory, and ``step.png`` where the GPU's model-step pass ran.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ BENCH_SHAPE = RigShape(tier_blocks=1024)  # 1,024 blocks of 128 KiB on each side
 REPORT = "report.json"
 THROUGHPUT_PNG = "throughput.png"
 LATENCY_PNG = "latency.png"
+STEP_PNG = "step.png"  # where the model-step pass ran
 OVERHEAD_JOBS = (100_000, 3000)  # jobs, latency samples
 QUICK_OVERHEAD_JOBS = (5000, 300)
 DISK_VOLUME_MIB = 512  # bench --tier disk: MiB each system writes and reads per chunk size
@@ -294,12 +295,11 @@ def _print_host_report(
 
 def cmd_bench_host(args: argparse.Namespace) -> int:
     """``bench --tier host``: the host cases, the GPU ones where CUDA is usable, the
-    engine's overhead; a JSON report and two figures."""
+    engine's overhead; a JSON report and two figures (three where the step pass ran)."""
     from rich.console import Console
 
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.overhead import backends, run_overhead
-    from offload_engine.bench.plots import latency_figure, throughput_figure
     from offload_engine.bench.rigs import open_host_rig
     from offload_engine.bench.transfers import run_rig_cases
     from offload_engine.errors import RuntimeUnavailableError
@@ -342,8 +342,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         overhead = run_overhead(jobs, samples, tick=tick)
 
     note = "offload-engine bench --quick (CI-sized)" if args.quick else "offload-engine bench"
-    throughput_figure(results.sweep, label, day, out_dir / THROUGHPUT_PNG, note)
-    latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
+    figures = _draw_figures(results, gpu.step, (label, day, note), out_dir)
     report = {
         **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "runtimes": [asdict(r) for r in found],
@@ -360,13 +359,30 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
             "latency_samples": samples,
             "hosts": {r.key: r.as_dict() for r in overhead},
         },
-        "figures": {"throughput": THROUGHPUT_PNG, "latency": LATENCY_PNG},
+        "figures": figures,
     }
     (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
-    written = [out_dir / f for f in (REPORT, THROUGHPUT_PNG, LATENCY_PNG)]
+    written = [out_dir / f for f in (REPORT, *figures.values())]
     _print_host_report(report, results, gpu, overhead, written)
     _check_ttft(gpu.ttft)
     return 0
+
+
+def _draw_figures(
+    results: CaseResults, step: list[StepRow], footer: tuple[str, str, str], out_dir: Path
+) -> dict[str, str]:
+    """The throughput and latency figures, and the step figure where the model-step
+    pass ran, into ``out_dir``; ``footer``: machine label, date, note. Their names."""
+    from offload_engine.bench.plots import latency_figure, step_figure, throughput_figure
+
+    label, day, note = footer
+    throughput_figure(results.sweep, label, day, out_dir / THROUGHPUT_PNG, note)
+    latency_figure(results.latency, label, day, out_dir / LATENCY_PNG, note)
+    figures = {"throughput": THROUGHPUT_PNG, "latency": LATENCY_PNG}
+    if step:
+        step_figure([r.as_dict() for r in step], label, day, out_dir / STEP_PNG, note)
+        figures["step"] = STEP_PNG
+    return figures
 
 
 def _gpu_plans(quick: bool) -> tuple[StepPlan, TtftPlan]:

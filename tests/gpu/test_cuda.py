@@ -275,11 +275,33 @@ def test_the_model_step_pass_runs_every_mode_and_variant(cuda: object) -> None:
     ticks: list[str] = []
     rows = run_step_pass(cuda, plan, tick=ticks.append)  # type: ignore[arg-type]
     assert len(ticks) == plan.ticks
-    assert len(rows) == len(plan.modes) * len(plan.variants)
+    assert len(rows) == len(plan.layouts) * len(plan.modes) * len(plan.variants)
     assert {(r.mode, r.stream) for r in rows} == set(plan.modes)
+    assert {r.layout for r in rows} == set(plan.layouts) == {"per-layer", "cross-layer"}
     assert all(r.step_ms > 0 for r in rows)
     assert all(r.slowdown == 0 for r in rows if r.variant == "none")
-    assert len(format_step_rows(rows)) == len(plan.modes)
+    assert all(r.queue_full == 0 for r in rows)  # the engine's default capacity: no waits
+    assert len(format_step_rows(rows)) == len(plan.layouts) * len(plan.modes)
+
+
+def test_the_model_step_pass_waits_for_room_at_a_small_capacity(cuda: object) -> None:
+    """With room for one job per handler, a step's submits find the queue full and wait
+    for the oldest job of their direction; the pass finishes and counts the waits."""
+    from offload_engine.bench.step import StepPlan, StepShape, run_step_pass
+
+    plan = StepPlan(
+        shape=StepShape(layers=1, context=64),
+        blocks=(32,),
+        modes=(("eager", "default"),),
+        steps=4,
+        reps=1,
+        layouts=("cross-layer",),
+        capacity=1,
+    )
+    rows = run_step_pass(cuda, plan)  # type: ignore[arg-type]
+    waited = {r.variant: r.queue_full for r in rows}
+    assert waited["none"] == waited["contiguous"] == 0
+    assert waited["auto"] > 0 and waited["dma"] > 0
 
 
 def test_the_ttft_pass_loads_layer_by_layer_bit_exact(cuda: object) -> None:
