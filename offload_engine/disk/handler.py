@@ -53,6 +53,10 @@ class DiskHandler(TransferHandler[KeyedTransfer]):
     """
 
     ordered = False
+    # launch only plans the job under the store's lock and puts its batches on an
+    # I/O pool's queue (thread-safe, never waits on I/O): an idle route lets the
+    # submitting thread do that, and the loop sleeps on, saving a loop wake-up
+    launch_in_submitter = True
 
     def __init__(
         self, store: DiskStore, tier: HostTier, *, store_side: bool, max_inflight: int = 16
