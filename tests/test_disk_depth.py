@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from offload_engine import DiskStore, LayoutDigest
+from offload_engine import DiskStore, LayoutDigest, disk_handlers, page_aligned_tier
 from offload_engine.disk._depth import (
     FALLBACK_DEPTH,
     MAX_DERIVED_DEPTH,
@@ -171,3 +171,13 @@ def test_the_store_derives_its_depth_and_an_explicit_one_wins(tmp_path: Path) ->
 def test_a_bad_explicit_depth_is_a_config_error(tmp_path: Path, bad: object) -> None:
     with pytest.raises(ConfigError, match="queue_depth"):
         DiskStore(tmp_path, _digest(), capacity_bytes=2**24, queue_depth=bad)  # type: ignore[arg-type]
+
+
+def test_the_handlers_take_two_jobs_per_io_thread_past_eight(tmp_path: Path) -> None:
+    tier = page_aligned_tier(4, 4096)
+    for depth, want in ((4, 16), (8, 16), (32, 64)):
+        with DiskStore(tmp_path, _digest(), capacity_bytes=2**24, queue_depth=depth) as store:
+            assert [h.max_inflight for h in disk_handlers(store, tier)] == [want, want]
+            assert [h.max_inflight for h in disk_handlers(store, tier, max_inflight=3)] == [3, 3]
+            with pytest.raises(ConfigError, match="max_inflight"):
+                disk_handlers(store, tier, max_inflight=0)
