@@ -148,6 +148,27 @@ def test_round_trip_is_bit_exact_and_contains_is_the_longest_prefix(
         assert stats.direct is (direct is None)  # /tmp takes O_DIRECT; False forces buffered
 
 
+def test_an_idle_route_launches_on_the_submitting_thread(tmp_path: Path, tier: HostTier) -> None:
+    """A disk job goes to the I/O pool from the thread that submits it, with no
+    hop through the engine's loop; the bytes still round-trip exactly."""
+    seen: list[str] = []
+    with disk_engine(tmp_path, tier) as (store, engine):
+        for name in ("start_store", "start_load"):
+            started = getattr(store, name)
+
+            def spy(*args: object, _started: Callable[..., None] = started, **kw: object) -> None:
+                seen.append(threading.current_thread().name)
+                _started(*args, **kw)
+
+            setattr(store, name, spy)
+        want = block_bytes(tier, 2)
+        assert run(engine, store_spec([2], [key(2)])).success  # type: ignore[attr-defined]
+        tier.memory[6].fill_(0)
+        assert run(engine, load_spec([key(2)], [6])).success  # type: ignore[attr-defined]
+        assert block_bytes(tier, 6) == want
+    assert seen == [threading.current_thread().name] * 2
+
+
 @pytest.mark.anyio
 async def test_round_trip_on_the_callers_loop(tmp_path: Path, tier: HostTier) -> None:
     with OneStore(tmp_path, digest(), capacity_bytes=8 * SEG1) as store:

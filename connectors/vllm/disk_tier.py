@@ -5,7 +5,8 @@ Load it under vLLM's tiering spec (or ``EngineTieringSpec``) with no patching::
     "secondary_tiers": [{"type": "EngineDiskTier", "module_path": "offload_engine.connectors.vllm",
                          "path": "/mnt/nvme/kv", "capacity_bytes": 500000000000}]
 
-Optional keys: ``queue_depth`` (I/O threads per direction, default 4),
+Optional keys: ``queue_depth`` (I/O threads per direction; ``null``, the default,
+derives it from the directory's block device, see :class:`~offload_engine.DiskStore`),
 ``direct`` (``null`` probes O_DIRECT, ``false`` forces buffered I/O),
 ``fsync`` (``never`` | ``data`` | ``always``), ``pack_bytes`` (the least bytes of chunks
 one record holds, and the most one read request covers; default 1 MiB),
@@ -103,7 +104,7 @@ class EngineDiskTier(SecondaryTierManager):
         tier_type: str,
         path: str,
         capacity_bytes: int,
-        queue_depth: int = 4,
+        queue_depth: int | None = None,
         direct: bool | None = None,
         fsync: str = "never",
         locality: str | None = None,

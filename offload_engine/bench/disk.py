@@ -2,12 +2,16 @@
 
 All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
 the same directory with the same queue depth, O_DIRECT where the filesystem
-takes it:
+takes it. The plan's ``queue_depth`` ``None`` (the default) is the disk tier's
+own default for the directory (derived from its block device,
+:func:`~offload_engine.disk._depth.derive_queue_depth`), and fio and vLLM's fs
+tier get that same depth:
 
 * **engine**: a :class:`~offload_engine.DiskStore` with ``queue_depth``
-  threads per direction, driven through the sync facade with ``chunks_per_job``
-  chunks per job, ``jobs_in_flight`` jobs at once; segments sized an eighth of
-  the bytes moved (at most 128 MiB), preallocated on first use;
+  threads per direction (its default when the plan's is ``None``), driven
+  through the sync facade with ``chunks_per_job`` chunks per job,
+  ``jobs_in_flight`` jobs at once; segments sized an eighth of the bytes moved
+  (at most 128 MiB), preallocated on first use;
 * **engine-reuse**: a second pass of new keys into the same store, whose cap
   holds one pass and one segment more (:func:`engine_sizes`): its records go
   mostly into segments emptied by eviction (a full tier's steady state);
@@ -40,7 +44,7 @@ import subprocess
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,6 +53,7 @@ import numpy as np
 import torch
 
 from offload_engine.disk import DiskStore, disk_handlers, page_aligned_tier
+from offload_engine.disk._depth import DiskDepth, derive_queue_depth
 from offload_engine.disk.store import PACK_BYTES, SEGMENT_BYTES
 from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
@@ -61,7 +66,7 @@ class DiskBenchPlan:
     chunks: int = 256
     chunks_per_job: int = 16
     jobs_in_flight: int = 4
-    queue_depth: int = 4
+    queue_depth: int | None = None  # None: the disk tier's default for the directory
 
     @classmethod
     def quick(cls, chunk_bytes: int = 2**20, volume_mib: int | None = None) -> DiskBenchPlan:
@@ -144,11 +149,14 @@ def disk_bytes_needed(plan: DiskBenchPlan, repeats: int) -> int:
     return repeats * (engine_sizes(plan)[1] + others * volume)
 
 
-def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
+def bench_engine(
+    path: Path, plan: DiskBenchPlan, data: np.ndarray, *, depth_from_store: bool = False
+) -> list[DiskFigure]:
     """Write then read the plan's chunks (``engine``), then a second pass of new
     keys (``engine-reuse``) into the same store, whose cap holds one pass plus a
     segment: it writes mostly into segments emptied by eviction (a full tier's
-    steady state)."""
+    steady state). ``depth_from_store``: the store chooses its own queue depth
+    (its default), which must equal the plan's when the plan names one."""
     n, per = plan.chunks, plan.chunks_per_job
     tier = page_aligned_tier(n, plan.chunk_bytes)
     tier.memory.copy_(torch.from_numpy(data))
@@ -158,16 +166,22 @@ def bench_engine(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Disk
     jobs = n // per
     out: list[DiskFigure] = []
     segment, capacity = engine_sizes(plan)
+    expected = plan.queue_depth
     with (
         DiskStore(
             path,
             digest,
             capacity_bytes=capacity,
-            queue_depth=plan.queue_depth,
+            queue_depth=None if depth_from_store else plan.queue_depth,
             segment_bytes=segment,
         ) as disk,
         SyncOffloadingEngine(disk_handlers(disk, tier)) as engine,
     ):
+        if expected is not None and disk.queue_depth != expected:
+            raise RuntimeError(
+                f"engine bench: the store chose queue_depth {disk.depth}, the others run at "
+                f"{expected}"
+            )
         pending: list[int] = []
 
         def finish() -> int:
@@ -209,7 +223,7 @@ def bench_fio(
         return []
     bs = plan.chunk_bytes if bs is None else bs
     name = "fio" if bs == plan.chunk_bytes else f"fio-{bs // 2**20}m"
-    qd = plan.queue_depth
+    qd = _depth(plan)
     size = plan.chunks * plan.chunk_bytes // qd
     out: list[DiskFigure] = []
     for rw in ("write", "read", "write") if again else ("write", "read"):
@@ -226,6 +240,22 @@ def bench_fio(
             DiskFigure(f"{name}-over" if over else name, rw, bw / 1e9, job["runtime"] / 1000, True)
         )
     return out
+
+
+def _depth(plan: DiskBenchPlan) -> int:
+    if plan.queue_depth is None:
+        raise ValueError("the plan's queue_depth must be resolved (resolve_depth)")
+    return plan.queue_depth
+
+
+def resolve_depth(plan: DiskBenchPlan, directory: Path) -> tuple[DiskBenchPlan, DiskDepth]:
+    """``plan`` with its queue depth set: the one it names, or the disk tier's
+    default for ``directory`` (what a :class:`DiskStore` there would choose)."""
+    if plan.queue_depth is not None:
+        n = plan.queue_depth
+        return plan, DiskDepth(n, "explicit", None, f"queue_depth={n}")
+    depth = derive_queue_depth(directory)
+    return replace(plan, queue_depth=depth.depth), depth
 
 
 def _fs_tier_spec(plan: DiskBenchPlan) -> Any:
@@ -257,7 +287,7 @@ def bench_vllm_fs(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[Dis
             from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
     except ImportError:
         return []
-    n, per, qd = plan.chunks, plan.chunks_per_job, plan.queue_depth
+    n, per, qd = plan.chunks, plan.chunks_per_job, _depth(plan)
     buf = mmap.mmap(-1, n * plan.chunk_bytes)
     array = np.frombuffer(buf, dtype=np.uint8).reshape(n, plan.chunk_bytes)
     array[:] = data
@@ -329,10 +359,13 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     """Run all three ``repeats`` times, round-robin (so drive noise hits each alike),
     each round starting one system later (so none always follows the same one),
     in fresh subdirectories of ``directory`` that are removed at the end; report
-    the median of each (system, direction)."""
+    the median of each (system, direction). A plan without a queue depth runs
+    every system at the disk tier's default depth for ``directory``."""
     data = plan.random_chunks()
+    default_depth = plan.queue_depth is None
+    plan, depth = resolve_depth(plan, directory)
     runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
-        ("engine", lambda p: bench_engine(p, plan, data)),
+        ("engine", lambda p: bench_engine(p, plan, data, depth_from_store=default_depth)),
         ("fio", lambda p: bench_fio(p, plan, again=True)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
     ]
@@ -369,6 +402,7 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
                 ratios[f"{d} {mine}/{other}"] = ours.gbps / theirs.gbps
     return {
         "plan": asdict(plan),
+        "queue_depth_from": str(depth),
         "repeats": repeats,
         "directory": str(directory),
         "figures": [asdict(f) for f in figures],

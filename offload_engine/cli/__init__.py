@@ -228,10 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--queue-depth",
         type=thread_count,
-        default=4,
+        default=None,
         action=_Given,
-        help=f"--tier disk: I/O threads per direction, and fio's numjobs (default 4, at most "
-        f"{MAX_THREADS})",
+        help="--tier disk: I/O threads per direction, and fio's numjobs (default: the disk "
+        f"tier's own default for --dir, derived from its block device; at most {MAX_THREADS})",
     )
     bench.add_argument(
         "--chunk-kib",
@@ -345,7 +345,7 @@ def _tier_flags(args: argparse.Namespace) -> str:
 
 def _thread_flags(args: argparse.Namespace) -> str:
     if getattr(args, "tier", "host") == "disk":
-        return f"--queue-depth {args.queue_depth}: "
+        return f"--queue-depth {args.queue_depth or 'derived'}: "
     return f"--workers {args.workers}: " if hasattr(args, "workers") else ""
 
 

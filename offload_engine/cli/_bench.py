@@ -97,7 +97,8 @@ def _disk_table(report: dict[str, Any]) -> Any:
 
     table = Table(
         title=f"disk tier, {report['plan']['chunk_bytes'] / 2**20:g} MiB chunks, cold (O_DIRECT), "
-        f"side by side, median of {report['repeats']}",
+        f"side by side, median of {report['repeats']}, queue depth "
+        f"{report['queue_depth_from']}",
         title_justify="left",
     )
     for col in ("system", "direction", "GB/s", "seconds", "O_DIRECT", "submit us/chunk"):

@@ -49,19 +49,32 @@ class DiskHandler(TransferHandler[KeyedTransfer]):
 
     Build both with :func:`disk_handlers`. ``max_inflight`` caps the jobs the
     engine hands this handler at once; the store's ``queue_depth`` caps the
-    requests on the drive.
+    requests on the drive. ``None`` (default): ``max(16, 2 * store.queue_depth)``,
+    so jobs of one object still keep every I/O thread busy with the next job
+    queued behind it.
     """
 
     ordered = False
+    # launch only plans the job under the store's lock and puts its batches on an
+    # I/O pool's queue (thread-safe, never waits on I/O): an idle route lets the
+    # submitting thread do that, and the loop sleeps on, saving a loop wake-up
+    launch_in_submitter = True
 
     def __init__(
-        self, store: DiskStore, tier: HostTier, *, store_side: bool, max_inflight: int = 16
+        self,
+        store: DiskStore,
+        tier: HostTier,
+        *,
+        store_side: bool,
+        max_inflight: int | None = None,
     ) -> None:
         if not isinstance(store, DiskStore) or not isinstance(tier, HostTier):
             raise TypeError(
                 f"DiskHandler takes a DiskStore and a HostTier, got {type(store).__name__} and "
                 f"{type(tier).__name__}"
             )
+        if max_inflight is None:
+            max_inflight = default_max_inflight(store.queue_depth)
         check_int(max_inflight, "max_inflight")
         block_bytes = tier.factor * tier.slot_bytes
         if block_bytes != store.payload_bytes:
@@ -117,10 +130,17 @@ class DiskHandler(TransferHandler[KeyedTransfer]):
             job.fail(exc)
 
 
+def default_max_inflight(queue_depth: int) -> int:
+    """Jobs a disk handler takes at once by default: 16, or two per I/O thread
+    when the store has more than 8."""
+    return max(16, 2 * queue_depth)
+
+
 def disk_handlers(
-    store: DiskStore, tier: HostTier, *, max_inflight: int = 16
+    store: DiskStore, tier: HostTier, *, max_inflight: int | None = None
 ) -> tuple[DiskHandler, DiskHandler]:
-    """The ``CPU -> DISK`` and ``DISK -> CPU`` handlers between ``tier`` and ``store``."""
+    """The ``CPU -> DISK`` and ``DISK -> CPU`` handlers between ``tier`` and ``store``
+    (``max_inflight``: see :class:`DiskHandler`)."""
     return (
         DiskHandler(store, tier, store_side=True, max_inflight=max_inflight),
         DiskHandler(store, tier, store_side=False, max_inflight=max_inflight),

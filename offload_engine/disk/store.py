@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Literal
 
 from offload_engine._checks import check_int
+from offload_engine.disk._depth import DiskDepth, derive_queue_depth
 from offload_engine.disk._index import READY, Index
 from offload_engine.disk._io import Pool, probe_direct
 from offload_engine.disk._layout import (
@@ -73,6 +74,8 @@ class DiskStoreStats:
     used_bytes: int
     capacity_bytes: int
     direct: bool
+    queue_depth: int  # I/O threads per direction
+    queue_depth_from: str  # how queue_depth was chosen (DiskStore.depth)
     stored: int  # objects written and published
     already_stored: int  # store requests for keys present or being written
     store_failures: int  # objects that failed to store (full, I/O error)
@@ -108,7 +111,13 @@ class DiskStore:
     ``direct``: ``None`` probes O_DIRECT, ``False`` forces buffered I/O, ``True``
     requires O_DIRECT (:class:`TierUnavailableError` if the probe fails).
     ``queue_depth`` is the number of I/O threads per direction (requests in
-    flight at once). Close it (``close()`` or ``with``) after the engine that
+    flight at once, 1 to :data:`MAX_QUEUE_DEPTH`). ``None`` (default) derives it
+    from the block device that holds ``path``, as sysfs describes it: 4 for a
+    spinning disk; for a solid-state device 8 per hardware queue, at most two
+    per usable CPU and the queue's ``nr_requests``, within 4 to 32; 4 when no
+    block device can be read (tmpfs, overlay, network filesystems). ``depth``
+    (and ``stats().queue_depth_from``, and the repr) say what was chosen and
+    why. Close it (``close()`` or ``with``) after the engine that
     uses it.
     """
 
@@ -120,7 +129,7 @@ class DiskStore:
         capacity_bytes: int,
         direct: bool | None = None,
         fsync: FsyncPolicy = "never",
-        queue_depth: int = 4,
+        queue_depth: int | None = None,
         policy: EvictionPolicy | None = None,
         pack_bytes: int | None = None,
         segment_bytes: int | None = None,
@@ -135,12 +144,17 @@ class DiskStore:
         self.digest = digest
         self.capacity_bytes = capacity_bytes
         self.fsync: FsyncPolicy = fsync
-        self.queue_depth = queue_depth
         self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
         self.payload_bytes = digest.page_bytes
         self.pack_bytes = pack_bytes
         self._lock_fd = lock_directory(self.path)
         try:
+            self.depth = (
+                derive_queue_depth(self.path)
+                if queue_depth is None
+                else DiskDepth(queue_depth, "explicit", None, f"queue_depth={queue_depth}")
+            )
+            self.queue_depth = self.depth.depth
             self.segment_bytes = open_config(
                 self.path,
                 digest,
@@ -168,7 +182,7 @@ class DiskStore:
     def _check_options(
         digest: object,
         capacity_bytes: int,
-        queue_depth: int,
+        queue_depth: int | None,
         pack_bytes: int | None,
         segment_bytes: int | None,
         fsync: object,
@@ -179,7 +193,8 @@ class DiskStore:
         if not isinstance(digest, LayoutDigest):
             raise ConfigError(f"DiskStore takes a LayoutDigest, got {type(digest).__name__}")
         check_int(capacity_bytes, "DiskStore capacity_bytes")
-        check_int(queue_depth, "DiskStore queue_depth", maximum=MAX_QUEUE_DEPTH)
+        if queue_depth is not None:
+            check_int(queue_depth, "DiskStore queue_depth", maximum=MAX_QUEUE_DEPTH)
         pack_bytes = PACK_BYTES if pack_bytes is None else pack_bytes
         check_int(pack_bytes, "DiskStore pack_bytes", minimum=0)
         if segment_bytes is not None:
@@ -308,6 +323,8 @@ class DiskStore:
                 used_bytes=index.used,
                 capacity_bytes=self.capacity_bytes,
                 direct=self.direct,
+                queue_depth=self.queue_depth,
+                queue_depth_from=str(self.depth),
                 **index.counts,
             )
 
@@ -383,6 +400,13 @@ class DiskStore:
                 f"DiskStore at {self.path} was never closed", ResourceWarning, stacklevel=2
             )
 
+    def _depth_label(self) -> str:
+        depth: DiskDepth | None = getattr(self, "depth", None)
+        if depth is None:
+            return "-"
+        where = f" {depth.device}" if depth.device else ""
+        return f"{depth.depth} ({depth.source}{where})"
+
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         if hasattr(self, "_index"):
@@ -392,5 +416,5 @@ class DiskStore:
             used = n = 0
         return (
             f"<DiskStore {self.path} {state} objects={n} used={used}/{self.capacity_bytes} "
-            f"direct={self.direct} queue_depth={self.queue_depth}>"
+            f"direct={self.direct} queue_depth={self._depth_label()}>"
         )
