@@ -36,6 +36,7 @@ other half of the tier into the other half of the cache.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -109,6 +110,9 @@ class StepRow:
     step_ms: float  # median wall time per step
     slowdown: float
     drain_ms: float  # after the last step, until every transfer had finished
+    #: the jobs per copy strategy they took (``auto`` decides per job), e.g.
+    #: ``"dma:66,staged:0"``; empty for the variants that move no engine jobs
+    taken: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -209,6 +213,7 @@ class _Mover:
         self.engine: SyncOffloadingEngine | None = None
         self.pending: list[int] = []
         self.block_bytes = block_bytes
+        self.taken: collections.Counter[str] = collections.Counter()  # jobs per strategy
         if variant == FLOOR:
             nbytes = max_blocks * block_bytes
             device = layout.device
@@ -240,6 +245,7 @@ class _Mover:
     def poll(self) -> None:
         if self.engine is not None:
             done = self.engine.get_finished()
+            self.taken.update(r.strategy for r in done if r.strategy is not None)
             failed = [r for r in done if not r.success]
             if failed:
                 raise RuntimeError(f"a transfer failed: {failed[0].error}")
@@ -249,6 +255,7 @@ class _Mover:
     def drain(self) -> None:
         if self.engine is not None:
             results = self.engine.wait(self.pending)
+            self.taken.update(r.strategy for r in results if r.strategy is not None)
             self.pending = []
             self.engine.get_finished()
             failed = [r for r in results if not r.success]
@@ -400,6 +407,8 @@ def run_step_pass(
             for k in plan.blocks:
                 samples: dict[str, list[float]] = {v: [] for v in variants}
                 drains: dict[str, list[float]] = {v: [] for v in variants}
+                for v in variants:
+                    movers[v].taken.clear()
                 for _ in range(plan.reps):
                     for v in variants:
                         tick(f"step {mode}/{stream_kind} {k} blocks {v}")
@@ -419,6 +428,7 @@ def run_step_pass(
                         step_ms=statistics.median(samples[v]) * 1e3,
                         slowdown=statistics.median(samples[v]) / base - 1,
                         drain_ms=statistics.median(drains[v]) * 1e3,
+                        taken=",".join(f"{n}:{c}" for n, c in sorted(movers[v].taken.items())),
                     )
                     for v in variants
                 ]
@@ -441,7 +451,9 @@ def format_step_rows(rows: Sequence[StepRow]) -> list[str]:
         group = [r for r in rows if (r.mode, r.stream, r.blocks) == key]
         base = next(r for r in group if r.variant == BASELINE)
         parts = [
-            f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms)"
+            f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms"
+            + (f"; {r.taken}" if r.variant.startswith("auto") and r.taken else "")
+            + ")"
             for r in group
             if r.variant != BASELINE
         ]
