@@ -29,7 +29,13 @@ from offload_engine.device import (
 )
 from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.runtimes.base import DeviceRuntime
-from offload_engine.testing import FakeNpuRuntime, FakeRuntime, build_layout, cache_block_bytes
+from offload_engine.testing import (
+    Allocator,
+    FakeNpuRuntime,
+    FakeRuntime,
+    build_layout,
+    cache_block_bytes,
+)
 
 DMA, STAGED = CopyStrategy.DMA, CopyStrategy.STAGED
 KIB, MIB = 1 << 10, 1 << 20
@@ -148,13 +154,18 @@ def cache_side(runtime: DeviceRuntime) -> Callable[..., Any]:
 
 
 def round_trips(
-    runtime: DeviceRuntime, cfg: DeviceHandlerConfig, jobs: list[list[int]], kind: str
+    runtime: DeviceRuntime,
+    cfg: DeviceHandlerConfig,
+    jobs: list[list[int]],
+    kind: str,
+    empty: Allocator | None = None,
 ) -> tuple[list[TransferResult], list[TransferResult], tuple[tuple[str, int], ...]]:
     """Store each job's cache blocks into fresh tier slots, load them into other
     cache blocks, and compare bit for bit; the store and load results and the store
-    handler's counts by strategy."""
+    handler's counts by strategy. ``empty`` allocates the KV cache (the fake
+    runtime's memory unless given)."""
     cache = cache_side(runtime)
-    layout = build_layout(kind, runtime.empty, num_blocks=48, seed=7)
+    layout = build_layout(kind, empty or runtime.empty, num_blocks=48, seed=7)  # type: ignore[attr-defined]
     tier = pinned_host_tier(runtime, layout, 24)
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     groups = len(layout.groups)
@@ -290,11 +301,15 @@ def test_a_backlog_on_the_link_makes_a_medium_job_take_dma(fake: FakeRuntime) ->
 
 @pytest.mark.parametrize("big_first", [True, False], ids=["staged-first", "dma-first"])
 def test_jobs_take_effect_in_order_across_strategies(fake: FakeRuntime, big_first: bool) -> None:
+    in_order_across_strategies(fake, fake.empty, big_first)
+
+
+def in_order_across_strategies(runtime: DeviceRuntime, empty: Allocator, big_first: bool) -> None:
     """Jobs of one handler that take different strategies still write in
     submission order: each tier slot holds the block of the last store into it."""
-    layout = build_layout("flash-attention", fake.empty, num_blocks=48)
-    tier = pinned_host_tier(fake, layout, 24)
-    store, _ = make_device_handlers(fake, layout, tier, auto(layout, streams=3))
+    layout = build_layout("flash-attention", empty, num_blocks=48)
+    tier = pinned_host_tier(runtime, layout, 24)
+    store, _ = make_device_handlers(runtime, layout, tier, auto(layout, streams=3))
     jobs = []  # staged jobs of 6 blocks and dma jobs of 1, in turn, all from slot 0
     for k in range(8):
         big = (k % 2 == 0) == big_first
