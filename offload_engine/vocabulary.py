@@ -385,7 +385,9 @@ class TransferResult:
     ``seconds`` is the transfer's own duration (launch to completion, or the
     handler's measurement); ``latency`` is submit to result. ``error`` is
     ``None`` on success and a :class:`~offload_engine.errors.JobFailedError`
-    otherwise.
+    otherwise. ``strategy`` is how the handler moved a successful job's bytes,
+    where it says: a device handler's copy strategy (``"dma"``, ``"staged"``,
+    ``"kernel"``; the one ``auto`` chose for this job); ``None`` otherwise.
     """
 
     job_id: int
@@ -394,3 +396,4 @@ class TransferResult:
     seconds: float
     error: BaseException | None = None
     latency: float = 0.0
+    strategy: str | None = None

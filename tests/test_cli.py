@@ -75,6 +75,17 @@ def test_info_lists_every_runtime_and_why_cuda_is_missing(
     assert "run on: host memory (CUDA: no CUDA device is visible (simulated))" in out
 
 
+def test_info_states_the_auto_strategys_rule(
+    no_cuda: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["info"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert (
+        "device strategy auto (the default), per job: dma when every region is >= 512 KiB or "
+        "a job needs <= 2048 descriptors (<= 8192 while >= 128 MiB are in flight), else staged"
+    ) in out
+
+
 def test_info_says_why_demo_and_bench_do_not_offer_the_npu(
     no_cuda: None, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -387,15 +387,21 @@ def test_strategy_configuration_is_checked(fake: FakeRuntime) -> None:
 
 
 def test_auto_picks_dma_for_large_chunks_and_staged_for_small(fake: FakeRuntime) -> None:
+    """By the layout alone (a job needing any descriptor is "large" here): the
+    strategy a job took is in its result (tests/test_auto_policy.py has the rest
+    of the rule)."""
     small = build_layout("flash-attention", fake.empty, num_blocks=4)
     big = build_layout("cross-layer", fake.empty, num_blocks=4, num_layers=8, head_dim=128)
     for layout, want in ((small, CopyStrategy.STAGED), (big, CopyStrategy.DMA)):
         tier = pinned_host_tier(fake, layout, 4)
-        store, _ = make_device_handlers(
-            fake, layout, tier, DeviceHandlerConfig(dma_min_chunk_bytes=64 << 10)
-        )
+        cfg = DeviceHandlerConfig(dma_min_chunk_bytes=64 << 10, dma_max_descriptors=0)
+        store, _ = make_device_handlers(fake, layout, tier, cfg)
+        # a handler that may stage decides per job, at launch
         plan = store.prepare(TransferSpec(gpu_blocks([0]), cpu_blocks([0])))
-        assert plan.strategy is want
+        assert plan.strategy is (CopyStrategy.AUTO if want is CopyStrategy.STAGED else want)
+        with SyncOffloadingEngine([store]) as engine:
+            [r] = engine.wait([engine.submit(TransferSpec(gpu_blocks([0]), cpu_blocks([0])))])
+        assert r.success and r.strategy == want.value
         tier.release()
 
 

@@ -107,6 +107,7 @@ def make_rig(
     workers: int = 2,
     strategy: CopyStrategy = CopyStrategy.AUTO,
     seed: int = 0,
+    **config: int,
 ) -> Rig:
     if handler == "host":
         layout = build_layout(layout_kind, host_empty, num_blocks=num_blocks, seed=seed)
@@ -122,7 +123,7 @@ def make_rig(
         layout = build_layout(layout_kind, cuda_empty, num_blocks=num_blocks, seed=seed)
         tier = pinned_host_tier(cuda, layout, tier_blocks, factor=factor)
         tier.memory.fill_(POISON)
-        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=6 * layout.slot_bytes)
+        cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=6 * layout.slot_bytes, **config)
         store, load = make_device_handlers(cuda, layout, tier, cfg)
         return Rig(handler, layout, tier, [store, load], Medium.GPU)
     runtime = FakeRuntime()
@@ -130,7 +131,9 @@ def make_rig(
     tier = pinned_host_tier(runtime, layout, tier_blocks, factor=factor)
     tier.memory.fill_(POISON)
     # two staging rows per buffer: multi-block jobs span several pieces
-    cfg = DeviceHandlerConfig(strategy=strategy, staging_bytes=6 * layout.slot_bytes, streams=3)
+    cfg = DeviceHandlerConfig(
+        strategy=strategy, staging_bytes=6 * layout.slot_bytes, streams=3, **config
+    )
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     return Rig(handler, layout, tier, [store, load], Medium.GPU, runtime)
 
@@ -244,6 +247,7 @@ class Tally:
     jobs: int = 0
     blocks_checked: int = 0
     corrupt: list[str] = field(default_factory=list)
+    taken: dict[str, int] = field(default_factory=dict)  # successful jobs per strategy
 
 
 def round_trips(
@@ -340,6 +344,9 @@ def round_trips(
         for th in pool:
             th.join(BOUND * rounds)
         assert not any(th.is_alive() for th in pool), "a submitting thread hung"
+        for h in engine.stats().handlers:
+            for name, count in h.by_strategy:
+                tally.taken[name] = tally.taken.get(name, 0) + count
     if errors:
         raise errors[0]
     for (b, g), d in before_cache.items():
@@ -374,6 +381,42 @@ def test_concurrent_round_trips_arrive_intact(
         rig.close()
     assert tally.corrupt == []
     assert tally.jobs == 4 * 6 * 2 * 2 and tally.blocks_checked > 0
+
+
+def switching_auto(handler: str) -> Tally:
+    """Concurrent round trips whose jobs of 3 blocks (12 descriptors) stage on an
+    idle handler and take dma behind two jobs' bytes in flight, so concurrent
+    submitters mix both strategies on the same streams."""
+    layout = build_layout("flash-attention", host_empty, num_blocks=8)
+    rig = make_rig(
+        handler,
+        "flash-attention",
+        num_blocks=80,
+        tier_blocks=48,
+        factor=2,
+        dma_max_descriptors=8,
+        dma_backlog_descriptors=64,
+        dma_backlog_bytes=2 * 3 * layout.slot_bytes,
+    )
+    try:
+        tally = round_trips(rig, seed=5)
+    finally:
+        rig.close()
+    assert tally.corrupt == []
+    assert tally.jobs == 4 * 6 * 2 * 2 and tally.blocks_checked > 0
+    assert sum(tally.taken.values()) == tally.jobs
+    assert tally.taken["staged"] >= 1  # the first job, on an idle handler
+    return tally
+
+
+def test_concurrent_round_trips_arrive_intact_as_auto_switches_strategy() -> None:
+    assert switching_auto("device").taken["dma"] >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_concurrent_round_trips_arrive_intact_on_the_gpu_as_auto_switches_strategy() -> None:
+    switching_auto("cuda")  # how many take dma depends on how fast the GPU drains them
 
 
 @pytest.mark.gpu

@@ -224,6 +224,8 @@ def handlers(
 ) -> tuple[Driver, DeviceCopyHandler, DeviceCopyHandler]:
     driver = Driver(v12=v12)
     strategy = kw.pop("strategy", CopyStrategy.STAGED)
+    # auto: a job of more than 8 blocks' descriptors stages
+    auto_max = 8 * sum(len(g) for g in layout.groups)
     runtime = DriverlessCuda(driver, **kw)
     cfg = DeviceHandlerConfig(
         strategy=strategy,
@@ -231,6 +233,8 @@ def handlers(
         staging_buffers=buffers,
         native_launch=native,
         max_inflight=4,
+        dma_max_descriptors=auto_max,
+        dma_backlog_descriptors=auto_max,
     )
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     assert (store._native is not None) is native
@@ -283,6 +287,8 @@ def run_jobs(engine: SyncOffloadingEngine, todo: list[Any]) -> list[Any]:
         ("mla", CopyStrategy.STAGED, 4, 3, True, False, 2),
         ("flash-attention", CopyStrategy.DMA, 4, 2, True, False, 3),
         ("separate-kv", CopyStrategy.KERNEL, 4, 2, True, False, 4096),
+        ("flash-attention", CopyStrategy.AUTO, 3, 2, True, False, 4096),
+        ("groups", CopyStrategy.AUTO, 2, 3, True, True, 4096),
     ],
 )
 def test_native_program_makes_the_python_paths_calls(
@@ -317,6 +323,9 @@ def test_native_program_makes_the_python_paths_calls(
         with SyncOffloadingEngine([store, load]) as engine:
             results = run_jobs(engine, todo)
             assert all(r.success for r in results), [r.error for r in results if not r.success][:1]
+        taken = {r.strategy for r in results}
+        # auto takes both strategies, job by job, on the same streams
+        assert taken == ({"dma", "staged"} if strategy is CopyStrategy.AUTO else {strategy.value})
         logs.append(driver.calls)
     python, native_calls = logs
     kinds = {c[0] for c in python}

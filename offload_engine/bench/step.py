@@ -46,6 +46,7 @@ its direction pending would be a bug, and is raised.
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +131,9 @@ class StepRow:
     #: submits refused with QueueFullError, each answered by waiting for the oldest
     #: pending job of its direction (all rounds, warm-up steps included)
     queue_full: int = 0
+    #: the jobs per copy strategy they took (``auto`` decides per job), e.g.
+    #: ``"dma:66,staged:0"``; empty for the variants that move no engine jobs
+    taken: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -231,6 +235,7 @@ class _Mover:
         self.pending: list[tuple[int, bool]] = []
         self.queue_full = 0  # submits refused with QueueFullError, each answered by a wait
         self.block_bytes = block_bytes
+        self.taken: collections.Counter[str] = collections.Counter()  # jobs per strategy
         if variant == FLOOR:
             nbytes = max_blocks * block_bytes
             self.dev = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
@@ -294,6 +299,7 @@ class _Mover:
     def poll(self) -> None:
         if self.engine is not None:
             done = self.engine.get_finished()
+            self.taken.update(r.strategy for r in done if r.strategy is not None)
             _check(done)
             finished = {r.job_id for r in done}
             self.pending = [p for p in self.pending if p[0] not in finished]
@@ -301,6 +307,7 @@ class _Mover:
     def drain(self) -> None:
         if self.engine is not None:
             results = self.engine.wait([j for j, _ in self.pending])
+            self.taken.update(r.strategy for r in results if r.strategy is not None)
             self.pending = []
             self.engine.get_finished()
             _check(results)
@@ -510,6 +517,8 @@ def _run_layout(
                 samples: dict[str, list[float]] = {v: [] for v in variants}
                 drains: dict[str, list[float]] = {v: [] for v in variants}
                 waits = dict.fromkeys(variants, 0)
+                for v in variants:
+                    movers[v].taken.clear()
                 for _ in range(plan.reps):
                     for v in variants:
                         tick(f"step {name} {mode}/{stream_kind} {k} blocks {v}")
@@ -532,6 +541,7 @@ def _run_layout(
                         drain_ms=statistics.median(drains[v]) * 1e3,
                         layout=name,
                         queue_full=waits[v],
+                        taken=",".join(f"{n}:{c}" for n, c in sorted(movers[v].taken.items())),
                     )
                     for v in variants
                 ]
@@ -557,6 +567,7 @@ def format_step_rows(rows: Sequence[StepRow]) -> list[str]:
         parts = [
             f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms"
             + (f", {r.queue_full} waits for room" if r.queue_full else "")
+            + (f"; {r.taken}" if r.variant.startswith("auto") and r.taken else "")
             + ")"
             for r in group
             if r.variant != BASELINE

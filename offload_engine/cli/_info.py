@@ -54,7 +54,16 @@ def cmd_info(args: argparse.Namespace) -> int:
     else:
         auto = f"host memory (CUDA: {cuda.reason})"
     out.print(f"demo and bench with --device auto run on: {auto}", markup=False)
+    out.print(f"device strategy auto (the default), per job: {_auto_policy()}", markup=False)
     npu = next(r for r in found if r.name == "npu")
     if npu.available:
         out.print(f"demo and bench: {NPU_NOT_OFFERED}", markup=False)
     return 0
+
+
+def _auto_policy() -> str:
+    """The ``auto`` copy strategy's rule with the default thresholds."""
+    from offload_engine.device import DeviceHandlerConfig
+    from offload_engine.device.policy import AutoPolicy
+
+    return AutoPolicy.of(DeviceHandlerConfig()).describe()

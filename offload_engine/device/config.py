@@ -33,9 +33,14 @@ class DeviceHandlerConfig:
     ``staging_bytes`` is the device memory for the staged strategy, split in
     ``staging_buffers`` buffers (0 bytes disables it): with more buffers, more
     pieces can be gathered ahead of the copy engine, which hides gathers that
-    wait for SMs a concurrent GEMM holds. ``dma_min_chunk_bytes``: ``AUTO`` picks
-    ``dma`` when every region of a block is at least this large, else
-    ``staged`` when there is staging memory. The staged strategy's pieces are
+    wait for SMs a concurrent GEMM holds.
+    ``AUTO`` picks ``dma`` or ``staged`` for each job at launch
+    (:func:`~offload_engine.device.policy.choose_strategy` gives the reasons):
+    ``dma`` when every region of a block is at least ``dma_min_chunk_bytes``,
+    or the job needs at most ``dma_max_descriptors`` copy descriptors (block
+    regions, before merging), or at most ``dma_backlog_descriptors`` while at
+    least ``dma_backlog_bytes`` are launched and unfinished on the handler;
+    else ``staged``, where there is staging memory. The staged strategy's pieces are
     planned by the native library (built with the system C compiler on first
     use): without it ``AUTO`` picks ``dma`` and ``STAGED`` is refused.
     ``streams``: stream sets jobs
@@ -69,6 +74,9 @@ class DeviceHandlerConfig:
     staging_bytes: int = 256 << 20
     staging_buffers: int = 2
     dma_min_chunk_bytes: int = 512 << 10
+    dma_max_descriptors: int = 2048
+    dma_backlog_bytes: int = 128 << 20
+    dma_backlog_descriptors: int = 8192
     streams: int | None = None
     max_inflight: int = 16
     close_timeout: float = 30.0
@@ -87,7 +95,14 @@ class DeviceHandlerConfig:
                 raise ConfigError(f"{key} must be a bool, got {getattr(self, key)!r}")
         if not isinstance(self.strategy, CopyStrategy):
             raise ConfigError(f"strategy must be a CopyStrategy, got {self.strategy!r}")
-        for key in ("staging_bytes", "dma_min_chunk_bytes", "inline_launch_blocks"):
+        for key in (
+            "staging_bytes",
+            "dma_min_chunk_bytes",
+            "dma_max_descriptors",
+            "dma_backlog_bytes",
+            "dma_backlog_descriptors",
+            "inline_launch_blocks",
+        ):
             value = getattr(self, key)
             check_int(value, key, minimum=0)
         if self.streams is not None:

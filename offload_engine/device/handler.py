@@ -38,6 +38,7 @@ from offload_engine.device.launch import launch as launch_job
 from offload_engine.device.launch import poll as poll_jobs
 from offload_engine.device.launch import watch as watch_jobs
 from offload_engine.device.plan import DevicePlan
+from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers, stream_sets
 from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
@@ -132,15 +133,19 @@ def _staging_rows(
     return rows
 
 
-def _strategy(layout: KVLayout, config: DeviceHandlerConfig, rows: int) -> CopyStrategy:
-    """The strategy every job takes: the configured one, or for ``AUTO`` dma when
-    every region is large enough for a descriptor of its own, else staged."""
+def _min_region(layout: KVLayout) -> int:
+    return min(r.size for g in layout.groups for r in g)
+
+
+def _strategy(layout: KVLayout, config: DeviceHandlerConfig, rows: int) -> CopyStrategy | None:
+    """The strategy every job takes: the configured one, or for ``AUTO`` dma where
+    the policy never stages (no staging rows, or regions large enough for a
+    descriptor of their own); None where ``AUTO`` decides per job."""
     if config.strategy is not CopyStrategy.AUTO:
         return config.strategy
-    min_region = min(r.size for g in layout.groups for r in g)
-    if min_region >= config.dma_min_chunk_bytes or rows < 1:
+    if rows < 1 or _min_region(layout) >= config.dma_min_chunk_bytes:
         return CopyStrategy.DMA
-    return CopyStrategy.STAGED
+    return None
 
 
 class DeviceCopyHandler(TransferHandler[DevicePlan]):
@@ -179,13 +184,22 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._stage_rows = _staging_rows(runtime, layout, tier, config)
         self._native, self.native_note = self._native_program()
         # what prepare needs per job, fixed here (it runs in the caller's thread, often
-        # after that thread sat idle, when each line is cold): the strategy, what a
-        # launch costs per block of each group (dma: a descriptor per region), the name
-        # errors give, and a large common job's checks in one native call
+        # after that thread sat idle, when each line is cold): the strategy (None: auto
+        # decides per job at launch, see _choose), what a launch costs per block of
+        # each group (dma, and auto until it decides: a descriptor per region), the
+        # name errors give, and a large common job's checks in one native call
         self._strategy = _strategy(layout, config, self._stage_rows)
         self._planner = self._staged_planner()
         regions = [len(g) for g in layout.groups]
-        self._unit_regions = regions if self._strategy is CopyStrategy.DMA else [1] * len(regions)
+        per_region = self._strategy in (CopyStrategy.DMA, None)
+        self._unit_regions = regions if per_region else [1] * len(regions)
+        self._job_strategy = self._strategy or CopyStrategy.AUTO  # AUTO: decided at launch
+        self._policy = AutoPolicy.of(config)
+        self._min_region = _min_region(layout)
+        # bytes of the jobs launched so far; less the bytes of those handed back
+        # (JobResources.finished_bytes), the backlog the auto policy weighs. Only
+        # launch writes it, and launches never overlap
+        self._launched_bytes = 0
         self._who = self.name
         # what the launch code calls to enqueue work: the program, or the runtime
         self._ops: Any = runtime if self._native is None else self._native
@@ -214,7 +228,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         """The staged strategy's planner (the native launch's program, or one of its
         own), or None where jobs are not staged. Without the native library there is
         none: an explicit ``STAGED`` is refused and ``AUTO`` falls back to ``dma``."""
-        if self._strategy is not CopyStrategy.STAGED:
+        if self._strategy in (CopyStrategy.DMA, CopyStrategy.KERNEL):
             return None
         if self._native is not None:
             return self._native
@@ -318,7 +332,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.runtime.record_current(ready)
         groups = job.groups
         regions = job.regions
-        strategy = self._strategy
+        strategy = self._job_strategy
         parts = None
         if regions is not None:
             # a part of each block (some layers): staged where each group's part is
@@ -329,6 +343,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 strategy = CopyStrategy.DMA
                 units = sum(m.cache_ids.shape[0] * len(regions[m.group]) for m in groups)
             else:
+                strategy = CopyStrategy.STAGED
                 units = sum(m.cache_ids.shape[0] for m in groups)
         elif len(groups) == 1:
             units = groups[0].cache_ids.shape[0] * self._unit_regions[0]
@@ -353,7 +368,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         where the job goes by dma: a handler that does not stage, or a group whose
         part is a single region (dma moves it as one descriptor already) or leaves
         gaps in its slot."""
-        if self._strategy is not CopyStrategy.STAGED:
+        if self._strategy not in (CopyStrategy.STAGED, None) or self._planner is None:
             return None
         parts = [0] * len(self.layout.groups)
         for m in groups:
@@ -367,7 +382,24 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     # ------------------------------------------------------------ launch and completion
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
+        plan = job.prepared
+        if plan.strategy is CopyStrategy.AUTO:
+            self._choose(plan)
+        self._launched_bytes += plan.nbytes
         launch_job(self, job)
+
+    def _choose(self, plan: DevicePlan) -> None:
+        """The ``auto`` policy's strategy for ``plan``, against the bytes launched
+        ahead of it and not yet finished; a staged job's launch cost is its blocks."""
+        strategy = choose_strategy(
+            self._policy,
+            min_region_bytes=self._min_region,
+            descriptors=plan.units,
+            backlog_bytes=self._launched_bytes - self._resources.finished_bytes,
+        )
+        plan.strategy = strategy
+        if strategy is CopyStrategy.STAGED:
+            plan.units = sum(int(m.cache_ids.shape[0]) for m in plan.groups)
 
     def poll(self) -> None:
         """Report the leading run of finished jobs (event queries, no waiting)."""

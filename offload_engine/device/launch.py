@@ -120,7 +120,8 @@ def poll(h: DeviceCopyHandler) -> None:
     # delivers an ordered handler's results in launch order whoever reports
     for job, error in done:
         if error is None:
-            job.succeed(job.prepared.nbytes)
+            plan = job.prepared
+            job.succeed(plan.nbytes, strategy=plan.strategy.value)
         else:
             job.fail(error)
         h._recycle(job.prepared)
@@ -163,7 +164,7 @@ def watch_loop(h: DeviceCopyHandler) -> None:
             except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
                 job.fail(exc)
             else:
-                job.succeed(plan.nbytes)
+                job.succeed(plan.nbytes, strategy=plan.strategy.value)
             h._recycle(plan)
     finally:
         h._threads_done.set()

@@ -27,15 +27,15 @@ class DevicePlan:
 
     groups: list[GroupMapping]
     nbytes: int
-    strategy: CopyStrategy
+    strategy: CopyStrategy  # AUTO until the handler's launch picks dma or staged
     ready: Any  # event recorded on the submitter's current stream
     events: list[Any] = field(default_factory=list)  # handed back to the pool when done
     # one event at the end of each stream the job used; the watcher checks them all,
     # since a device error surfaces at the next event recorded on its own stream
     checks: list[Any] = field(default_factory=list)
     ids: IdBuffer | None = None  # the job's block ids on their way up; reused when done
-    # what the launch costs: blocks moved (every group together), or for dma the
-    # copy descriptors before merging (blocks x regions)
+    # what the launch costs: blocks moved (every group together), or for dma (and
+    # auto until it picks) the copy descriptors before merging (blocks x regions)
     units: int = 0
     # TransferSpec.tensors: per group, the regions moved (None: all of them)
     regions: tuple[tuple[int, ...], ...] | None = None

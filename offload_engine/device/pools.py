@@ -70,6 +70,10 @@ class JobResources:
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []
         self._lock = threading.Lock()
+        # bytes of the jobs handed back so far: with the bytes launched, the
+        # handler's backlog (read without the lock: a stale value only delays
+        # the auto policy's view by a job)
+        self.finished_bytes = 0
 
     def add_events(self, count: int) -> None:
         made = [self._runtime.new_event() for _ in range(count)]
@@ -112,6 +116,7 @@ class JobResources:
         # wait on already-enqueued work, never a cycle. The id buffer's upload and
         # every kernel that read it are done too.
         with self._lock:
+            self.finished_bytes += plan.nbytes
             self._events.extend(plan.events)
             if plan.ids is not None and len(self._id_buffers) <= self._keep:
                 self._id_buffers.append(plan.ids)

@@ -212,6 +212,7 @@ class Core:
         nbytes: int,
         seconds: float | None,
         error: BaseException | None,
+        strategy: str | None,
     ) -> None:
         """A handler's verdict on ``job``; any thread. Late or repeated reports are ignored."""
         now = _now()
@@ -220,7 +221,7 @@ class Core:
         with self.lock:
             if job.outcome is not None or job.state != INFLIGHT:
                 return
-            job.outcome = (success, nbytes, seconds, error)
+            job.outcome = (success, nbytes, seconds, error, strategy)
             route = job.route
             if route.ordered:
                 self.settle_locked(route, now)
@@ -261,7 +262,7 @@ class Core:
             route.cancelled += 1
         if timed_out:
             route.timed_out += 1
-        job.outcome = (False, 0, seconds, error)
+        job.outcome = (False, 0, seconds, error, None)
         self._post_locked(job, now)
         if route.ordered and route.inflight:
             # the job may have held back finished successors
@@ -270,16 +271,18 @@ class Core:
             self.wake_route_locked(route)
 
     def _post_locked(self, job: Job, now: float) -> None:
-        success, nbytes, seconds, error = job.outcome  # type: ignore[misc]
+        success, nbytes, seconds, error, strategy = job.outcome  # type: ignore[misc]
         route = job.route
         job.state = DONE
         del self.jobs[job.job_id]
         if success:
-            route.count_success(job.spec, nbytes)
+            route.count_success(job.spec, nbytes, strategy)
         else:
             route.failed += 1
         self.store.post_locked(
-            TransferResult(job.job_id, success, nbytes, seconds, error, now - job.t_submit)
+            TransferResult(
+                job.job_id, success, nbytes, seconds, error, now - job.t_submit, strategy
+            )
         )
         if job.spec.fence is not None:
             job.spec.fence.finished(error)

@@ -25,11 +25,12 @@ QUEUED: Final = 0
 INFLIGHT: Final = 1
 DONE: Final = 2
 
-#: (success, nbytes, seconds, error) once a job is resolved
-Outcome = tuple[bool, int, float, BaseException | None]
+#: (success, nbytes, seconds, error, strategy) once a job is resolved
+Outcome = tuple[bool, int, float, BaseException | None, str | None]
 
-#: what a job calls with its verdict: (job, success, nbytes, seconds or None, error)
-Reporter = Callable[["Job", bool, int, "float | None", "BaseException | None"], None]
+#: what a job calls with its verdict: (job, success, nbytes, seconds or None, error,
+#: the strategy the handler names or None)
+Reporter = Callable[["Job", bool, int, "float | None", "BaseException | None", "str | None"], None]
 
 
 class Job:
@@ -73,7 +74,9 @@ class Job:
     def resolved(self) -> bool:
         return self.outcome is not None
 
-    def succeed(self, nbytes: int, seconds: float | None = None) -> None:
+    def succeed(
+        self, nbytes: int, seconds: float | None = None, strategy: str | None = None
+    ) -> None:
         # A malformed report is the handler's bug, but raising here would kill the
         # reporting thread (a worker, a watcher) and leave the job without a result.
         # It fails the job instead, with an error that names the bad value.
@@ -82,15 +85,18 @@ class Job:
             secs = None if seconds is None else float(seconds)
             if count < 0 or (secs is not None and not secs >= 0):
                 raise ValueError("byte counts and durations are non-negative")
+            if strategy is not None and not isinstance(strategy, str):
+                raise TypeError("a strategy is named by a str")
         except (TypeError, ValueError, OverflowError) as exc:
             bad = TransferError(
                 f"job {self.job_id}: {self.route.handler.name} reported success with an invalid "
-                f"byte count or duration (nbytes={nbytes!r}, seconds={seconds!r})"
+                f"byte count, duration or strategy (nbytes={nbytes!r}, seconds={seconds!r}, "
+                f"strategy={strategy!r})"
             )
             bad.__cause__ = exc
-            self._report(self, False, 0, None, bad)
+            self._report(self, False, 0, None, bad, None)
             return
-        self._report(self, True, count, secs, None)
+        self._report(self, True, count, secs, None, strategy)
 
     def fail(self, error: BaseException) -> None:
         if not isinstance(error, BaseException):
@@ -102,7 +108,7 @@ class Job:
                 f"job {self.job_id} failed in {self.route.handler.name}: {error!r}"
             )
             wrapped.__cause__ = error
-        self._report(self, False, 0, None, wrapped)
+        self._report(self, False, 0, None, wrapped, None)
 
     def __repr__(self) -> str:
         state = ("queued", "in flight", "done")[self.state]
@@ -132,6 +138,7 @@ class Route:
         "space",
         "space_threads",
         "stores_succeeded",
+        "strategies",
         "submitted",
         "succeeded",
         "timed_out",
@@ -161,6 +168,7 @@ class Route:
         # successful jobs by direction (a handler may serve both, e.g. CPU<->CPU)
         self.stores_succeeded = self.loads_succeeded = 0
         self.bytes_stored = self.bytes_loaded = 0
+        self.strategies: dict[str, int] = {}  # successful jobs per strategy named
 
     @property
     def count(self) -> int:
@@ -207,10 +215,13 @@ class Route:
             self.space_threads.set()
             self.space_threads = None
 
-    def count_success(self, spec: TransferSpec, nbytes: int) -> None:
-        """Count one successful job, and by direction where it has one."""
+    def count_success(self, spec: TransferSpec, nbytes: int, strategy: str | None) -> None:
+        """Count one successful job, by direction where it has one, and by the
+        strategy its handler named."""
         self.succeeded += 1
         self.bytes_moved += nbytes
+        if strategy is not None:
+            self.strategies[strategy] = self.strategies.get(strategy, 0) + 1
         src_cache = isinstance(spec.src, CacheBlocks)
         if src_cache != isinstance(spec.dst, CacheBlocks):
             if src_cache:
@@ -237,6 +248,7 @@ class Route:
             loads_succeeded=self.loads_succeeded,
             bytes_stored=self.bytes_stored,
             bytes_loaded=self.bytes_loaded,
+            by_strategy=tuple(sorted(self.strategies.items())),
             in_flight=len(self.inflight),
             capacity=self.capacity,
         )

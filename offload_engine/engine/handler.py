@@ -94,8 +94,13 @@ class LaunchedJob(Protocol[P_co]):
         """
         ...
 
-    def succeed(self, nbytes: int, seconds: float | None = None) -> None:
-        """Report success; ``seconds`` overrides the engine's launch-to-now timing."""
+    def succeed(
+        self, nbytes: int, seconds: float | None = None, strategy: str | None = None
+    ) -> None:
+        """Report success; ``seconds`` overrides the engine's launch-to-now timing;
+        ``strategy`` names how the bytes moved (the result's
+        :attr:`~offload_engine.TransferResult.strategy`, counted in
+        :attr:`~offload_engine.HandlerStats.by_strategy`)."""
         ...
 
     def fail(self, error: BaseException) -> None:

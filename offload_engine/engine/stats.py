@@ -21,6 +21,11 @@ class HandlerStats:
     direction: ``stores_succeeded``/``bytes_stored`` for KV cache -> tier,
     ``loads_succeeded``/``bytes_loaded`` for tier -> KV cache. Tier-to-tier
     copies count in neither.
+
+    ``by_strategy``: successful jobs per strategy their handler named (a device
+    handler names its copy strategy, ``"dma"`` or ``"staged"`` among them, as
+    :attr:`TransferResult.strategy <offload_engine.TransferResult>` does), as
+    ``(name, jobs)`` pairs sorted by name; :meth:`jobs_by` reads one.
     """
 
     src: Medium
@@ -40,10 +45,15 @@ class HandlerStats:
     loads_succeeded: int = 0
     bytes_stored: int = 0
     bytes_loaded: int = 0
+    by_strategy: tuple[tuple[str, int], ...] = ()
 
     @property
     def pair(self) -> tuple[Medium, Medium]:
         return (self.src, self.dst)
+
+    def jobs_by(self, strategy: str) -> int:
+        """Successful jobs that took ``strategy`` (0 if none did)."""
+        return dict(self.by_strategy).get(strategy, 0)
 
 
 @dataclass(frozen=True)

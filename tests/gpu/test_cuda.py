@@ -20,6 +20,7 @@ from offload_engine.device import (
 )
 from offload_engine.testing import LAYOUT_KINDS, build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
+from tests.test_auto_policy import auto, in_order_across_strategies, round_trips
 from tests.test_device_handler import round_trip
 from tests.test_polled_completion import Pair
 from tests.test_tier_over import OTHER, POISON, outside_pages, region_for
@@ -59,6 +60,29 @@ def test_round_trip_with_the_native_launch_on_and_off(
     cuda: object, kind: str, strategy: CopyStrategy, factor: int, native: bool
 ) -> None:
     round_trip(cuda, gpu_empty, kind, strategy, factor, native=native)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("kind", ["flash-attention", "groups", "separate-kv"])
+def test_auto_takes_dma_and_staged_job_by_job_bit_exact(
+    cuda: object, kind: str, native: bool
+) -> None:
+    layout = build_layout(kind, gpu_empty, num_blocks=48)
+    jobs = [[3], [0, 5, 6, 7, 9, 11, 2], [1, 4]]
+    stores, loads, by_strategy = round_trips(
+        cuda,  # type: ignore[arg-type]
+        auto(layout, native_launch=native),
+        jobs,
+        kind,
+        empty=gpu_empty,
+    )
+    assert [r.strategy for r in stores] == [r.strategy for r in loads] == ["dma", "staged", "dma"]
+    assert by_strategy == (("dma", 2), ("staged", 1))
+
+
+@pytest.mark.parametrize("big_first", [True, False])
+def test_auto_jobs_take_effect_in_order_across_strategies(cuda: object, big_first: bool) -> None:
+    in_order_across_strategies(cuda, gpu_empty, big_first)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("launch", ["submitter", "launcher", "submitter-polled"])

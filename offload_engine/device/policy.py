@@ -1,0 +1,111 @@
+"""The ``auto`` copy strategy: which of ``dma`` and ``staged`` a job takes, decided
+per job at launch from the layout's regions, the job's size and the handler's
+backlog.
+
+What each strategy costs on the hardware:
+
+- ``dma`` puts one copy descriptor per block region on the copy engine (merged
+  where neighbours continue each other). It uses no SMs, so a concurrent GEMM
+  or decode step is not slowed. Each descriptor costs the driver about 0.5 to
+  1 microsecond of CPU, and the copy engine moves a small piece (a per-layer layout's
+  32 or 64 KiB regions) below the link's rate: a job of many small regions is
+  bounded by descriptors, not by the link.
+- ``staged`` gathers a job's regions on the device into slot-shaped staging rows
+  with an SM kernel, then DMAs whole contiguous pieces at the link's rate. A
+  large job reaches 0.97 to 0.99 of a contiguous copy, but its gathers take SMs
+  that a concurrent GEMM was using.
+
+Hence the rule (:func:`choose_strategy`):
+
+1. **Large regions take ``dma``** (every region at least ``dma_min_chunk_bytes``,
+   e.g. a cross-layer layout's one 2 MiB region a block): each descriptor then
+   moves at the link's rate and there is nothing to gather.
+2. **Small jobs take ``dma``** (at most ``dma_max_descriptors`` descriptors, block
+   regions before merging; the default 2048 is 32 blocks of a per-layer layout
+   of 64 regions): what a serving step moves. Their descriptors cost CPU on the
+   launcher thread (without the GIL under the native launch), not on the step's
+   thread or its GPU, while a staged gather would take SMs from the step's
+   GEMMs, which slows the step more than the copy engine's slower small pieces.
+3. **While the link is saturated, medium jobs take ``dma`` too**: when at least
+   ``dma_backlog_bytes`` are already launched and unfinished on the handler, a
+   new job's bytes wait for the link whichever way they go, and its descriptors
+   are issued while the link drains the backlog ahead. A gather would burn SMs
+   on work that then waits for the link, so jobs of up to
+   ``dma_backlog_descriptors`` descriptors take ``dma``.
+4. **Everything else takes ``staged``**: a large job of small regions, where
+   tens of thousands of descriptors would be far below the link's rate (a
+   512-block job of a per-layer layout is 32,768 of them).
+
+``staged`` is only ever chosen where the handler can stage (staging memory,
+block copies, the native planner); ``auto`` never chooses ``kernel``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from offload_engine.device.config import CopyStrategy
+
+if TYPE_CHECKING:
+    from offload_engine.device.config import DeviceHandlerConfig
+
+
+@dataclass(frozen=True)
+class AutoPolicy:
+    """The ``auto`` strategy's thresholds (``DeviceHandlerConfig``'s fields of the
+    same names, validated there)."""
+
+    dma_min_chunk_bytes: int
+    dma_max_descriptors: int
+    dma_backlog_bytes: int
+    dma_backlog_descriptors: int
+
+    @classmethod
+    def of(cls, config: DeviceHandlerConfig) -> AutoPolicy:
+        return cls(
+            config.dma_min_chunk_bytes,
+            config.dma_max_descriptors,
+            config.dma_backlog_bytes,
+            config.dma_backlog_descriptors,
+        )
+
+    def describe(self) -> str:
+        """The rule in one line, as ``offload-engine info`` shows it."""
+        return (
+            f"dma when every region is >= {_size(self.dma_min_chunk_bytes)} or a job needs "
+            f"<= {self.dma_max_descriptors} descriptors (<= "
+            f"{max(self.dma_backlog_descriptors, self.dma_max_descriptors)} while "
+            f">= {_size(self.dma_backlog_bytes)} are in flight), else staged"
+        )
+
+
+def choose_strategy(
+    policy: AutoPolicy,
+    *,
+    min_region_bytes: int,
+    descriptors: int,
+    backlog_bytes: int,
+    can_stage: bool = True,
+) -> CopyStrategy:
+    """The strategy ``auto`` takes for one job (see the module's docstring).
+
+    ``min_region_bytes``: the layout's smallest block region; ``descriptors``:
+    the job's copy descriptors under ``dma`` (blocks x regions, before merging);
+    ``backlog_bytes``: bytes launched and unfinished on the handler ahead of the
+    job; ``can_stage``: whether the handler has the staged strategy at all.
+    """
+    if not can_stage or min_region_bytes >= policy.dma_min_chunk_bytes:
+        return CopyStrategy.DMA
+    if descriptors <= policy.dma_max_descriptors:
+        return CopyStrategy.DMA
+    if backlog_bytes >= policy.dma_backlog_bytes and descriptors <= policy.dma_backlog_descriptors:
+        return CopyStrategy.DMA
+    return CopyStrategy.STAGED
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
