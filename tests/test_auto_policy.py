@@ -243,21 +243,29 @@ def test_an_explicit_strategy_takes_every_job(fake: FakeRuntime, strategy: CopyS
     assert by_strategy == ((strategy.value, 2),)
 
 
-def test_a_layer_wise_job_under_auto_takes_dma(fake: FakeRuntime) -> None:
-    layout = build_layout("flash-attention", fake.empty, num_blocks=48)
+def test_a_layer_wise_job_under_auto_stages_a_run_of_layers_and_sends_the_rest_by_dma(
+    fake: FakeRuntime,
+) -> None:
+    """A layer-wise job is not the policy's to decide: a run of consecutive layers (here
+    one layer's K and V, back to back in each slot) stages as one span per block;
+    layers with gaps between them in the slot go region by region."""
+    layout = build_layout("flash-attention", fake.empty, num_blocks=48, num_layers=3)
     tier = pinned_host_tier(fake, layout, 24)
-    store, _ = make_device_handlers(fake, layout, tier, auto(layout, dma_max_descriptors=0))
+    store, _ = make_device_handlers(fake, layout, tier, auto(layout, dma_max_descriptors=10**6))
     with SyncOffloadingEngine([store]) as engine:
-        whole, part = engine.wait(
+        whole, run, gaps = engine.wait(
             [
                 engine.submit(TransferSpec(gpu_blocks(range(6)), cpu_blocks(range(6)))),
                 engine.submit(
                     TransferSpec(gpu_blocks(range(6)), cpu_blocks(range(6, 12)), tensors=(1,))
                 ),
+                engine.submit(
+                    TransferSpec(gpu_blocks(range(6)), cpu_blocks(range(12, 18)), tensors=(0, 2))
+                ),
             ]
         )
-        assert engine.stats().for_pair(Medium.GPU, Medium.CPU).jobs_by("dma") == 1
-    assert (whole.strategy, part.strategy) == ("staged", "dma")
+        assert engine.stats().for_pair(Medium.GPU, Medium.CPU).jobs_by("dma") == 2
+    assert (whole.strategy, run.strategy, gaps.strategy) == ("dma", "staged", "dma")
     tier.release()
 
 

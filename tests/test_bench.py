@@ -216,7 +216,7 @@ def test_the_decode_step_keeps_its_shapes_and_the_plan_counts_its_ticks() -> Non
     [line] = format_step_rows(rows)
     assert "4.00 ms alone" in line and "contiguous +2.5%" in line and "auto +5.0%" in line
     # what auto took, job by job, beside its figure
-    rows[2] = StepRow("eager", "default", 4, "auto", 4.2, 0.05, 0.5, "dma:60,staged:6")
+    rows[2] = StepRow("eager", "default", 4, "auto", 4.2, 0.05, 0.5, taken="dma:60,staged:6")
     [line] = format_step_rows(rows)
     assert "auto +5.0% (drain 0.5 ms; dma:60,staged:6)" in line
 

@@ -48,6 +48,18 @@ class StagingBuffers:
         self._address_array = np.array(self.addresses, dtype=np.int64)  # for the native planner
         self.addresses_at = self._address_array.ctypes.data
         self.views = [b.view(-1, slot_bytes) for b in self.buffers]
+        self.slot_bytes = slot_bytes
+        self._pitched: dict[int, tuple[int, list[Any]]] = {slot_bytes: (rows, self.views)}
+
+    def rows_of(self, pitch: int) -> tuple[int, list[Any]]:
+        """How many rows of ``pitch`` bytes a buffer holds, and each buffer as such
+        rows (cached): a job that moves a part of each block packs its parts."""
+        found = self._pitched.get(pitch)
+        if found is None:
+            rows = self.rows * self.slot_bytes // pitch
+            views = [b[: rows * pitch].view(rows, pitch) for b in self.buffers]
+            found = self._pitched[pitch] = (rows, views)
+        return found
 
     def take(self) -> int:
         b = self.next

@@ -125,6 +125,26 @@ def empty_job(
     h._last_effect = [(event, stream)]
 
 
+#: a packed staging row's pitch is a multiple of this (the block-copy kernels move
+#: aligned words, and the copy engines prefer aligned rows)
+ROW_ALIGN = 256
+
+
+def job_rows(h: DeviceCopyHandler, plan: DevicePlan, staging: StagingBuffers) -> tuple[int, int]:
+    """``(rows per staging buffer, row pitch)`` for ``plan``. A job that moves a part
+    of each block (some layers) packs the parts into rows of their own size, so a
+    piece holds many more blocks than slot-shaped rows would (fewer pieces, each
+    DMA longer); whole blocks, or parts of different sizes, take slot-shaped rows."""
+    slot_bytes = h.layout.slot_bytes
+    if plan.parts is None:
+        return staging.rows, slot_bytes
+    spans = {h._tables.spans[plan.parts[m.group]][1] for m in plan.groups}
+    if len(spans) != 1:
+        return staging.rows, slot_bytes
+    pitch = -(-spans.pop() // ROW_ALIGN) * ROW_ALIGN
+    return staging.rows_of(min(pitch, slot_bytes))[0], min(pitch, slot_bytes)
+
+
 def stream_set_header(
     h: DeviceCopyHandler,
     staging: StagingBuffers,
@@ -200,7 +220,8 @@ def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[
     after_last_effect(h, dmas if h._store else (sm,))
     sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
     total = sum(sizes_n)
-    pieces = sum(-(-n // staging.rows) for n in sizes_n)
+    rows, pitch = job_rows(h, plan, staging)
+    pieces = sum(-(-n // rows) for n in sizes_n)
     buffer = gather(h, plan, total)
     events = h._resources.events(max(2 * pieces, 1))
     plan.events.extend(events)
@@ -217,6 +238,7 @@ def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[
         header.next_buffer = staging.next
         header.pieces_before = h._pieces
         header.groups = len(plan.groups)
+        header.rows, header.row_bytes = rows, pitch
         tail = handles
         parts = plan.parts
         for m, n in zip(plan.groups, sizes_n, strict=True):
@@ -234,7 +256,7 @@ def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[
     # failing call then leaves both paths alike)
     index = found.buffer_index
     leave_state(h, plan, (sm, dmas), staging, events, pieces)
-    _issue(h, planner, (sm, *dmas), objects, ids, staging, index)
+    _issue(h, planner, (sm, *dmas), objects, ids, staging.rows_of(pitch)[1], index)
 
 
 def _issue(
@@ -243,10 +265,11 @@ def _issue(
     streams: tuple[Any, ...],
     objects: list[Any],
     ids: Any,
-    staging: StagingBuffers,
+    rows: list[Any],
     buffer_index: dict[int, int],
 ) -> None:
-    """Make the planned ops' calls on the runtime, in order."""
+    """Make the planned ops' calls on the runtime, in order (``rows``: each staging
+    buffer as the job's rows)."""
     ops = h._ops
     words = planner.words.tolist()
     desc = planner.descriptor_array
@@ -269,6 +292,6 @@ def _issue(
             first, address = words[at + LAUNCH_IDS] // 8, words[at + LAUNCH_SLOT_BASE]
             piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
             b = buffer_index[address + h._tables.spans[group][0]]  # see RegionTables.part
-            copy = h._tables.block_copy(group, piece_ids, None, count, address, staging.views[b])
+            copy = h._tables.block_copy(group, piece_ids, None, count, address, rows[b])
             ops.copy_blocks(streams[words[at + LAUNCH_STREAM] - 1], copy)
             at += _LAUNCH_WORDS

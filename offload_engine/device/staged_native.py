@@ -20,7 +20,13 @@ import torch
 from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import StagedHeader
-from offload_engine.device.staged import empty_job, gather, leave_state, stream_set_header
+from offload_engine.device.staged import (
+    empty_job,
+    gather,
+    job_rows,
+    leave_state,
+    stream_set_header,
+)
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler
@@ -35,28 +41,30 @@ class NativeStreamSet:
     """What the planner needs of one stream set, whatever the job."""
 
     header: StagedHeader  # its stream-set fields filled in
-    # per region table (RegionTables' index): bytes per block, launch template's
-    # address, where the bytes start in a tier slot
-    groups: list[tuple[int, int, int]]
+    # per (region table, row pitch): bytes per block, launch template's address,
+    # where the bytes start in a tier slot
+    groups: dict[tuple[int, int], tuple[int, int, int]]
     piece_words: int  # the most words a piece's ops take
     templates: list[Any]  # the op templates, kept alive with their addresses
     program: Any
     sm: Any
     staging: StagingBuffers
 
-    def entry(self, h: DeviceCopyHandler, table: int) -> tuple[int, int, int]:
-        """A region table's words of the planner's tail, its launch template made on
-        first use (a part's table, made after the stream set)."""
-        while len(self.groups) <= table:
-            t = len(self.groups)
+    def entry(self, h: DeviceCopyHandler, table: int, pitch: int) -> tuple[int, int, int]:
+        """A region table's words of the planner's tail for staging rows of ``pitch``
+        bytes, its launch template made on first use (a part's table is made after
+        the stream set, and the kernel's row pitch is in the template)."""
+        found = self.groups.get((table, pitch))
+        if found is None:
             ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
             staging = self.staging
-            template = h._tables.block_copy(t, ids, None, 1, staging.addresses[0], staging.views[0])
+            view = staging.rows_of(pitch)[1][0]
+            template = h._tables.block_copy(table, ids, None, 1, staging.addresses[0], view)
             words = self.program.launch_row(template, self.sm)
             self.templates.append(words)
-            start, size = h._tables.spans[t]
-            self.groups.append((size, words.ctypes.data, start))
-        return self.groups[table]
+            start, size = h._tables.spans[table]
+            found = self.groups[(table, pitch)] = (size, words.ctypes.data, start)
+        return found
 
 
 def native_stream_set(
@@ -70,9 +78,9 @@ def native_stream_set(
     batch = program.batch_row(h.direction)
     streams = (rt.stream_handle(sm), rt.stream_handle(dmas[0]), rt.stream_handle(dmas[1]))
     header = stream_set_header(h, staging, streams, batch.ctypes.data)
-    found = NativeStreamSet(header, [], 0, [batch], program, sm, staging)
+    found = NativeStreamSet(header, {}, 0, [batch], program, sm, staging)
     for g in range(len(h.layout.groups)):
-        found.entry(h, g)
+        found.entry(h, g, h.layout.slot_bytes)
     # a part's template has the same words as its group's (the same kernel)
     found.piece_words = _PIECE_WORDS + len(batch) + max(len(t) for t in found.templates[1:])
     h._native_sets[id(sm)] = found
@@ -94,7 +102,8 @@ def enqueue_staged_native(
     groups = plan.groups
     sizes_n = [int(m.cache_ids.shape[0]) for m in groups]
     total = sum(sizes_n)
-    pieces = sum(-(-n // staging.rows) for n in sizes_n)
+    rows, pitch = job_rows(h, plan, staging)
+    pieces = sum(-(-n // rows) for n in sizes_n)
     buffer = gather(h, plan, total)
     ids_device = program.upload_ids_at(sm, buffer, total)
     events = h._resources.events(max(2 * pieces, 1))
@@ -110,11 +119,12 @@ def enqueue_staged_native(
     header.next_buffer = staging.next
     header.pieces_before = h._pieces
     header.groups = len(groups)
+    header.rows, header.row_bytes = rows, pitch
     handle = h.runtime.event_handle
     tail = [0 if e is None else handle(e) for e in staging.free]
     parts = plan.parts
     for m, n in zip(groups, sizes_n, strict=True):
-        tail += (n, *found.entry(h, m.group if parts is None else parts[m.group]))
+        tail += (n, *found.entry(h, m.group if parts is None else parts[m.group], pitch))
     tail += [handle(e) for e in events]
     program.build_staged(header, tail, found.piece_words * pieces, 3 * total)
     leave_state(h, plan, (sm, dmas), staging, events, pieces)
