@@ -103,6 +103,29 @@ def test_a_step_waits_for_its_oldest_job_when_the_queue_is_full() -> None:
         mover.close()
 
 
+def test_steps_that_wait_for_room_keep_every_job_they_submit_pending() -> None:
+    """A submit that waited for room still records its job as pending, so the next
+    step in that direction waits for it rather than finding the queue full with
+    nothing of its own to wait for (steps of a store and a load, room for one each)."""
+    handlers = [
+        FakeHandler(Medium.GPU, Medium.CPU, latency=0.0005),
+        FakeHandler(Medium.CPU, Medium.GPU, latency=0.0005),
+    ]
+    engine = SyncOffloadingEngine(handlers, capacity=1)
+    mover = _Mover(INSTANT, 1, 1, torch.device("cpu"), engine)
+    loads, stores = _specs(100)
+    try:
+        for load, store in zip(loads, stores, strict=True):
+            mover.move(load, 1, store=False)
+            mover.move(store, 1, store=True)
+            mover.poll()
+        mover.drain()
+        assert mover.queue_full > 0
+        assert len(handlers[0].completed) == len(handlers[1].completed) == 100
+    finally:
+        mover.close()
+
+
 def test_a_full_queue_with_nothing_of_the_step_pending_is_raised() -> None:
     """Backpressure the step cannot relieve (another caller's job fills the queue) is not
     waited out forever."""

@@ -272,7 +272,8 @@ class _Mover:
     def move(self, spec: TransferSpec | None, k: int, *, store: bool) -> None:
         """Submit this step's load (before the forward pass) or store (after it)."""
         if self.engine is not None and spec is not None:
-            self.pending.append((self._submit(self.engine, spec, store), store))
+            job = self._submit(self.engine, spec, store)  # may replace self.pending
+            self.pending.append((job, store))
         elif self.variant == FLOOR:
             side = 0 if store else 1
             stream = self.streams[side]
