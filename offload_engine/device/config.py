@@ -74,9 +74,9 @@ class DeviceHandlerConfig:
     staging_bytes: int = 256 << 20
     staging_buffers: int = 2
     dma_min_chunk_bytes: int = 512 << 10
-    dma_max_descriptors: int = 2048
+    dma_max_descriptors: int = 256
     dma_backlog_bytes: int = 128 << 20
-    dma_backlog_descriptors: int = 8192
+    dma_backlog_descriptors: int = 512
     streams: int | None = None
     max_inflight: int = 16
     close_timeout: float = 30.0
