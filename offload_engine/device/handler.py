@@ -317,6 +317,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             f"of {self.name} still waiting on device work (the device may be hung)",
         )
         self._staging = None
+        self._native_sets.clear()  # they hold the staging buffers and stream handles
         self._resources.clear()
         self._pool = []
 
