@@ -149,6 +149,13 @@ def test_layerwise_loads_under_preemption_and_aborts(workdir: Path) -> None:
         "--stats-path",
         str(stats_path),
         "--abort-round",
+        # stores slowed on the engine's worker, so a preempted request's store is
+        # still pending when vLLM reuses its blocks and must be flushed (with stores
+        # at full speed, whether one is still pending is a matter of timing)
+        "--spec-module",
+        "slow_store_spec",
+        "--spec-name",
+        "SlowStoreEngineOffloadingSpec",
         *PREEMPTING,
     )
     assert plain["metrics"]["vllm:num_preemptions"] > 0
