@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model),
-        dtype="float32",
+        dtype=args.dtype,
         block_size=32,
         num_gpu_blocks_override=args.gpu_blocks,
         gpu_memory_utilization=0.25,
@@ -151,6 +151,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--blocks-per-chunk", type=int, default=1)
     p.add_argument("--stats-path", default=None)
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
+    p.add_argument("--dtype", default="float32", help="vLLM's dtype (the model's weights)")
     p.add_argument("--gpu-blocks", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=4)

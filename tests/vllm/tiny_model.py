@@ -1,24 +1,27 @@
-"""A tiny random-weight Llama and a locally trained tokenizer, for vLLM's CPU backend.
+"""Tiny random-weight models and a locally trained tokenizer, for vLLM's CPU backend.
 
 Nothing is downloaded: the tokenizer is a word-level vocabulary trained on
 synthetic text, the weights are random (seeded). vLLM's CPU backend needs
-``head_dim >= 32``; the model has 2 layers, 2 KV heads of 32.
+``head_dim >= 32``. The Llama has 2 layers, 2 KV heads of 32. The DeepSeek-V2
+has 2 dense layers with multi-head latent attention (MLA): one 576-wide latent
+per token and layer (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, the only
+width vLLM's CPU MLA backend takes), in bf16 (the only dtype it takes).
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import Any
 
 WORDS = [f"w{i}" for i in range(400)]
 SPECIAL = ["<unk>", "<s>", "</s>", "<pad>"]
 
 
-def build_tiny_llama(out: Path, *, seed: int = 0) -> Path:
-    """Write ``config.json``, weights and tokenizer files into ``out``; return it."""
-    import torch
+def _tokenizer(out: Path, seed: int) -> Any:
+    """Train the word-level tokenizer, save it into ``out`` and return it."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
@@ -37,23 +40,69 @@ def build_tiny_llama(out: Path, *, seed: int = 0) -> Path:
         pad_token="<pad>",
     )
     fast.save_pretrained(out)
+    return fast
+
+
+def _common(fast: Any) -> dict[str, Any]:
+    return {
+        "vocab_size": len(fast),
+        "max_position_embeddings": 1024,
+        "bos_token_id": fast.bos_token_id,
+        "eos_token_id": fast.eos_token_id,
+        "pad_token_id": fast.pad_token_id,
+        "tie_word_embeddings": False,
+    }
+
+
+def build_tiny_llama(out: Path, *, seed: int = 0) -> Path:
+    """Write ``config.json``, weights and tokenizer files into ``out``; return it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    fast = _tokenizer(out, seed)
     config = LlamaConfig(
-        vocab_size=len(fast),
         hidden_size=128,
         intermediate_size=256,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=1024,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        tie_word_embeddings=False,
+        **_common(fast),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     model.save_pretrained(out)
+    return out
+
+
+def build_tiny_mla(out: Path, *, seed: int = 0) -> Path:
+    """A DeepSeek-V2 with MLA (see the module docstring) into ``out``; return it."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    fast = _tokenizer(out, seed)
+    config = DeepseekV2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        # every layer dense (the experts are never built, but the config wants them)
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=64,
+        **_common(fast),
+    )
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(config)
+    model.to(torch.bfloat16).save_pretrained(out)
     return out
 
 
