@@ -5,7 +5,9 @@ synthetic text, the weights are random (seeded). vLLM's CPU backend needs
 ``head_dim >= 32``. The Llama has 2 layers, 2 KV heads of 32. The DeepSeek-V2
 has 2 dense layers with multi-head latent attention (MLA): one 576-wide latent
 per token and layer (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, the only
-width vLLM's CPU MLA backend takes), in bf16 (the only dtype it takes).
+width vLLM's CPU MLA backend takes), in bf16 (the only dtype it takes). The
+Gemma-2 has 4 layers that alternate a 64-token sliding window and full
+attention, so vLLM gives its KV cache two groups (a hybrid model).
 """
 
 from __future__ import annotations
@@ -103,6 +105,28 @@ def build_tiny_mla(out: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     model = DeepseekV2ForCausalLM(config)
     model.to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def build_tiny_sliding(out: Path, *, seed: int = 0) -> Path:
+    """A Gemma-2 with sliding-window layers (see the module docstring) into ``out``."""
+    import torch
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    fast = _tokenizer(out, seed)
+    config = Gemma2Config(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        sliding_window=64,
+        **dict(_common(fast), tie_word_embeddings=True),  # vLLM's Gemma-2 ties them
+    )
+    torch.manual_seed(seed)
+    model = Gemma2ForCausalLM(config)
+    model.save_pretrained(out)
     return out
 
 
