@@ -155,7 +155,7 @@ def _rows() -> list[StepRow]:
                     slowdown = pct * n / 16 / 100
                     waits = 3 if (v == "auto" and n == 32) else 0
                     rows.append(StepRow(mode, stream, n, v, 4.0 * (1 + slowdown), slowdown,
-                                        0.4, layout, waits))  # fmt: skip
+                                        0.4, layout, waits, calls_us=100 + 10 * pct))  # fmt: skip
     return rows
 
 
@@ -165,8 +165,8 @@ def test_the_table_shows_the_layout_and_the_waits_for_room() -> None:
     assert "per-layer" in lines[0] and "cross-layer" in lines[-1]
     assert "waits for room" not in lines[0]
     [saturated] = [x for x in lines if "per-layer" in x and "eager" in x and " 32 blocks" in x]
-    assert "auto +4.0% (drain 0.4 ms, 3 waits for room)" in saturated
-    assert "dma +6.0% (drain 0.4 ms)" in saturated
+    assert "auto +4.0% (calls 120 us, drain 0.4 ms, 3 waits for room)" in saturated
+    assert "dma +6.0% (calls 130 us, drain 0.4 ms)" in saturated
 
 
 def test_the_step_figure_has_a_panel_per_layout_and_mode_and_draws_the_floor(

@@ -25,8 +25,10 @@ pass (eager: about 14 kernel launches per layer from Python; graph: one CUDA
 graph replay); submit the step's stores, which wait for the forward pass
 through the event the handler records at submit; wait for the compute stream
 (the sampler's sync); collect finished results without blocking. Step time is
-the wall time of all of that. Compute runs on the default stream or on a side
-stream (``torch.cuda.stream``), eager or as a CUDA graph.
+the wall time of all of that; *calls* is the part of it the step's thread spent
+in the submits (or the floor's copy calls) and the poll, which an eager step
+pays in full. Compute runs on the default stream or on a side stream
+(``torch.cuda.stream``), eager or as a CUDA graph.
 
 The moved blocks live in their own KV cache (32 layers, K and V, 8 x 128 bf16,
 16-token blocks: 2 MiB a block, as in ``bench_cuda.py``), in one of two layouts
@@ -134,6 +136,10 @@ class StepRow:
     #: the jobs per copy strategy they took (``auto`` decides per job), e.g.
     #: ``"dma:66,staged:0"``; empty for the variants that move no engine jobs
     taken: str = ""
+    #: median µs per step the step's own thread spent in the variant's calls (the
+    #: submits or copies, and the poll for results): CPU the step pays directly,
+    #: apart from what other threads take from it
+    calls_us: float = 0.0
 
     def as_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -440,24 +446,32 @@ def _run_steps(
     half: int,
 ) -> tuple[list[float], float, int]:
     """``steps`` timed steps (after 3 warm-up steps) on the current stream, then the drain:
-    the step times and the drain time, in seconds, and the submits that waited for room."""
-    samples = []
+    the step times, the time of the mover's calls in each step, and the drain time, in
+    seconds, and the submits that waited for room."""
+    samples, calls = [], []
     mover.queue_full = 0
+    clock = time.perf_counter
     for i in range(steps + 3):
         load = store = None
         if mover.engine is not None:
             load, store = _step_specs(rng, half, k)
-        t0 = time.perf_counter()
+        t0 = clock()
         mover.move(load, k, store=False)
+        t1 = clock()
         model.run(mode)
+        t2 = clock()
         mover.move(store, k, store=True)
+        t3 = clock()
         torch.cuda.current_stream().synchronize()
+        t4 = clock()
         mover.poll()
+        t5 = clock()
         if i >= 3:
-            samples.append(time.perf_counter() - t0)
-    t0 = time.perf_counter()
+            samples.append(t5 - t0)
+            calls.append((t1 - t0) + (t3 - t2) + (t5 - t4))
+    t0 = clock()
     mover.drain()
-    return samples, time.perf_counter() - t0, mover.queue_full
+    return samples, calls, clock() - t0, mover.queue_full
 
 
 def _warm_up(model: DecodeStep, plan: StepPlan, device: torch.device) -> None:
@@ -516,6 +530,7 @@ def _run_layout(
             side = torch.cuda.Stream(device=device) if stream_kind == "side" else None  # type: ignore[no-untyped-call]
             for k in plan.blocks:
                 samples: dict[str, list[float]] = {v: [] for v in variants}
+                calls: dict[str, list[float]] = {v: [] for v in variants}
                 drains: dict[str, list[float]] = {v: [] for v in variants}
                 waits = dict.fromkeys(variants, 0)
                 for v in variants:
@@ -524,10 +539,11 @@ def _run_layout(
                     for v in variants:
                         tick(f"step {name} {mode}/{stream_kind} {k} blocks {v}")
                         with torch.cuda.stream(side):  # None: the default stream
-                            times, drain, full = _run_steps(
+                            times, spent, drain, full = _run_steps(
                                 model, movers[v], mode, k, plan.steps, rng, half
                             )
                         samples[v] += times
+                        calls[v] += spent
                         drains[v].append(drain)
                         waits[v] += full
                 base = statistics.median(samples[BASELINE])
@@ -543,6 +559,7 @@ def _run_layout(
                         layout=name,
                         queue_full=waits[v],
                         taken=",".join(f"{n}:{c}" for n, c in sorted(movers[v].taken.items())),
+                        calls_us=statistics.median(calls[v]) * 1e6,
                     )
                     for v in variants
                 ]
@@ -566,7 +583,8 @@ def format_step_rows(rows: Sequence[StepRow]) -> list[str]:
         group = [r for r in rows if (r.layout, r.mode, r.stream, r.blocks) == key]
         base = next(r for r in group if r.variant == BASELINE)
         parts = [
-            f"{r.variant} {r.slowdown * 100:+.1f}% (drain {r.drain_ms:.1f} ms"
+            f"{r.variant} {r.slowdown * 100:+.1f}% (calls {r.calls_us:.0f} us, "
+            f"drain {r.drain_ms:.1f} ms"
             + (f", {r.queue_full} waits for room" if r.queue_full else "")
             + (f"; {r.taken}" if r.variant.startswith("auto") and r.taken else "")
             + ")"
