@@ -444,7 +444,7 @@ def _run_steps(
     steps: int,
     rng: np.random.Generator,
     half: int,
-) -> tuple[list[float], float, int]:
+) -> tuple[list[float], list[float], float, int]:
     """``steps`` timed steps (after 3 warm-up steps) on the current stream, then the drain:
     the step times, the time of the mover's calls in each step, and the drain time, in
     seconds, and the submits that waited for room."""
