@@ -24,8 +24,9 @@ passes (any order; they run in the order below):
   --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
   --step         a decode-like model step's slowdown while it stores and loads N = 4/16/32 blocks
                  each way (per-layer and cross-layer KV cache, eager and graph, default and side
-                 stream; the engine's auto and dma), against the same bytes as one contiguous copy
-                 (the floor); step.png: slowdown against N from this tree's rounds, floor drawn in
+                 stream; the engine's auto and dma, each also with submitter_launch and
+                 polled_completion), against the same bytes as one contiguous copy (the floor);
+                 step.png: slowdown against N from this tree's rounds, floor drawn in
   --gaps         the gaps between a Python thread's kernel launches while the engine keeps a
                  store and a load of 8/64/512 blocks in flight, against no engine
   --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
@@ -171,7 +172,7 @@ if [ -n "${WANT[cpu]:-}" ]; then
         --slots allocator,random
 fi
 if [ -n "${WANT[step]:-}" ]; then
-    bench_rounds step --passes step --tokens 16 --step-strategies auto,dma --launch-modes loop \
+    bench_rounds step --passes step --tokens 16 --step-strategies auto,dma --launch-modes loop,submitter-polled \
         --step-blocks 4,16,32 --step-layouts per-layer,cross-layer --step-steps 40 --reps 3
     step_json=("$OUTDIR"/step-tree-*.json)
     if [ -z "$DRY" ] && [ -e "${step_json[0]}" ]; then
