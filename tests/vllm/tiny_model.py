@@ -56,9 +56,20 @@ def _common(fast: Any) -> dict[str, Any]:
     }
 
 
+def _save_random(out: Path, model_cls: Any, config: Any, seed: int, *, bf16: bool = False) -> Path:
+    """Seeded random weights of ``model_cls(config)`` saved into ``out``; returns it."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    if bf16:
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(out)
+    return out
+
+
 def build_tiny_llama(out: Path, *, seed: int = 0) -> Path:
     """Write ``config.json``, weights and tokenizer files into ``out``; return it."""
-    import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     fast = _tokenizer(out, seed)
@@ -71,15 +82,11 @@ def build_tiny_llama(out: Path, *, seed: int = 0) -> Path:
         head_dim=32,
         **_common(fast),
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
-    model.save_pretrained(out)
-    return out
+    return _save_random(out, LlamaForCausalLM, config, seed)
 
 
 def build_tiny_mla(out: Path, *, seed: int = 0) -> Path:
     """A DeepSeek-V2 with MLA (see the module docstring) into ``out``; return it."""
-    import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
     fast = _tokenizer(out, seed)
@@ -102,15 +109,11 @@ def build_tiny_mla(out: Path, *, seed: int = 0) -> Path:
         moe_intermediate_size=64,
         **_common(fast),
     )
-    torch.manual_seed(seed)
-    model = DeepseekV2ForCausalLM(config)
-    model.to(torch.bfloat16).save_pretrained(out)
-    return out
+    return _save_random(out, DeepseekV2ForCausalLM, config, seed, bf16=True)
 
 
 def build_tiny_sliding(out: Path, *, seed: int = 0) -> Path:
     """A Gemma-2 with sliding-window layers (see the module docstring) into ``out``."""
-    import torch
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
     fast = _tokenizer(out, seed)
@@ -124,10 +127,7 @@ def build_tiny_sliding(out: Path, *, seed: int = 0) -> Path:
         sliding_window=64,
         **dict(_common(fast), tie_word_embeddings=True),  # vLLM's Gemma-2 ties them
     )
-    torch.manual_seed(seed)
-    model = Gemma2ForCausalLM(config)
-    model.save_pretrained(out)
-    return out
+    return _save_random(out, Gemma2ForCausalLM, config, seed)
 
 
 def make_prompts(count: int, words: int, *, seed: int = 1) -> list[str]:
