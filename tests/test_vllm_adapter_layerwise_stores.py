@@ -123,7 +123,9 @@ def test_each_part_goes_out_after_its_layers_and_stores_their_computed_bytes(
     assert set(results) == {1, 2}  # one result per store, not one per part
     assert results[1].success and results[1].bytes_moved == 2 * layout.slot_bytes
     assert results[2].success and results[2].bytes_moved == layout.slot_bytes
-    assert bridge.stats()["adapter"]["stores_submitted"] == 2
+    adapter = bridge.stats()["adapter"]
+    assert adapter["stores_submitted"] == 2
+    assert (adapter["store_parts_at_layer"], adapter["store_parts_at_step_end"]) == (6, 0)
     read_back(bridge, [3, 4, 5], [6, 7, 5])
     for t in range(LAYERS):
         for b, back in ((0, 6), (1, 7), (2, 5)):
@@ -147,6 +149,7 @@ def test_finish_step_submits_the_parts_no_layer_reached(
     assert bridge.get_finished() == []
     stores.finish_step()
     assert calls == [(3, (0, 1, 2, 3)), (3, (4, 5))]
+    assert bridge.stats()["adapter"]["store_parts_at_step_end"] == 2
     bridge.wait([3])
     [result] = bridge.get_finished()
     assert result.job_id == 3 and result.success

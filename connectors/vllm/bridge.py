@@ -162,6 +162,9 @@ class EngineBridge:
             "waits": 0,
             "waited_jobs": 0,
         }
+        #: counters of the layers above (layer-wise stores), written by the worker's
+        #: thread and copied into :meth:`stats`; their keys are set before serving
+        self.counters: dict[str, int] = {}
         self._shut_down = False
         # jobs sent in parts: each job's state, and the job each engine part belongs to
         self._layered: dict[int, _Layered] = {}
@@ -492,7 +495,9 @@ class EngineBridge:
             bytes_loaded=snapshot.bytes_loaded,
         )
         with self._cond:
-            adapter = dict(self._counts, live_jobs=len(self._live), stashed=len(self._stash))
+            adapter = dict(
+                self._counts, live_jobs=len(self._live), stashed=len(self._stash), **self.counters
+            )
         return {"engine": engine_stats, "adapter": adapter}
 
     def shutdown(self) -> None:

@@ -213,6 +213,9 @@ class LayerwiseStores:
         self._jobs: list[StoreJob] | None = None  # this step's, from start to finish_step
         self._saved: list[set[str]] = []
         self._sent: list[bool] = []
+        # parts submitted once their layers were saved, and by finish_step (in the
+        # bridge's stats, so a run shows which path its stores took)
+        bridge.counters.update(store_parts_at_layer=0, store_parts_at_step_end=0)
 
     @property
     def open(self) -> bool:
@@ -240,7 +243,7 @@ class LayerwiseStores:
         saved = self._saved[part]
         saved.add(layer_name)
         if len(saved) == len(self._layers[part]):
-            self._submit(part)
+            self._submit(part, "store_parts_at_layer")
 
     def finish_step(self) -> None:
         """The forward pass is over: submit every part no layer completed (a model
@@ -249,12 +252,14 @@ class LayerwiseStores:
             return
         for part in range(self.plan.parts):
             if not self._sent[part]:
-                self._submit(part)
+                self._submit(part, "store_parts_at_step_end")
         self._jobs = None
 
-    def _submit(self, part: int) -> None:
+    def _submit(self, part: int, counter: str) -> None:
         self._sent[part] = True
+        jobs = self._jobs or []
+        self.bridge.counters[counter] += len(jobs)
         tensors = self.plan.tensor_sets[part]
-        for job_id, cache_ids, sizes, indices, tier_ids in self._jobs or ():
+        for job_id, cache_ids, sizes, indices, tier_ids in jobs:
             # a refusal is logged by the bridge and fails the job's result
             self.bridge.submit_part(job_id, cache_ids, sizes, indices, tier_ids, tensors)
