@@ -3,14 +3,11 @@ variant run, every field filled, the layer-wise stores checked byte for byte."""
 
 from __future__ import annotations
 
-import ctypes
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import torch
 
-from offload_engine.bench.ttft import TtftBench, TtftDevice, TtftPlan, TtftShape
+from offload_engine.bench.ttft import TtftBench, TtftPlan
 from offload_engine.bench.ttft_stores import (
     StoreBench,
     format_store_rows,
@@ -21,49 +18,17 @@ from offload_engine.bench.ttft_stores import (
 from offload_engine.errors import ConfigError
 from offload_engine.testing import FakeRuntime
 from offload_engine.vocabulary import Direction
+from tests.test_bench_ttft import SHAPE, CorruptingRuntime, fake, fake_device
 
-SHAPE = TtftShape(
-    layers=4,
-    hidden=64,
-    intermediate=128,
-    heads=4,
-    kv_heads=2,
-    head_dim=32,
-    block_tokens=16,
-    dtype=torch.float32,
-)
+__all__ = ["fake"]  # the fixture, shared with the TTFT pass's tests
+
 PLAN = TtftPlan(shape=SHAPE, hits=(64,), new=(16, 32), layers_per_load=(1, 3), reps=2)
 
 
-def fake_device(runtime: FakeRuntime) -> TtftDevice:
-    return TtftDevice(
-        runtime,
-        runtime.empty,
-        launch=lambda work: runtime.enqueue(runtime.current_stream(), work),
-    )
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeRuntime]:
-    runtime = FakeRuntime()
-    yield runtime
-    runtime.close()
-
-
-class CorruptingStores(FakeRuntime):
+class CorruptingStores(CorruptingRuntime):
     """Flips the first byte of every device-to-host batched copy after it lands."""
 
-    def memcpy_batch(self, stream: Any, dst: Any, src: Any, sizes: Any, kind: Direction) -> int:
-        calls = super().memcpy_batch(stream, dst, src, sizes, kind)
-        if kind is Direction.STORE:
-            first = int(dst[0])
-
-            def flip() -> None:
-                byte = ctypes.c_ubyte.from_address(first)
-                byte.value ^= 0xFF
-
-            stream.enqueue(flip)
-        return calls
+    corrupts = Direction.STORE
 
 
 def test_the_pass_runs_every_variant_and_checks_the_stores(fake: FakeRuntime) -> None:

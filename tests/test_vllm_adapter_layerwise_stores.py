@@ -10,7 +10,6 @@ any part failed or was refused.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -26,42 +25,14 @@ from offload_engine import (
 from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.layerwise import LayerPlan, LayerwiseStores
 from offload_engine.device import make_device_handlers, pinned_host_tier
-from offload_engine.host.layout import byte_view
 from offload_engine.testing import FakeRuntime, build_layout
+from tests.test_vllm_adapter_layerwise import LAYERS, addresses, bridge, fake, names, region
 
-LAYERS = 6
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeRuntime]:
-    runtime = FakeRuntime()
-    yield runtime
-    runtime.close()
-
-
-@pytest.fixture
-def bridge(fake: FakeRuntime) -> Iterator[EngineBridge]:
-    layout = build_layout("flashinfer", fake.empty, num_blocks=8, num_layers=LAYERS, seed=5)
-    tier = pinned_host_tier(fake, layout, 8)
-    engine = SyncOffloadingEngine(list(make_device_handlers(fake, layout, tier)))
-    made = EngineBridge(engine, Medium.GPU, tier=tier, layout=layout)
-    yield made
-    made.shutdown()
-
-
-def names(n: int) -> list[str]:
-    return [f"model.layers.{i}.self_attn.attn" for i in range(n)]
+__all__ = ["bridge", "fake"]  # the fixtures, shared with the layer-wise loads' tests
 
 
 def plan_of(layout: KVLayout, per: int) -> LayerPlan:
-    layers = zip(names(len(layout.tensors)), layout.tensors, strict=True)
-    return LayerPlan.build(layout, {n: t.data_ptr() for n, t in reversed(list(layers))}, per)
-
-
-def region(layout: KVLayout, tensor: int, block: int) -> Any:
-    [r] = [r for r in layout.groups[0] if r.tensor == tensor]
-    start = r.offset + block * r.stride
-    return byte_view(layout.tensors[tensor])[start : start + r.size]
+    return LayerPlan.build(layout, addresses(layout), per)
 
 
 def computed(layer: int, block: int) -> int:

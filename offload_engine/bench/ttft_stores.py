@@ -41,10 +41,15 @@ import numpy as np
 import torch
 
 from offload_engine import TransferSpec, cpu_blocks, gpu_blocks
-from offload_engine.bench import first_failure
-from offload_engine.bench.ttft import POISON, TtftBench, TtftDevice, TtftPlan
+from offload_engine.bench.ttft import (
+    POISON,
+    TtftBench,
+    TtftDevice,
+    TtftPlan,
+    check_results,
+    timed_rounds,
+)
 from offload_engine.errors import ConfigError
-from offload_engine.vocabulary import TransferResult
 
 #: the prefill alone, and the store of every new block after it
 COMPUTE, AFTER = "C", "s1"
@@ -59,12 +64,6 @@ def store_ticks(plan: TtftPlan) -> int:
     """How many times :func:`run_store_pass` calls ``tick``."""
     cells = len(plan.hits) * len(plan.new)
     return cells * ((plan.reps + 1) * len(store_variants(plan)) + len(plan.layers_per_load))
-
-
-def _check(results: Sequence[TransferResult]) -> None:
-    error = first_failure(results)
-    if error is not None:
-        raise error
 
 
 class StoreBench:
@@ -110,7 +109,7 @@ class StoreBench:
         b.runtime.synchronize(end)
         prefill = time.perf_counter() - t0
         if jobs:
-            _check(engine.wait(jobs))
+            check_results(engine.wait(jobs))
         return prefill, time.perf_counter() - t0
 
     def _poison(self, fresh: np.ndarray[Any, Any]) -> None:
@@ -131,7 +130,7 @@ class StoreBench:
         self._poison(fresh)
         engine = b._engine()
         load = TransferSpec(cpu_blocks(np.arange(len(fresh))), gpu_blocks(fresh))
-        _check(engine.wait([engine.submit(load)]))
+        check_results(engine.wait([engine.submit(load)]))
         n = len(fresh)
         bad = torch.zeros(n, dtype=torch.bool, device=ids.device)
         for t, ref in zip(b.cache, want, strict=True):
@@ -197,15 +196,13 @@ def run_store_pass(
                 for g in plan.layers_per_load:
                     tick(f"stores H {hit} N {new} check G={g}")
                     mismatches[g] = stores.mismatched(hit, new, g)
-                samples: dict[str, list[tuple[float, float]]] = {
-                    v: [] for v in store_variants(plan)
-                }
-                for rep in range(plan.reps + 1):
-                    for v in store_variants(plan):
-                        tick(f"stores H {hit} N {new} {v}")
-                        seconds = stores.run(v, hit, new)
-                        if rep:
-                            samples[v].append(seconds)
+                samples = timed_rounds(
+                    store_variants(plan),
+                    plan.reps,
+                    partial(stores.run, hit=hit, new=new),
+                    tick,
+                    f"stores H {hit} N {new}",
+                )
                 rows.append(_row(plan, hit, new, samples, mismatches))
         return rows
     finally:
