@@ -10,9 +10,12 @@ any part failed or was refused.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import pytest
+import torch
 
 from offload_engine import (
     Direction,
@@ -24,8 +27,8 @@ from offload_engine import (
 )
 from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.layerwise import LayerPlan, LayerwiseStores
-from offload_engine.device import make_device_handlers, pinned_host_tier
-from offload_engine.testing import FakeRuntime, build_layout
+from offload_engine.device import DeviceHandlerConfig, make_device_handlers, pinned_host_tier
+from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout
 from tests.test_vllm_adapter_layerwise import LAYERS, addresses, bridge, fake, names, region
 
 __all__ = ["bridge", "fake"]  # the fixtures, shared with the layer-wise loads' tests
@@ -209,3 +212,89 @@ def test_a_one_part_plan_stores_the_whole_block_once_every_layer_is_saved(
         assert result.success and result.bytes_moved == layout.slot_bytes
     finally:
         bridge.shutdown()
+
+
+def layerwise_store_race(
+    runtime: Any,
+    layout: KVLayout,
+    *,
+    per_part: int,
+    on_stream: Callable[[Callable[[], None]], None],
+    hold: Callable[[], None],
+    release: Callable[[], None],
+) -> None:
+    """Layer-wise stores of the first half of ``layout``'s blocks, each layer's KV written
+    by work ``on_stream`` (the model's stream) that ``hold`` keeps back until every part
+    is submitted and ``release`` lets go; loaded back over poison into the second half,
+    every layer must hold the bytes its compute wrote. Shared with the GPU tests."""
+    groups = len(layout.groups)
+    n = layout.num_blocks // (2 * groups)
+    src, dst = list(range(n * groups)), list(range(n * groups, 2 * n * groups))
+    sizes, first = (n,) * groups, (0,) * groups
+    device = layout.tensors[0].device
+    tier = pinned_host_tier(runtime, layout, n * groups)
+    handlers = make_device_handlers(runtime, layout, tier, DeviceHandlerConfig(max_inflight=64))
+    bridge = EngineBridge(
+        SyncOffloadingEngine(list(handlers)), Medium.GPU, tier=tier, layout=layout
+    )
+
+    def views(tensor: int, blocks: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        out = []
+        for g in range(groups):
+            index = torch.tensor(blocks[g * n : (g + 1) * n], device=device)
+            for view, r in zip(layout.region_views(g), layout.groups[g], strict=True):
+                if r.tensor == tensor:
+                    out.append((view, index))
+        return out
+
+    def compute(tensor: int) -> None:  # layer ``tensor`` writes its KV of the new blocks
+        for view, index in views(tensor, src):
+            view[index] = 0x10 + tensor
+
+    try:
+        names = [f"model.layers.{t}.attn" for t in range(len(layout.tensors))]
+        found = {name: t.data_ptr() for name, t in zip(names, layout.tensors, strict=True)}
+        stores = LayerwiseStores(bridge, LayerPlan.build(layout, found, per_part))
+        stores.start([(1, src, sizes, first, list(range(n * groups)))])
+        hold()
+        for t, name in enumerate(names):
+            on_stream(partial(compute, t))
+            stores.saved(name)
+        release()
+        stores.finish_step()
+        bridge.wait([1])
+        [stored] = bridge.get_finished()
+        assert stored.job_id == 1 and stored.success, stored.error
+        for t in range(len(layout.tensors)):
+            for view, index in views(t, dst):
+                view[index] = 0xA5
+        assert bridge.submit_load(2, list(range(n * groups)), dst, sizes, first)
+        bridge.wait([2])
+        [loaded] = bridge.get_finished()
+        assert loaded.success, loaded.error
+        wrong = [
+            t
+            for t in range(len(layout.tensors))
+            for view, index in views(t, dst)
+            if not bool((view.index_select(0, index) == 0x10 + t).all())
+        ]
+        assert wrong == [], f"layers stored before their compute: {wrong}"
+    finally:
+        bridge.shutdown()
+
+
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("per_part", [1, 2])
+def test_every_layout_stores_each_layer_after_its_compute(
+    fake: FakeRuntime, kind: str, per_part: int
+) -> None:
+    layout = build_layout(kind, fake.empty, num_blocks=8, num_layers=4, seed=per_part)
+    gate = threading.Event()
+    layerwise_store_race(
+        fake,
+        layout,
+        per_part=per_part,
+        on_stream=lambda work: fake.enqueue(fake.compute, work),
+        hold=lambda: fake.enqueue(fake.compute, lambda: gate.wait(10)),
+        release=gate.set,
+    )
