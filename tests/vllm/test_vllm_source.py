@@ -283,6 +283,11 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
         "request_finished_all_groups": ["self", "request", "block_ids"],
     }.items():
         assert params(method(connector, name)) == args, name
+    # store_mode layerwise replaces wait_for_save, which does nothing but defer the stores
+    work = [n for n in method(connector, "wait_for_save").body if not isinstance(n, ast.Assert)]
+    assert [ast.unparse(n) for n in work] == [
+        "self.connector_worker.prepare_store_kv(self._connector_metadata)"
+    ]
     worker = cls(module(src, f"{base}.offloading.worker"), "OffloadingConnectorWorker")
     assert params(method(worker, "start_kv_transfers")) == ["self", "metadata"]
     assert {"_connector_worker_meta", "_is_store_writer"} <= self_assigned(
