@@ -237,8 +237,10 @@ class LayerwiseStores:
         """``layer_name`` is computed (its KV written): submit its part if that was the
         part's last layer to be computed. A name not in the plan waits for
         :meth:`finish_step`."""
+        if not self._jobs:  # no step open, or a step with nothing to store
+            return
         part = self.plan.part_of.get(layer_name)
-        if self._jobs is None or part is None or self._sent[part]:
+        if part is None or self._sent[part]:
             return
         saved = self._saved[part]
         saved.add(layer_name)
