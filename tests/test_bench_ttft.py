@@ -35,11 +35,14 @@ PLAN = TtftPlan(shape=SHAPE, hits=(64,), new=(16, 32), layers_per_load=(1, 3), r
 
 
 class CorruptingRuntime(FakeRuntime):
-    """Flips the first byte of every host-to-device batched copy after it lands."""
+    """Flips the first byte of every batched copy of direction ``corrupts`` (host to
+    device) after it lands."""
+
+    corrupts = Direction.LOAD
 
     def memcpy_batch(self, stream: Any, dst: Any, src: Any, sizes: Any, kind: Direction) -> int:
         calls = super().memcpy_batch(stream, dst, src, sizes, kind)
-        if kind is Direction.LOAD:
+        if kind is self.corrupts:
             first = int(dst[0])
 
             def flip() -> None:

@@ -354,6 +354,8 @@ def test_bench_output_dir_that_is_a_file_is_a_clear_error(
             ["bench", "--tier", "disk", "--backend", "redis"],
             "--backend is for --tier remote, not --tier disk",
         ),
+        (["bench", "--device", "cpu", "--ttft-stores"], "--ttft-stores is a GPU pass"),
+        (["bench", "--tier", "disk", "--ttft-stores"], "--ttft-stores is a GPU pass"),
     ],
 )
 def test_bad_usage_exits_2_with_usage(

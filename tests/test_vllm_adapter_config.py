@@ -125,6 +125,9 @@ def test_missing_cpu_bytes_names_the_key() -> None:
         ("load_mode", 1),
         ("layers_per_load", 0),
         ("layers_per_load", "all"),
+        ("store_mode", "eager"),
+        ("store_mode", "async"),
+        ("store_mode", 1),
     ],
 )
 def test_invalid_value_names_the_key(key: str, value: Any) -> None:
@@ -172,3 +175,12 @@ def test_layerwise_load_mode_needs_engine_connector() -> None:
     )
     assert (cfg.load_mode, cfg.layers_per_load) == ("layerwise", 4)
     assert parse_extra_config(BASE).load_mode == "async"
+
+
+def test_layerwise_store_mode_needs_engine_connector() -> None:
+    with pytest.raises(ConfigError, match=r"\['store_mode'\]='layerwise' needs .*EngineConnector"):
+        parse_extra_config({**BASE, "store_mode": "layerwise"})
+    cfg = parse_extra_config({**BASE, "store_mode": "layerwise", ENGINE_CONNECTOR_KEY: True})
+    assert (cfg.store_mode, cfg.load_mode) == ("layerwise", "async")
+    assert parse_extra_config(BASE).store_mode == "step"
+    assert parse_extra_config({**BASE, "store_mode": "step"}).store_mode == "step"

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from offload_engine import KVLayout, Medium, SyncOffloadingEngine
 from offload_engine.connectors.vllm.bridge import EngineBridge
@@ -84,12 +85,15 @@ def test_layers_in_one_tensor_load_as_one_part(fake: FakeRuntime) -> None:
     assert other.tensor_sets == (None,)
 
 
-def block_bytes(layout: KVLayout, tensor: int, block: int) -> bytes:
+def region(layout: KVLayout, tensor: int, block: int) -> torch.Tensor:
+    """The bytes of cache block ``block`` in ``layout.tensors[tensor]`` (a view)."""
     [r] = [r for r in layout.groups[0] if r.tensor == tensor]
-    base = byte_view(layout.tensors[tensor])
-    return (
-        base[r.offset + block * r.stride : r.offset + block * r.stride + r.size].numpy().tobytes()
-    )
+    start = r.offset + block * r.stride
+    return byte_view(layout.tensors[tensor])[start : start + r.size]
+
+
+def block_bytes(layout: KVLayout, tensor: int, block: int) -> bytes:
+    return bytes(region(layout, tensor, block).numpy().tobytes())
 
 
 def test_each_layer_wait_orders_that_layer_before_the_compute_stream(

@@ -36,6 +36,12 @@ layer (one job per ``--ttft-layers-per-load`` layers, the compute stream waiting
 each part's fence), recompute, the load alone and the compute alone
 (:mod:`offload_engine.bench.ttft` documents it); the layer-wise loads are checked
 bit-exact first, and a mismatch makes the script exit 1.
+Pass ``ttft-stores``: the same prefill (H tokens in the cache, N new) with its new
+blocks stored into the pinned tier, after the forward pass (s1) or one job per
+``--ttft-layers-per-load`` layers as they finish (s2): the prefill's time with the
+stores in flight against the prefill alone, and the time until the last store is done
+(:mod:`offload_engine.bench.ttft_stores` documents it); the layer-wise stores are
+checked bit-exact first, and a mismatch makes the script exit 1.
 """
 
 from __future__ import annotations
@@ -554,6 +560,25 @@ def pass_ttft(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict
     return found
 
 
+def pass_ttft_stores(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from offload_engine.bench.cuda import run_cuda_ttft
+    from offload_engine.bench.ttft import TtftPlan
+    from offload_engine.bench.ttft_stores import format_store_rows
+
+    base = TtftPlan.quick() if args.quick else TtftPlan()
+    plan = TtftPlan(
+        hits=tuple(args.ttft_hits) or base.hits,
+        new=tuple(args.ttft_new) or base.new,
+        layers_per_load=tuple(args.ttft_layers_per_load),
+        reps=args.reps,
+    )
+    found = run_cuda_ttft(plan, tick=lambda what: None, stores=True)
+    rows += [{"pass": "ttft-stores", **r} for r in found]
+    for line in format_store_rows(found):
+        print(f"  {line}", flush=True)
+    return found
+
+
 def _ints(text: str | None) -> list[int]:
     return [int(t) for t in text.split(",")] if text else []
 
@@ -563,7 +588,11 @@ def main() -> int:
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--quick", action="store_true", help="fewer bytes per measurement")
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--passes", default="bandwidth,gemm,cpu,step")
+    parser.add_argument(
+        "--passes",
+        default="bandwidth,gemm,cpu,step",
+        help="comma-separated: bandwidth, gemm, cpu, step, gaps, ttft, ttft-stores",
+    )
     parser.add_argument("--per-job", default="8,32,512", help="blocks per job (bandwidth pass)")
     parser.add_argument(
         "--strategies", default="dma,staged,kernel", help="bandwidth and cpu passes"
@@ -625,7 +654,9 @@ def main() -> int:
     )
     parser.add_argument("--tokens", default="16,64", help="block sizes to run")
     parser.add_argument(
-        "--ttft-hits", default=None, help="ttft pass: prefix-hit tokens H (default 2048,8192,32768)"
+        "--ttft-hits",
+        default=None,
+        help="ttft and ttft-stores passes: prefix tokens H (default 2048,8192,32768)",
     )
     parser.add_argument(
         "--ttft-new", default=None, help="ttft pass: new tokens N (default 128,512,2048)"
@@ -633,7 +664,7 @@ def main() -> int:
     parser.add_argument(
         "--ttft-layers-per-load",
         default="1,4,8",
-        help="ttft pass: layers per layer-wise load job (G), one variant each",
+        help="ttft and ttft-stores passes: layers per layer-wise job (G), one variant each",
     )
     parser.add_argument("--gap-blocks", default="8,64,512", help="gaps pass: blocks per job")
     parser.add_argument(
@@ -674,6 +705,9 @@ def main() -> int:
     ttft: list[dict[str, Any]] = []
     if "ttft" in passes:
         ttft = pass_ttft(args, rows)
+    stores: list[dict[str, Any]] = []
+    if "ttft-stores" in passes:
+        stores = pass_ttft_stores(args, rows)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -723,7 +757,13 @@ def main() -> int:
         print("\ntime to first token (ttft pass)")
         for line in format_ttft_rows(ttft):
             print(f"  {line}")
-    return 1 if any(r["errors"] for r in ttft) else 0
+    if stores:
+        from offload_engine.bench.ttft_stores import format_store_rows
+
+        print("\nstores of a prefill's new blocks (ttft-stores pass)")
+        for line in format_store_rows(stores):
+            print(f"  {line}")
+    return 1 if any(r["errors"] for r in [*ttft, *stores]) else 0
 
 
 if __name__ == "__main__":

@@ -91,16 +91,21 @@ def _job_id(job_id: object) -> int:
 #: Seconds between the stats file's snapshots while serving (see :meth:`EngineBridge.get_finished`).
 STATS_INTERVAL_S = 2.0
 
-#: Engine ids of layer-wise loads' parts count up from here, far above vLLM's job ids
-#: (a counter from 0 per scheduler), so the two never meet.
+#: Engine ids of the parts of a job sent in parts count up from here, far above vLLM's
+#: job ids (a counter from 0 per scheduler), so the two never meet.
 _FIRST_PART_ID = 1 << 62
 
 
 @dataclasses.dataclass
 class _Layered:
-    """A layer-wise load while its parts are out: what has come back so far."""
+    """A job sent to the engine in parts (a layer-wise load or store): how many parts it
+    has, how many were handed in and came back, and what came back so far."""
 
-    pending: set[int] = dataclasses.field(default_factory=set)
+    direction: Direction
+    parts: int
+    submitted: int = 0  # parts handed to submit_part
+    done: int = 0  # parts whose result came back or that the engine refused
+    pending: set[int] = dataclasses.field(default_factory=set)  # parts in the engine
     nbytes: int = 0
     seconds: float = 0.0
     latency: float = 0.0
@@ -157,8 +162,11 @@ class EngineBridge:
             "waits": 0,
             "waited_jobs": 0,
         }
+        #: counters of the layers above (layer-wise stores), written by the worker's
+        #: thread and copied into :meth:`stats`; their keys are set before serving
+        self.counters: dict[str, int] = {}
         self._shut_down = False
-        # layer-wise loads: each load's state, and the load each engine part belongs to
+        # jobs sent in parts: each job's state, and the job each engine part belongs to
         self._layered: dict[int, _Layered] = {}
         self._part_of: dict[int, int] = {}
         self._next_part = _FIRST_PART_ID
@@ -211,49 +219,83 @@ class EngineBridge:
         tensor), each with a :class:`JobFence`, returned in that order.
 
         The parts report as one result under ``job_id`` once all are done, failed if
-        any failed. A part the engine refuses is logged, and its fence is already
-        finished with the error, so its wait raises instead of passing."""
+        any failed (see :meth:`open_parts`). A part the engine refuses is logged, and
+        its fence is already finished with the error, so its wait raises instead of
+        passing."""
         job_id = _job_id(job_id)
+        self.open_parts(job_id, Direction.LOAD, len(tensor_sets))
         fences: list[JobFence] = []
-        parts: list[int] = []
-        with self._cond:
-            state = _Layered()
-            self._layered[job_id] = state
         for tensors in tensor_sets:
             fence = JobFence()
             fences.append(fence)
-            with self._cond:
-                part = self._next_part
-                self._next_part += 1
-            refused = self._try_submit(
-                part,
-                Direction.LOAD,
-                cache_ids,
-                group_sizes,
-                block_indices,
-                tier_ids,
-                tensors=tensors,
-                fence=fence,
-                counted=False,
+            refused = self.submit_part(
+                job_id, cache_ids, group_sizes, block_indices, tier_ids, tensors, fence=fence
             )
             if refused is not None:
                 fence.finished(refused)
-                with self._cond:
-                    state.error = state.error or refused
-                continue
-            parts.append(part)
-        with self._cond:
-            self._counts["loads_submitted"] += 1
-            if parts:
-                state.pending.update(parts)
-                for part in parts:
-                    self._part_of[part] = job_id
-            else:
-                # nothing reached the engine: the job's failed result goes out next
-                del self._layered[job_id]
-                error = state.error or InvalidTransferError("no layer part to load")
-                self._stash.append((TransferResult(job_id, False, 0, 0.0, error), Direction.LOAD))
         return fences
+
+    def open_parts(self, job_id: int, direction: Direction, parts: int) -> None:
+        """Announce ``job_id`` as ``parts`` engine jobs, each handed in later by
+        :meth:`submit_part` (as the forward pass reaches its layers, say). They report
+        as ONE result under ``job_id`` once every part came back, failed if any part
+        failed or was refused; until then no part's result is handed out.
+
+        :meth:`wait` on ``job_id`` waits for the parts handed in so far: a caller
+        that waits on such a job hands in all of its parts first."""
+        job_id = _job_id(job_id)
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise InvalidTransferError(f"a job has at least one part, got {parts!r}")
+        with self._cond:
+            if job_id in self._layered or job_id in self._live:
+                raise InvalidTransferError(f"job {job_id} is already out")
+            self._layered[job_id] = _Layered(direction, parts)
+            self._counts[f"{direction.value}s_submitted"] += 1
+
+    def submit_part(
+        self,
+        job_id: int,
+        cache_ids: IdsLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        tier_ids: IdsLike,
+        tensors: tuple[int, ...] | None,
+        *,
+        fence: JobFence | None = None,
+    ) -> OffloadError | None:
+        """Hand the engine the next part of ``job_id`` (see :meth:`open_parts`): the
+        blocks' regions in the KV tensors ``tensors`` (None: all), in the direction the
+        job was opened with. None once the engine took it; if the engine refused it,
+        the typed error (logged), and the part counts as failed. A part past the
+        announced number, or of a job not opened, raises :class:`InvalidTransferError`."""
+        job_id = _job_id(job_id)
+        with self._cond:
+            state = self._layered.get(job_id)
+            if state is None or state.submitted >= state.parts:
+                raise InvalidTransferError(
+                    f"job {job_id} has no part left to submit"
+                    + ("" if state is None else f" (all {state.parts} were)")
+                )
+            state.submitted += 1
+            part = self._next_part
+            self._next_part += 1
+        refused = self._try_submit(
+            part,
+            state.direction,
+            cache_ids,
+            group_sizes,
+            block_indices,
+            tier_ids,
+            tensors=tensors,
+            fence=fence,
+            parent=job_id,
+        )
+        if refused is not None:
+            with self._cond:
+                whole = self._fold(job_id, TransferResult(part, False, 0, 0.0, refused))
+                if whole is not None:  # it was the last part out: the job's result is next
+                    self._stash.append((whole, state.direction))
+        return refused
 
     def _try_submit(
         self,
@@ -266,9 +308,10 @@ class EngineBridge:
         *,
         tensors: tuple[int, ...] | None = None,
         fence: JobFence | None = None,
-        counted: bool = True,
+        parent: int | None = None,
     ) -> OffloadError | None:
-        """Submit one engine job; the typed error (logged) if the engine refused it."""
+        """Submit one engine job (a part of job ``parent``, if given); the typed error
+        (logged) if the engine refused it."""
         try:
             cache = CacheBlocks(
                 self._cache_medium,
@@ -284,8 +327,11 @@ class EngineBridge:
             with self._cond:
                 self._engine.submit_nowait(spec, job_id=job_id)
                 self._live[job_id] = direction
-                if counted:
+                if parent is None:
                     self._counts[f"{direction.value}s_submitted"] += 1
+                else:
+                    self._part_of[job_id] = parent
+                    self._layered[parent].pending.add(job_id)
         except OffloadError as exc:
             # vLLM's interface has only a bool here (and asserts on it): say why first.
             with self._cond:
@@ -343,7 +389,7 @@ class EngineBridge:
         if parent is not None:
             whole = self._fold(parent, result)
             if whole is None:
-                return  # more parts of the layer-wise load are out
+                return  # more parts of the job are out, or not handed in yet
             result = whole
         self._counts["results_delivered"] += 1
         if not result.success:
@@ -359,15 +405,17 @@ class EngineBridge:
         out.append(result)
 
     def _fold(self, parent: int, part: TransferResult) -> TransferResult | None:
-        """Add a layer part's result to its load; the load's result once every part is in."""
+        """Add a part's result (or refusal) to its job; the job's result once every
+        announced part is in. Called with the lock held."""
         state = self._layered[parent]
         state.pending.discard(part.job_id)
+        state.done += 1
         state.nbytes += part.bytes_moved
         state.seconds = max(state.seconds, part.seconds)
         state.latency = max(state.latency, part.latency)
         if not part.success and state.error is None:
             state.error = part.error
-        if state.pending:
+        if state.done < state.parts:
             return None
         del self._layered[parent]
         ok = state.error is None
@@ -385,7 +433,7 @@ class EngineBridge:
         with self._cond:
             self._counts["waits"] += 1
             layered = self._layered
-            if layered:  # a layer-wise load is waited on through its parts
+            if layered:  # a job sent in parts is waited on through those handed in
                 ids = [p for j in ids for p in (layered[j].pending if j in layered else (j,))]
         while True:
             with self._cond:
@@ -447,7 +495,9 @@ class EngineBridge:
             bytes_loaded=snapshot.bytes_loaded,
         )
         with self._cond:
-            adapter = dict(self._counts, live_jobs=len(self._live), stashed=len(self._stash))
+            adapter = dict(
+                self._counts, live_jobs=len(self._live), stashed=len(self._stash), **self.counters
+            )
         return {"engine": engine_stats, "adapter": adapter}
 
     def shutdown(self) -> None:

@@ -29,11 +29,17 @@ LoadMode: TypeAlias = Literal["async", "layerwise"]
 #: Values of ``load_mode`` (read by :class:`~offload_engine.connectors.vllm.EngineConnector`).
 LOAD_MODES: tuple[LoadMode, ...] = ("async", "layerwise")
 
+StoreMode: TypeAlias = Literal["step", "layerwise"]
+
+#: Values of ``store_mode`` (read by :class:`~offload_engine.connectors.vllm.EngineConnector`).
+STORE_MODES: tuple[StoreMode, ...] = ("step", "layerwise")
+
 #: ``layers_per_load``'s default: the KV tensors (layers) one part of a layer-wise load moves.
 DEFAULT_LAYERS_PER_LOAD = 4
 
 #: Set in ``kv_connector_extra_config`` by ``EngineConnector`` (never by a user): a
-#: layer-wise ``load_mode`` under vLLM's own OffloadingConnector would be ignored.
+#: layer-wise ``load_mode`` or ``store_mode`` under vLLM's own OffloadingConnector
+#: would be ignored.
 ENGINE_CONNECTOR_KEY = "_offload_engine_connector"
 
 #: The device handler's default (two buffers of 128 MiB).
@@ -71,6 +77,7 @@ class EngineOffloadingConfig:
     stats_path: str | None = None
     load_mode: LoadMode = "async"
     layers_per_load: int = DEFAULT_LAYERS_PER_LOAD
+    store_mode: StoreMode = "step"
 
 
 class _Reader:
@@ -145,21 +152,30 @@ class _Reader:
         return default
 
 
-def _load_keys(r: _Reader, extra: Mapping[str, Any]) -> tuple[LoadMode, int]:
-    """``load_mode`` and ``layers_per_load`` (EngineConnector's keys)."""
-    mode = r.str_("load_mode", "async", f"one of {', '.join(LOAD_MODES)}") or "async"
-    if mode not in LOAD_MODES:
-        r.bad("load_mode", f"one of {', '.join(LOAD_MODES)}")
-        mode = "async"
-    elif mode != "async" and not extra.get(ENGINE_CONNECTOR_KEY):
+def _mode(r: _Reader, extra: Mapping[str, Any], key: str, modes: tuple[str, ...]) -> str:
+    """``load_mode`` or ``store_mode`` (EngineConnector's keys): its first value is vLLM's
+    own behaviour, and any other one needs EngineConnector."""
+    default = modes[0]
+    mode = r.str_(key, default, f"one of {', '.join(modes)}") or default
+    if mode not in modes:
+        r.bad(key, f"one of {', '.join(modes)}")
+        return default
+    if mode != default and not extra.get(ENGINE_CONNECTOR_KEY):
         r.problems.append(
-            f"kv_connector_extra_config['load_mode']={mode!r} needs \"kv_connector\": "
+            f'kv_connector_extra_config[{key!r}]={mode!r} needs "kv_connector": '
             '"EngineConnector" with "kv_connector_module_path": '
-            '"offload_engine.connectors.vllm" (vLLM\'s OffloadingConnector loads '
-            "asynchronously only)"
+            '"offload_engine.connectors.vllm" (vLLM\'s OffloadingConnector '
+            + ("loads asynchronously only)" if key == "load_mode" else "stores after the step)")
         )
+    return mode
+
+
+def _load_keys(r: _Reader, extra: Mapping[str, Any]) -> tuple[LoadMode, int, StoreMode]:
+    """``load_mode``, ``layers_per_load`` and ``store_mode`` (EngineConnector's keys)."""
+    mode = _mode(r, extra, "load_mode", LOAD_MODES)
     per = r.int_("layers_per_load", DEFAULT_LAYERS_PER_LOAD, minimum=1, want="a positive int")
-    return mode, per or DEFAULT_LAYERS_PER_LOAD  # type: ignore[return-value]
+    store = _mode(r, extra, "store_mode", STORE_MODES)
+    return mode, per or DEFAULT_LAYERS_PER_LOAD, store  # type: ignore[return-value]
 
 
 def parse_extra_config(
@@ -243,7 +259,7 @@ def parse_extra_config(
             r.bad("stats_path", "a file path whose only {placeholder} is {rank}")
             stats_path = None
 
-    load_mode, layers_per_load = _load_keys(r, extra)
+    load_mode, layers_per_load, store_mode = _load_keys(r, extra)
 
     if r.problems:
         raise ConfigError("invalid offload-engine vLLM config:\n  " + "\n  ".join(r.problems))
@@ -267,4 +283,5 @@ def parse_extra_config(
         stats_path=stats_path,
         load_mode=load_mode,
         layers_per_load=layers_per_load,
+        store_mode=store_mode,
     )

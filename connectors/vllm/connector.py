@@ -19,6 +19,18 @@ those specs works as it does under vLLM's connector. ``load_mode`` chooses:
   the layer, so loading the next layers overlaps computing this one. A hit in a
   tier below host memory is first promoted by vLLM's tiering, as before.
 
+``store_mode`` chooses when the blocks a step computes are stored:
+
+- ``"step"`` (the default): vLLM's own behaviour. The step's stores are submitted
+  at the start of the next step, after the forward pass and its sampling.
+- ``"layerwise"``: each store goes to the engine in the same parts as layer-wise
+  loads (``layers_per_load`` layers a part, one result under vLLM's job id), each
+  part submitted from ``save_kv_layer`` once the forward pass has computed all its
+  layers, so storing them overlaps computing the rest; its copies wait for that
+  compute on the model's stream. ``wait_for_save`` submits the parts no layer
+  reached. A rank that does not write stores (a replicated layout's rank other
+  than 0) reports them completed and submits nothing, as under vLLM's connector.
+
 This module imports vLLM.
 """
 
@@ -40,7 +52,7 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from offload_engine import ConfigError
 
 from .config import ENGINE_CONNECTOR_KEY, parse_extra_config
-from .layerwise import LayerPlan, LayerwiseLoads
+from .layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores, StoreJob
 from .spec import EngineOffloadingSpec
 from .tiering import EngineTieringSpec
 from .worker import EngineOffloadingWorker
@@ -109,7 +121,8 @@ def _fresh_past(blocks: KVCacheBlocks, local_tokens: int, group_configs: Any) ->
 
 
 class EngineConnector(OffloadingConnector):
-    """vLLM's OffloadingConnector with ``load_mode`` (see the module docstring)."""
+    """vLLM's OffloadingConnector with ``load_mode`` and ``store_mode`` (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -124,6 +137,7 @@ class EngineConnector(OffloadingConnector):
         self._layerwise = self._config.load_mode == "layerwise"
         super().__init__(vllm_config, role, kv_cache_config)
         self._loads: LayerwiseLoads | None = None
+        self._stores: LayerwiseStores | None = None
         # request id -> its locally computed tokens, from a layer-wise hit to its allocation
         self._local_tokens: dict[str, int] = {}
 
@@ -165,20 +179,25 @@ class EngineConnector(OffloadingConnector):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
-        if not self._layerwise:
+        layerwise_stores = self._config.store_mode == "layerwise"
+        if not (self._layerwise or layerwise_stores):
             return
         worker = self.connector_worker.worker if self.connector_worker else None
         layout = worker.bridge.layout if isinstance(worker, EngineOffloadingWorker) else None
         if not isinstance(worker, EngineOffloadingWorker) or layout is None:
+            key = "load_mode" if self._layerwise else "store_mode"
             raise ConfigError(
-                "kv_connector_extra_config['load_mode']='layerwise' needs the worker of "
+                f"kv_connector_extra_config[{key!r}]='layerwise' needs the worker of "
                 "EngineOffloadingSpec or EngineTieringSpec"
             )
         bridge = worker.bridge
         plan = LayerPlan.build(layout, _layer_addresses(kv_caches), self._config.layers_per_load)
-        self._loads = LayerwiseLoads(bridge, plan, timeout=self._config.job_timeout_s)
-        worker.layerwise = self._loads
-        worker.record_load = self._record_load
+        if layerwise_stores:
+            self._stores = LayerwiseStores(bridge, plan)
+        if self._layerwise:
+            self._loads = LayerwiseLoads(bridge, plan, timeout=self._config.job_timeout_s)
+            worker.layerwise = self._loads
+            worker.record_load = self._record_load
 
     def _record_load(self, nbytes: int, seconds: float) -> None:
         # vLLM's worker gathers the step's transfer stats here (a fresh object each step)
@@ -212,10 +231,48 @@ class EngineConnector(OffloadingConnector):
         if self._loads is not None:
             self._loads.wait_for_layer(layer_name)
 
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self._stores is not None:
+            self._store_step().saved(layer_name)
+
     def wait_for_save(self) -> None:
         if self._loads is not None:
             self._loads.finish_step()
-        super().wait_for_save()  # type: ignore[no-untyped-call]
+        if self._stores is None:
+            super().wait_for_save()  # type: ignore[no-untyped-call]
+            return
+        # every store of the step is submitted here at the latest; vLLM's
+        # prepare_store_kv, which would defer them to the next step, is not called
+        self._store_step().finish_step()
+
+    def _store_step(self) -> LayerwiseStores:
+        """The step's layer-wise stores, opened from its metadata at the step's first
+        ``save_kv_layer`` (or at ``wait_for_save``). Jobs that vLLM flushed for a
+        preemption were popped out of ``store_jobs`` (``handle_preemptions``, before
+        the forward pass) and submitted whole; they are not among these."""
+        stores = self._stores
+        if stores is None:  # pragma: no cover - callers check
+            raise RuntimeError("store_mode is not layerwise")
+        if stores.open:
+            return stores
+        metadata = self._connector_metadata
+        if not isinstance(metadata, OffloadingConnectorMetadata):
+            raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
+        worker = self.connector_worker
+        jobs: list[StoreJob] = []
+        for job_id, entry in metadata.store_jobs.items():
+            if not worker._is_store_writer:  # type: ignore[union-attr]
+                # vLLM's gate: a non-writer rank's jobs count as done, nothing is moved
+                worker._connector_worker_meta.mark_completed(job_id)  # type: ignore[union-attr]
+                continue
+            src, dst = entry.src_spec, entry.dst_spec
+            jobs.append(
+                (job_id, src.block_ids, src.group_sizes, src.block_indices, dst.block_ids)  # type: ignore[attr-defined]
+            )
+        stores.start(jobs)
+        return stores
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self._loads is None:

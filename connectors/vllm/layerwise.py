@@ -1,4 +1,5 @@
-"""Layer-wise loads for vLLM, vLLM-free: which layers each part moves, and the waits.
+"""Layer-wise loads and stores for vLLM, vLLM-free: which layers each part moves, the
+waits, and when each part of a store goes out.
 
 A step's loads go to the engine as one job per *part*: the KV tensors of a run of
 ``layers_per_load`` layers, in the order the forward pass reads them. Each part
@@ -13,6 +14,13 @@ back failed in its result; either way the load's cache blocks are reported
 through :meth:`LayerwiseLoads.take_invalid` (vLLM's
 ``get_block_ids_with_load_errors``), so vLLM recomputes them or fails the request.
 A layer this module cannot place in a part waits for every part.
+
+A step's stores (:class:`LayerwiseStores`) go in the same parts, each handed to the
+engine once the forward pass has computed every layer of it: vLLM calls
+``save_kv_layer(layer)`` after each attention layer, and the part whose last layer
+that was is submitted on the caller's current stream, so its copies are ordered
+after that layer's compute (the engine records its ready event there at submit).
+Each store reports as one result under vLLM's job id once all its parts are done.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from offload_engine import JobFence, KVLayout, OffloadError
+from offload_engine import Direction, JobFence, KVLayout, OffloadError
 
 from .bridge import EngineBridge, IdsLike
 
@@ -184,3 +192,76 @@ class LayerwiseLoads:
             error,
         )
         self._invalid.update(blocks)
+
+
+#: A store as :meth:`LayerwiseStores.start` takes it: (job id, cache ids, group sizes,
+#: first block indices, tier ids).
+StoreJob = tuple[int, IdsLike, Sequence[int], Sequence[int], IdsLike]
+
+
+class LayerwiseStores:
+    """A worker's layer-wise stores over its :class:`EngineBridge`: per step, the
+    stores of the blocks this step's forward pass computes, part by part."""
+
+    def __init__(self, bridge: EngineBridge, plan: LayerPlan) -> None:
+        self.bridge = bridge
+        self.plan = plan
+        # each part's layers: a part goes out once every one of them was saved
+        self._layers: list[set[str]] = [set() for _ in range(plan.parts)]
+        for name, part in plan.part_of.items():
+            self._layers[part].add(name)
+        self._jobs: list[StoreJob] | None = None  # this step's, from start to finish_step
+        self._saved: list[set[str]] = []
+        self._sent: list[bool] = []
+        # parts submitted once their layers were saved, and by finish_step (in the
+        # bridge's stats, so a run shows which path its stores took)
+        bridge.counters.update(store_parts_at_layer=0, store_parts_at_step_end=0)
+
+    @property
+    def open(self) -> bool:
+        """Whether a step's stores are started and not finished yet."""
+        return self._jobs is not None
+
+    def start(self, jobs: Iterable[StoreJob]) -> None:
+        """This step's stores: each announced to the bridge as one job of
+        ``plan.parts`` parts; nothing is submitted until its layers are computed."""
+        self.finish_step()
+        self._jobs = []
+        self._saved = [set() for _ in range(self.plan.parts)]
+        self._sent = [False] * self.plan.parts
+        for job in jobs:
+            self.bridge.open_parts(job[0], Direction.STORE, self.plan.parts)
+            self._jobs.append(job)
+
+    def saved(self, layer_name: str) -> None:
+        """``layer_name`` is computed (its KV written): submit its part if that was the
+        part's last layer to be computed. A name not in the plan waits for
+        :meth:`finish_step`."""
+        if not self._jobs:  # no step open, or a step with nothing to store
+            return
+        part = self.plan.part_of.get(layer_name)
+        if part is None or self._sent[part]:
+            return
+        saved = self._saved[part]
+        saved.add(layer_name)
+        if len(saved) == len(self._layers[part]):
+            self._submit(part, "store_parts_at_layer")
+
+    def finish_step(self) -> None:
+        """The forward pass is over: submit every part no layer completed (a model
+        whose layers skip ``save_kv_layer`` still stores everything)."""
+        if self._jobs is None:
+            return
+        for part in range(self.plan.parts):
+            if not self._sent[part]:
+                self._submit(part, "store_parts_at_step_end")
+        self._jobs = None
+
+    def _submit(self, part: int, counter: str) -> None:
+        self._sent[part] = True
+        jobs = self._jobs or []
+        self.bridge.counters[counter] += len(jobs)
+        tensors = self.plan.tensor_sets[part]
+        for job_id, cache_ids, sizes, indices, tier_ids in jobs:
+            # a refusal is logged by the bridge and fails the job's result
+            self.bridge.submit_part(job_id, cache_ids, sizes, indices, tier_ids, tensors)

@@ -18,7 +18,9 @@
   (:mod:`offload_engine.bench.step`).
 * :func:`run_cuda_ttft` is ``bench``'s time-to-first-token pass: a prefill on a
   prefix hit, loaded then computed, layer by layer, or recomputed
-  (:mod:`offload_engine.bench.ttft`).
+  (:mod:`offload_engine.bench.ttft`); with ``stores=True`` it is the store pass
+  instead: the prefill's new blocks stored after the forward pass or layer by
+  layer during it (:mod:`offload_engine.bench.ttft_stores`).
 
 They raise :class:`~offload_engine.errors.RuntimeUnavailableError` when the
 CUDA runtime cannot start, which the command line turns into a one-line
@@ -37,6 +39,7 @@ from offload_engine.bench.rigs import Device, Rig, RigShape, open_device_rig, op
 from offload_engine.bench.step import StepPlan, StepRow, run_step_pass
 from offload_engine.bench.transfers import run_rig_cases
 from offload_engine.bench.ttft import TtftDevice, TtftPlan, run_ttft_pass
+from offload_engine.bench.ttft_stores import run_store_pass
 from offload_engine.device import CopyStrategy
 from offload_engine.device.runtimes import probe as runtimes
 from offload_engine.device.runtimes.cuda import CudaRuntime
@@ -134,8 +137,11 @@ def run_cuda_step(plan: StepPlan, *, tick: Callable[[str], None]) -> list[StepRo
         runtime.close()
 
 
-def run_cuda_ttft(plan: TtftPlan, *, tick: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The time-to-first-token pass on the current CUDA device: one row per (H, N).
+def run_cuda_ttft(
+    plan: TtftPlan, *, tick: Callable[[str], None], stores: bool = False
+) -> list[dict[str, Any]]:
+    """The time-to-first-token pass (or, with ``stores``, the store pass) on the current
+    CUDA device: one row per (H, N).
 
     Raises :class:`InsufficientMemoryError` before allocating if the device's free
     memory cannot hold the plan's KV cache, reference copy, weights and activations.
@@ -150,6 +156,7 @@ def run_cuda_ttft(plan: TtftPlan, *, tick: Callable[[str], None]) -> list[dict[s
                 f"{runtime.device} memory (hits up to {max(plan.hits)} tokens, "
                 f"{max(plan.new)} new), but only {free / 2**30:.1f} GiB is free"
             )
-        return run_ttft_pass(TtftDevice.cuda(runtime), plan, tick=tick)
+        run = run_store_pass if stores else run_ttft_pass
+        return run(TtftDevice.cuda(runtime), plan, tick=tick)
     finally:
         runtime.close()

@@ -60,7 +60,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -327,7 +327,7 @@ class TtftBench:
             store = TransferSpec(
                 gpu_blocks(self.table_np[: plan.hit_blocks]), cpu_blocks(np.arange(plan.hit_blocks))
             )
-            _check(self.engine.wait([self.engine.submit(store)]))
+            check_results(self.engine.wait([self.engine.submit(store)]))
         except BaseException:
             self.close()
             raise
@@ -391,7 +391,7 @@ class TtftBench:
         self.device.sync()
         t0 = time.perf_counter()
         if variant in (LOAD, LOAD_THEN_COMPUTE):
-            _check(engine.wait([engine.submit(load)]))
+            check_results(engine.wait([engine.submit(load)]))
         if variant in (COMPUTE, LOAD_THEN_COMPUTE):
             self._forward(new_tokens, blocks)
         elif variant == RECOMPUTE:
@@ -406,7 +406,7 @@ class TtftBench:
         self.device.sync()
         seconds = time.perf_counter() - t0
         if jobs:
-            _check(engine.wait(jobs))
+            check_results(engine.wait(jobs))
         return seconds
 
     def _submit_parts(
@@ -426,27 +426,33 @@ class TtftBench:
         return jobs, fences
 
 
-def _check(results: Sequence[TransferResult]) -> None:
+def check_results(results: Sequence[TransferResult]) -> None:
+    """Raise the first failed result's error, if any."""
     error = first_failure(results)
     if error is not None:
         raise error
 
 
-def _cell(
-    bench: TtftBench,
-    hit: int,
-    new: int,
+T = TypeVar("T")
+
+
+def timed_rounds(
+    variants: Sequence[str],
+    reps: int,
+    run: Callable[[str], T],
     tick: Callable[[str], None],
-) -> dict[str, list[float]]:
-    """Every variant's timed samples at ``(hit, new)``, after one untimed round."""
-    plan = bench.plan
-    samples: dict[str, list[float]] = {v: [] for v in plan.variants}
-    for rep in range(plan.reps + 1):
-        for v in plan.variants:
-            tick(f"ttft H {hit} N {new} {v}")
-            seconds = bench.run(v, hit, new)
+    label: str,
+) -> dict[str, list[T]]:
+    """Each variant's samples (what ``run(variant)`` returns) from ``reps`` rounds after
+    one untimed round, the variants interleaved within a round; ``tick(f"{label}
+    {variant}")`` before each run."""
+    samples: dict[str, list[T]] = {v: [] for v in variants}
+    for rep in range(reps + 1):
+        for v in variants:
+            tick(f"{label} {v}")
+            sample = run(v)
             if rep:
-                samples[v].append(seconds)
+                samples[v].append(sample)
     return samples
 
 
@@ -510,7 +516,14 @@ def run_ttft_pass(
                 bench.run(f"b{g}", hit, min(plan.new))
                 mismatches[g] = bench.mismatched(hit)
             for new in plan.new:
-                row = _row(plan, hit, new, _cell(bench, hit, new, tick), mismatches)
+                samples = timed_rounds(
+                    plan.variants,
+                    plan.reps,
+                    partial(bench.run, hit_tokens=hit, new_tokens=new),
+                    tick,
+                    f"ttft H {hit} N {new}",
+                )
+                row = _row(plan, hit, new, samples, mismatches)
                 row["attention"] = bench.model.attention
                 rows.append(row)
         return rows

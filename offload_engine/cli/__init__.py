@@ -257,6 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="--tier disk: chunk sizes in MiB, comma-separated (e.g. 0.25,2,8), one run each, "
         "ratios per size (overrides --chunk-kib)",
     )
+    bench.add_argument(
+        "--ttft-stores",
+        action="store_true",
+        help="with the GPU cases: also the store pass, a prefill's new blocks stored after the "
+        "forward pass or layer by layer during it (offload_engine.bench.ttft_stores)",
+    )
     bench.set_defaults(func=_bench.cmd_bench, parser=bench, given_options=frozenset())
     _serve_store.add_parser(sub, _EPILOG)
     return parser
@@ -332,6 +338,10 @@ def _check_combinations(args: argparse.Namespace, command: argparse.ArgumentPars
             tier = _TIER_OPTIONS[option]
             if args.tier != tier:
                 command.error(f"{option} is for --tier {tier}, not --tier {args.tier}")
+        if args.ttft_stores and (args.tier != "host" or args.device == "cpu"):
+            command.error(
+                "--ttft-stores is a GPU pass: not with --tier disk/remote or --device cpu"
+            )
 
 
 def _tier_flags(args: argparse.Namespace) -> str:

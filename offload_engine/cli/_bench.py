@@ -217,6 +217,7 @@ class _GpuFound:
     step: list[StepRow]
     ttft: list[dict[str, Any]]
     status: dict[str, object]
+    stores: list[dict[str, Any]]  # the store pass (--ttft-stores)
 
 
 def _gpu_cases(
@@ -234,22 +235,23 @@ def _gpu_cases(
     none = CaseResults(sweep=[], latency=[])
     if not (args.device == "cuda" or (args.device == "auto" and cuda.available)):
         why = "--device cpu" if args.device == "cpu" else f"no CUDA: {cuda.reason}"
-        return _GpuFound(none, [], [], {"run": False, "reason": why})
+        return _GpuFound(none, [], [], {"run": False, "reason": why}, [])
     try:
         gpu = run_cuda_cases(cuda, plan, BENCH_SHAPE, tick=tick)
         step_rows = run_cuda_step(plans[0], tick=tick)
     except RuntimeUnavailableError as exc:
         if args.device == "cuda":
             raise
-        return _GpuFound(none, [], [], {"run": False, "reason": str(exc)})
+        return _GpuFound(none, [], [], {"run": False, "reason": str(exc)}, [])
     status: dict[str, object] = {"run": True, "devices": list(cuda.devices)}
     try:
         ttft_rows = run_cuda_ttft(plans[1], tick=tick)
+        store_rows = run_cuda_ttft(plans[1], tick=tick, stores=True) if args.ttft_stores else []
     except InsufficientMemoryError as exc:
         # a smaller GPU still gets the other passes; the report says why this one is missing
-        ttft_rows = []
+        ttft_rows, store_rows = [], []
         status["ttft_skipped"] = str(exc)
-    return _GpuFound(gpu, step_rows, ttft_rows, status)
+    return _GpuFound(gpu, step_rows, ttft_rows, status, store_rows)
 
 
 def _print_host_report(
@@ -283,6 +285,12 @@ def _print_host_report(
     if gpu.ttft:
         out.print("Time to first token on a prefix hit (offload_engine.bench.ttft):")
         for line in format_ttft_rows(gpu.ttft):
+            out.print(f"  {line}", markup=False)
+    if gpu.stores:
+        from offload_engine.bench.ttft_stores import format_store_rows
+
+        out.print("Stores of a prefill's new blocks (offload_engine.bench.ttft_stores):")
+        for line in format_store_rows(gpu.stores):
             out.print(f"  {line}", markup=False)
     table = Table(title="Engine overhead (instant handler)", title_justify="left")
     table.add_column("host")
@@ -325,6 +333,10 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     step_plan, ttft_plan = _gpu_plans(args.quick)
     if run_gpu:
         total += plan.steps * len(cuda.strategies) + step_plan.ticks + ttft_plan.ticks
+        if args.ttft_stores:
+            from offload_engine.bench.ttft_stores import store_ticks
+
+            total += store_ticks(ttft_plan)
     with progress_bar(err) as progress:
         task = progress.add_task("bench", total=total)
 
@@ -355,6 +367,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         },
         "step": [r.as_dict() for r in gpu.step],
         "ttft": gpu.ttft,
+        **({"ttft_stores": gpu.stores} if args.ttft_stores else {}),
         "overhead": {
             "jobs": jobs,
             "latency_samples": samples,
@@ -365,7 +378,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
     (out_dir / REPORT).write_text(json.dumps(report, indent=2) + "\n")
     written = [out_dir / f for f in (REPORT, *figures.values())]
     _print_host_report(report, results, gpu, overhead, written)
-    _check_ttft(gpu.ttft)
+    _check_ttft([*gpu.ttft, *gpu.stores])
     return 0
 
 
@@ -397,13 +410,13 @@ def _gpu_plans(quick: bool) -> tuple[StepPlan, TtftPlan]:
 
 
 def _check_ttft(rows: list[dict[str, Any]]) -> None:
-    """Fail the command (exit 1, after the report is written) on a layer-wise load that
-    was not bit-exact."""
+    """Fail the command (exit 1, after the report is written) on a layer-wise load or
+    store that was not bit-exact."""
     from offload_engine.errors import JobFailedError
 
     errors = [e for r in rows for e in r["errors"]]
     if errors:
         raise JobFailedError(
-            "the time-to-first-token pass found layer-wise loads that are not bit-exact: "
+            "the time-to-first-token pass found layer-wise transfers that are not bit-exact: "
             + "; ".join(errors)
         )

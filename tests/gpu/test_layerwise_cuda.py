@@ -1,6 +1,7 @@
 """Layer-wise loads on a real GPU: every layout round-trips bit-exact layer by layer, and
 work the model's stream issues right after a layer's fence wait reads that layer's final
-bytes (a race the stream wait must win)."""
+bytes (a race the stream wait must win). Layer-wise stores: each part, submitted while the
+model's stream is still busy before its layers' writes, stores those writes."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from offload_engine import JobFence, SyncOffloadingEngine, TransferSpec, cpu_blo
 from offload_engine.device import DeviceHandlerConfig, make_device_handlers, pinned_host_tier
 from offload_engine.host.layout import byte_view
 from offload_engine.testing import LAYOUT_KINDS, build_layout
+from tests.test_vllm_adapter_layerwise_stores import layerwise_store_race
 
 pytestmark = [
     pytest.mark.gpu,
@@ -114,3 +116,20 @@ def test_layer_by_layer_round_trip_and_race(
         assert byte_view(layout.tensors[0]).numel() > 0
     finally:
         tier.release()
+
+
+@pytest.mark.parametrize("kind", LAYOUT_KINDS)
+@pytest.mark.parametrize("per_part", [1, 2, 8])
+def test_layerwise_stores_wait_for_each_layers_compute(cuda: Any, kind: str, per_part: int) -> None:
+    layout = build_layout(
+        kind, gpu_empty, num_blocks=128, num_layers=8, kv_heads=8, head_dim=128, seed=per_part
+    )
+    layerwise_store_race(
+        cuda,
+        layout,
+        per_part=per_part,
+        on_stream=lambda work: work(),  # torch enqueues on the current stream
+        # the model's stream is still busy when every part is submitted
+        hold=lambda: torch.cuda._sleep(200_000_000),
+        release=lambda: None,
+    )

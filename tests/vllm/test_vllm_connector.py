@@ -65,3 +65,37 @@ def test_it_is_vllms_offloading_connector() -> None:
     # the hooks vLLM's attention layers call (kv_transfer_utils.maybe_transfer_kv_layer)
     for hook in ("wait_for_layer_load", "save_kv_layer", "start_load_kv", "wait_for_save"):
         assert callable(getattr(EngineConnector, hook))
+
+
+@pytest.mark.parametrize(("key", "value"), [("store_mode", "eager"), ("load_mode", "eager")])
+def test_an_unknown_mode_is_one_config_error_at_startup(key: str, value: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from offload_engine.connectors.vllm import EngineConnector
+
+    extra = {"cpu_bytes_to_use": 1 << 20, key: value}
+    with pytest.raises(ConfigError, match=rf"\['{key}'\] must be one of") as info:
+        EngineConnector(config(extra), KVConnectorRole.WORKER, None)  # type: ignore[arg-type]
+    assert str(info.value).count("\n") == 1  # that key alone
+
+
+def test_layerwise_stores_on_a_worker_that_cannot_serve_them_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+        OffloadingConnector,
+    )
+
+    from offload_engine.connectors.vllm import EngineConnector
+    from offload_engine.connectors.vllm.config import parse_extra_config
+
+    monkeypatch.setattr(OffloadingConnector, "register_kv_caches", lambda self, caches: None)
+    connector = EngineConnector.__new__(EngineConnector)
+    connector._config = parse_extra_config(
+        {"cpu_bytes_to_use": 1 << 20, "store_mode": "layerwise", ENGINE_CONNECTOR_KEY: True}
+    )
+    connector._layerwise = False
+    # a worker of another spec (vLLM's own CPU worker, say)
+    connector.connector_worker = SimpleNamespace(worker=object())  # type: ignore[assignment]
+    with pytest.raises(ConfigError, match=r"\['store_mode'\]='layerwise' needs the worker"):
+        connector.register_kv_caches({})

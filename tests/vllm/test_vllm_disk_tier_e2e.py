@@ -37,7 +37,9 @@ def closed_cleanly(run: dict[str, Any]) -> bool:
 PROMPTS = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8"]
 
 
-def tiering_args(kv_dir: Path, rounds: int, load_mode: str = "async") -> list[str]:
+def tiering_args(
+    kv_dir: Path, rounds: int, load_mode: str = "async", store_mode: str = "step"
+) -> list[str]:
     tier = {
         "type": "EngineDiskTier",
         "module_path": "offload_engine.connectors.vllm",
@@ -50,9 +52,13 @@ def tiering_args(kv_dir: Path, rounds: int, load_mode: str = "async") -> list[st
         "EngineTieringSpec",
         "--spec-module",
         "offload_engine.connectors.vllm",
-        *(["--connector", "EngineConnector"] if load_mode != "async" else []),
+        *(
+            ["--connector", "EngineConnector"]
+            if (load_mode, store_mode) != ("async", "step")
+            else []
+        ),
         "--extra",
-        json.dumps({"secondary_tiers": [tier], "load_mode": load_mode}),
+        json.dumps({"secondary_tiers": [tier], "load_mode": load_mode, "store_mode": store_mode}),
         *PROMPTS,
         "--rounds",
         str(rounds),
@@ -89,3 +95,27 @@ def test_hits_come_from_disk_in_a_fresh_process_with_identical_tokens(tmp_path: 
     assert closed_cleanly(first), first["log"]
     assert closed_cleanly(second), second["log"]
     assert closed_cleanly(third), third["log"]
+
+
+def test_layerwise_stores_reach_disk_and_come_back_in_a_fresh_process(tmp_path: Path) -> None:
+    """Stores sent layer by layer (from ``save_kv_layer``) land in the host tier, from
+    which vLLM's tiering writes them to disk: the second round hits the host tier, and
+    a fresh process hits the files."""
+    model = tmp_path / "model"
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    plain: dict[str, Any] = run_vllm(tmp_path, "plain", model, *PROMPTS, "--rounds", "1")
+    first = run_vllm(
+        tmp_path, "lw-a", model, *tiering_args(kv_dir, 2, "layerwise", store_mode="layerwise")
+    )
+    second = run_vllm(tmp_path, "lw-b", model, *tiering_args(kv_dir, 1, "layerwise"))
+    want = plain["rounds"][0]
+    assert first["rounds"] == [want, want]
+    assert first["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert first["metrics"]["vllm:kv_offload_tiering_write_bytes"] > 0
+    assert second["rounds"] == [want]
+    assert second["metrics"]["vllm:prefix_cache_hits"] == 0
+    assert second["metrics"]["vllm:kv_offload_tiering_read_bytes"] > 0
+    assert second["metrics"]["vllm:external_prefix_cache_hits"] > 0
+    assert closed_cleanly(first), first["log"]
+    assert closed_cleanly(second), second["log"]

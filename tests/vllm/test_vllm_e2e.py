@@ -33,6 +33,18 @@ SCENARIO = ["--num-prompts", "12", "--prompt-words", "100", "--max-tokens", "8",
 #: the runner's arguments for offload-engine's connector with layer-wise loads
 LAYERWISE = ["--connector", "EngineConnector", "--extra", '{"load_mode": "layerwise"}']
 
+#: ... and with layer-wise stores: one part per layer, each submitted once vLLM saved it
+LAYERWISE_STORES = [
+    "--connector",
+    "EngineConnector",
+    "--extra",
+    '{"store_mode": "layerwise", "layers_per_load": 1}',
+]
+
+#: stores slowed down on the engine's worker thread, so vLLM finds stores pending when
+#: it reuses blocks and flushes them through worker.wait()
+SLOW_STORES = ["--spec-module", "slow_store_spec", "--spec-name", "SlowStoreEngineOffloadingSpec"]
+
 
 def run_vllm(out_dir: Path, name: str, model_dir: Path, *args: str) -> dict[str, Any]:
     out = out_dir / f"{name}.json"
@@ -72,19 +84,10 @@ def baseline(workdir: Path) -> dict[str, Any]:
         ("chunk1", ["--blocks-per-chunk", "1"]),
         # EngineConnector: the hits load inside the forward pass, layer by layer
         ("layerwise", [*LAYERWISE, "--blocks-per-chunk", "2"]),
-        (
-            # stores slowed down on the engine's worker thread, so vLLM finds stores
-            # pending when it reuses blocks and flushes them through worker.wait()
-            "chunk2-slow-stores",
-            [
-                "--blocks-per-chunk",
-                "2",
-                "--spec-module",
-                "slow_store_spec",
-                "--spec-name",
-                "SlowStoreEngineOffloadingSpec",
-            ],
-        ),
+        ("chunk2-slow-stores", ["--blocks-per-chunk", "2", *SLOW_STORES]),
+        # EngineConnector: each layer's part of a store goes out once vLLM saved the
+        # layer; slowed, so vLLM also flushes stores sent in parts
+        ("layerwise-stores", [*LAYERWISE_STORES, "--blocks-per-chunk", "2", *SLOW_STORES]),
     ],
 )
 def test_offloaded_prefixes_come_back_with_identical_tokens(
@@ -126,8 +129,11 @@ def test_offloaded_prefixes_come_back_with_identical_tokens(
     assert adapter["live_jobs"] == 0
     # vLLM's own offload metrics agree with the engine on what was loaded
     assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
-    if variant == "chunk2-slow-stores":
+    if variant in ("chunk2-slow-stores", "layerwise-stores"):
         assert adapter["waited_jobs"] > 0, "vLLM never flushed a pending store"
+    if variant == "layerwise-stores":
+        # the parts went out from save_kv_layer (every layer of the model calls it)
+        assert adapter["store_parts_at_layer"] > 0 and adapter["store_parts_at_step_end"] == 0
 
 
 #: few cache blocks and long outputs: running requests outgrow the cache and are preempted

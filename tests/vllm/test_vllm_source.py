@@ -278,13 +278,29 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
         "start_load_kv": ["self", "forward_context"],
         "wait_for_layer_load": ["self", "layer_name"],
         "wait_for_save": ["self"],
+        "save_kv_layer": ["self", "layer_name", "kv_layer", "attn_metadata"],
         "request_finished": ["self", "request", "block_ids"],
         "request_finished_all_groups": ["self", "request", "block_ids"],
     }.items():
         assert params(method(connector, name)) == args, name
+    # store_mode layerwise replaces wait_for_save, which does nothing but defer the stores
+    work = [n for n in method(connector, "wait_for_save").body if not isinstance(n, ast.Assert)]
+    assert [ast.unparse(n) for n in work] == [
+        "self.connector_worker.prepare_store_kv(self._connector_metadata)"
+    ]
     worker = cls(module(src, f"{base}.offloading.worker"), "OffloadingConnectorWorker")
     assert params(method(worker, "start_kv_transfers")) == ["self", "metadata"]
-    assert "_connector_worker_meta" in self_assigned(method(worker, "__init__"))
+    assert {"_connector_worker_meta", "_is_store_writer"} <= self_assigned(
+        method(worker, "__init__")
+    )
+    # store_mode layerwise: a non-writer rank marks its stores completed, as vLLM does,
+    # and a flushed store leaves the step's store_jobs before the forward pass
+    assert "self._connector_worker_meta.mark_completed(job_id)" in ast.unparse(
+        method(worker, "prepare_store_kv")
+    )
+    assert "kv_connector_metadata.store_jobs.pop(job_id" in ast.unparse(
+        method(worker, "handle_preemptions")
+    )
     assert "transfer_stats.load" in ast.unparse(method(worker, "get_finished"))
     scheduler = cls(module(src, f"{base}.offloading.scheduler"), "OffloadingConnectorScheduler")
     assert "config" in self_assigned(method(scheduler, "__init__"))
@@ -300,4 +316,4 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
         assert read in alloc, read
     common = cls(module(src, f"{base}.offloading.common"), "OffloadingConnectorMetadata")
     fields = {n.target.id for n in common.body if isinstance(n, ast.AnnAssign)}  # type: ignore[union-attr]
-    assert "load_jobs" in fields
+    assert {"load_jobs", "store_jobs", "jobs_to_flush"} <= fields
