@@ -32,6 +32,8 @@ passes (any order; they run in the order below):
   --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
                  compute, layer-wise (G 1, 4 and 8 layers a job), recompute, load alone, compute
                  alone; its table is printed again at the end
+  --ttft-stores  a prefill's stores of its new blocks (H 2k/8k/32k, N 128/512/2048): after the
+                 forward pass, or layer-wise (G 1, 4 and 8 layers a job) as the layers finish
   --overhead     benchmarks/engine_overhead.py (the engine alone, instant handler)
   --all          every pass above
 
@@ -61,13 +63,13 @@ LIMIT=300
 SLOW=""
 DRY=""
 declare -A WANT=()
-PASSES=(env suite demo bandwidth gemm cpu step gaps ttft overhead)
+PASSES=(env suite demo bandwidth gemm cpu step gaps ttft ttft-stores overhead)
 
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --all) for p in "${PASSES[@]}"; do WANT[$p]=1; done ;;
-        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--gaps|--ttft|--overhead) WANT[${1#--}]=1 ;;
+        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--gaps|--ttft|--ttft-stores|--overhead) WANT[${1#--}]=1 ;;
         --out) OUTDIR=${2:?--out needs a directory}; shift ;;
         --baseline) BASELINE=${2:?--baseline needs a directory}; shift ;;
         --rounds) ROUNDS=${2:?--rounds needs a number}; shift ;;
@@ -195,6 +197,10 @@ fi
 if [ -n "${WANT[ttft]:-}" ]; then
     bench_rounds ttft --passes ttft --ttft-hits 2048,8192,32768 --ttft-new 128,512,2048 \
         --ttft-layers-per-load 1,4,8 --reps 3 --ttft-figure "$OUTDIR/ttft.png"
+fi
+if [ -n "${WANT[ttft-stores]:-}" ]; then
+    bench_rounds ttft-stores --passes ttft-stores --ttft-hits 2048,8192,32768 \
+        --ttft-new 128,512,2048 --ttft-layers-per-load 1,4,8 --reps 3
 fi
 if [ -n "${WANT[overhead]:-}" ]; then
     if [ -n "$BASELINE" ]; then
