@@ -215,10 +215,12 @@ def test_the_decode_step_keeps_its_shapes_and_the_plan_counts_its_ticks() -> Non
     ]
     [line] = format_step_rows(rows)
     assert "4.00 ms alone" in line and "contiguous +2.5%" in line and "auto +5.0%" in line
-    # what auto took, job by job, beside its figure
-    rows[2] = StepRow("eager", "default", 4, "auto", 4.2, 0.05, 0.5, taken="dma:60,staged:6")
+    # what auto took, job by job, and its calls' µs per step, beside its figure
+    rows[2] = StepRow(
+        "eager", "default", 4, "auto", 4.2, 0.05, 0.5, taken="dma:60,staged:6", calls_us=151.4
+    )
     [line] = format_step_rows(rows)
-    assert "auto +5.0% (drain 0.5 ms; dma:60,staged:6)" in line
+    assert "auto +5.0% (calls 151 us, drain 0.5 ms; dma:60,staged:6)" in line
 
 
 def test_allocator_slots_come_in_runs_as_vllms_cpu_allocator_hands_them_out() -> None:
