@@ -235,7 +235,7 @@ class EngineConnector(OffloadingConnector):
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         if self._stores is not None:
-            self._store_step().saved(layer_name)
+            self._store_step(self._stores).saved(layer_name)
 
     def wait_for_save(self) -> None:
         if self._loads is not None:
@@ -245,16 +245,13 @@ class EngineConnector(OffloadingConnector):
             return
         # every store of the step is submitted here at the latest; vLLM's
         # prepare_store_kv, which would defer them to the next step, is not called
-        self._store_step().finish_step()
+        self._store_step(self._stores).finish_step()
 
-    def _store_step(self) -> LayerwiseStores:
+    def _store_step(self, stores: LayerwiseStores) -> LayerwiseStores:
         """The step's layer-wise stores, opened from its metadata at the step's first
         ``save_kv_layer`` (or at ``wait_for_save``). Jobs that vLLM flushed for a
         preemption were popped out of ``store_jobs`` (``handle_preemptions``, before
         the forward pass) and submitted whole; they are not among these."""
-        stores = self._stores
-        if stores is None:  # pragma: no cover - callers check
-            raise RuntimeError("store_mode is not layerwise")
         if stores.open:
             return stores
         metadata = self._connector_metadata
