@@ -22,8 +22,12 @@ import numpy as np
 from offload_engine.device.kernel import upload_ids
 from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
+from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.errors import ConfigError
 from offload_engine.host.layout import GroupMapping, KVLayout, merge_runs
+
+#: the largest pitch a 2D copy takes (MAX_PITCH in _native_launch.c)
+MAX_PITCH = 0x7FFFFFFF
 
 if TYPE_CHECKING:
     from offload_engine.device.handler import DeviceCopyHandler
@@ -80,6 +84,30 @@ class _Group:
     runs: tuple[Any, ...] | None  # plan_runs, for a group of several pieces
 
 
+def copy2d_runs(tier_rows: Any, size: int) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """A piece's 2D copies, for a group that moves part of each slot: runs of at
+    least COPY2D_ROWS rows one stride apart, as ``(first row, rows, stride)``, and
+    the rows left to descriptors."""
+    tier = [int(t) for t in tier_rows]
+    runs, single = [], []
+    i, n = 0, len(tier)
+    while i < n:
+        if n - i >= COPY2D_ROWS:
+            d = tier[i + 1] - tier[i]
+            j = i
+            if size <= d <= MAX_PITCH:
+                j = i + 1
+                while j + 1 < n and tier[j + 1] - tier[j] == d:
+                    j += 1
+            if j + 1 - i >= COPY2D_ROWS:
+                runs.append((i, j + 1 - i, d))
+                i = j + 1
+                continue
+        single.append(i)
+        i += 1
+    return runs, single
+
+
 def _piece_descriptors(
     h: DeviceCopyHandler, g: _Group, k: int, lo: int, hi: int, b: int, staging: StagingBuffers
 ) -> tuple[Any, Any, Any]:
@@ -114,7 +142,18 @@ def _piece(
     b = staging.take()
     first, second = streams
     full, end = events
-    dst, src, sizes = _piece_descriptors(h, g, k, lo, hi, b, staging)
+    group = g.mapping.group
+    size = h.layout.group_bytes[group]
+    runs: list[tuple[int, int, int]] = []
+    if size < h.layout.slot_bytes:  # rows with gaps between them: runs go as 2D copies
+        runs, single = copy2d_runs(g.tier_rows[lo:hi], size)
+        keep = np.array(single, dtype=np.int64)
+        tier = g.tier_rows[lo:hi][keep]
+        rows = staging.row_addresses[b][: hi - lo][keep]
+        sizes = np.full(len(single), size, dtype=np.uint64)
+        dst, src = (tier, rows) if h._store else (rows, tier)
+    else:
+        dst, src, sizes = _piece_descriptors(h, g, k, lo, hi, b, staging)
     piece_ids = g.ids if lo == 0 and hi == n else g.ids[lo:hi]
     copy = h._tables.block_copy(
         g.mapping.group, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
@@ -127,6 +166,11 @@ def _piece(
             ops.copy_blocks(sm_stream, copy)
         else:
             ops.memcpy_batch(dma_stream, dst, src, sizes, h.direction)
+            pitch = h.layout.slot_bytes
+            for row, height, stride in runs:
+                t, r = int(g.tier_rows[lo + row]), int(staging.row_addresses[b][row])
+                d, s, pitches = (t, r, (stride, pitch)) if h._store else (r, t, (pitch, stride))
+                ops.memcpy_2d(dma_stream, d, s, size, height, pitches, h.direction)
         if half == 0:
             ops.record(full, first)
             ops.wait_event(second, full)

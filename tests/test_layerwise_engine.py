@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -35,6 +36,7 @@ from offload_engine.device import (
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.host.layout import byte_view
 from offload_engine.testing import FakeRuntime, build_layout
 
@@ -315,13 +317,15 @@ def test_layer_jobs_stay_bit_exact_on_random_ids(fake: FakeRuntime) -> None:
 
 @pytest.mark.parametrize("kind", ["flash-attention", "flashinfer", "separate-kv", "mla"])
 @pytest.mark.parametrize("factor", [1, 2])
+@pytest.mark.parametrize("order", ["random", "runs"])
 def test_staged_parts_of_consecutive_layers_land_bit_exact(
-    fake: FakeRuntime, kind: str, factor: int
+    fake: FakeRuntime, kind: str, factor: int, order: str
 ) -> None:
     """A staging handler moves a run of consecutive layers as one span of each tier slot
     (one descriptor per block, then a scatter from its staging row); any other choice
     of layers goes region by region. Either way exactly the chosen tensors' bytes land,
-    on random ids and slots, over staging pieces smaller than the job."""
+    on random ids, over staging pieces smaller than the job. On an allocator's run of
+    consecutive slots the spans go as 2D copies, a single layer's too."""
     layout = build_layout(kind, fake.empty, num_blocks=16, num_layers=LAYERS, seed=3)
     tier = pinned_host_tier(fake, layout, 16, factor=factor)  # blocks of `factor` slots
     config = DeviceHandlerConfig(strategy=CopyStrategy.STAGED, staging_bytes=6 * layout.slot_bytes)
@@ -329,12 +333,23 @@ def test_staged_parts_of_consecutive_layers_land_bit_exact(
     taken: list[str] = []
     enqueue = load._enqueue
     load._enqueue = lambda plan: (taken.append(plan.strategy.value), enqueue(plan))[1]  # type: ignore[method-assign]
+    copies_2d: list[int] = []
+    memcpy_2d = fake.memcpy_2d
+
+    def count_2d(*args: Any) -> None:
+        copies_2d.append(args[4])  # its rows
+        memcpy_2d(*args)
+
+    fake.memcpy_2d = count_2d  # type: ignore[method-assign]
     rng = np.random.default_rng(7)
     tensors = len(layout.tensors)
     try:
         with SyncOffloadingEngine([store, load]) as engine:
             src = [int(x) for x in rng.choice(8, 8, replace=False)]
             slots = [int(x) for x in rng.choice(16, 8 // factor, replace=False)]
+            if order == "runs":
+                start = int(rng.integers(0, 16 - 8 // factor + 1))
+                slots = list(range(start, start + 8 // factor))
             spec = TransferSpec(gpu_blocks(src), cpu_blocks(slots))
             assert engine.wait([engine.submit(spec)])[0].success
             want = {(t, s): tensor_bytes(layout, t, s) for t in range(tensors) for s in src}
@@ -351,4 +366,7 @@ def test_staged_parts_of_consecutive_layers_land_bit_exact(
                         assert tensor_bytes(layout, t, b) == expect, (chosen, t)
     finally:
         tier.release()
+        del fake.memcpy_2d
     assert "staged" in taken and "dma" in taken, taken
+    if order == "runs":  # the staged parts' runs went as 2D copies (random slots may too)
+        assert copies_2d and min(copies_2d) >= COPY2D_ROWS, copies_2d

@@ -30,7 +30,7 @@ passes (any order; they run in the order below):
   --gaps         the gaps between a Python thread's kernel launches while the engine keeps a
                  store and a load of 8/64/512 blocks in flight, against no engine
   --ttft         time to first token on a prefix hit (H 2k/8k/32k, N 128/512/2048): load then
-                 compute, layer-wise (G 1, 4 and 8 layers a job), recompute, load alone, compute
+                 compute, layer-wise (G 1, 2, 4 and 8 layers a job), recompute, load alone, compute
                  alone; its table is printed again at the end
   --ttft-stores  a prefill's stores of its new blocks (H 2k/8k/32k, N 128/512/2048): after the
                  forward pass, or layer-wise (G 1, 4 and 8 layers a job) as the layers finish
@@ -196,7 +196,7 @@ if [ -n "${WANT[gaps]:-}" ]; then
 fi
 if [ -n "${WANT[ttft]:-}" ]; then
     bench_rounds ttft --passes ttft --ttft-hits 2048,8192,32768 --ttft-new 128,512,2048 \
-        --ttft-layers-per-load 1,4,8 --reps 3 --ttft-figure "$OUTDIR/ttft.png"
+        --ttft-layers-per-load 1,2,4,8 --reps 3 --ttft-figure "$OUTDIR/ttft.png"
 fi
 if [ -n "${WANT[ttft-stores]:-}" ]; then
     bench_rounds ttft-stores --passes ttft-stores --ttft-hits 2048,8192,32768 \

@@ -42,12 +42,24 @@ from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers, stream_sets
 from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
+from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
 from offload_engine.host import GroupMapping, HostTier, KVLayout, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
 log = logging.getLogger("offload_engine.device")
+
+
+def _mostly_runs(slots: Any) -> bool:
+    """Whether ``slots`` come mostly in runs of consecutive slots (ascending or
+    descending, as an allocator hands them out): at least COPY2D_ROWS of them per
+    break."""
+    n = int(slots.shape[0])
+    if n < COPY2D_ROWS:
+        return False
+    breaks = int(np.count_nonzero(np.abs(np.diff(slots)) != 1))
+    return breaks * COPY2D_ROWS <= n
 
 
 def _check_arguments(
@@ -366,15 +378,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self, groups: list[GroupMapping], regions: tuple[tuple[int, ...], ...]
     ) -> tuple[int, ...] | None:
         """Per KV group, the region table of a staged job's part of each block, or None
-        where the job goes by dma: a handler that does not stage, or a group whose
-        part is a single region (dma moves it as one descriptor already) or leaves
-        gaps in its slot."""
+        where the job goes by dma: a handler that does not stage, a group whose part
+        leaves gaps in its slot, or one whose part is a single region (dma moves it
+        as one descriptor a block) over slots that are mostly not consecutive (where
+        they are, staging moves each run of them as one 2D copy, at the link's rate
+        where a descriptor per block of a small region is not)."""
         if self._strategy not in (CopyStrategy.STAGED, None) or self._planner is None:
             return None
         parts = [0] * len(self.layout.groups)
         for m in groups:
             chosen = regions[m.group]
-            index = self._tables.part(m.group, chosen) if len(chosen) > 1 else None
+            if len(chosen) == 1 and not _mostly_runs(m.slots):
+                return None
+            index = self._tables.part(m.group, chosen)
             if index is None:
                 return None
             parts[m.group] = index

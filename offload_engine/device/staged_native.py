@@ -21,6 +21,7 @@ from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import StagedHeader
 from offload_engine.device.staged import (
+    copy2d_words,
     empty_job,
     gather,
     job_rows,
@@ -126,5 +127,5 @@ def enqueue_staged_native(
     for m, n in zip(groups, sizes_n, strict=True):
         tail += (n, *found.entry(h, m.group if parts is None else parts[m.group], pitch))
     tail += [handle(e) for e in events]
-    program.build_staged(header, tail, found.piece_words * pieces, 3 * total)
+    program.build_staged(header, tail, found.piece_words * pieces + copy2d_words(total), 3 * total)
     leave_state(h, plan, (sm, dmas), staging, events, pieces)

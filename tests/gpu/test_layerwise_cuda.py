@@ -53,9 +53,12 @@ def tensor_views(layout: Any, tensor: int, blocks: list[int]) -> list[torch.Tens
 @pytest.mark.parametrize("kind", LAYOUT_KINDS)
 @pytest.mark.parametrize("factor", [1, 4])
 @pytest.mark.parametrize("per_part", [1, 2])
+@pytest.mark.parametrize("order", ["random", "ascending", "descending"])
 def test_layer_by_layer_round_trip_and_race(
-    cuda: Any, kind: str, factor: int, per_part: int
+    cuda: Any, kind: str, factor: int, per_part: int, order: str
 ) -> None:
+    """Random slots go block by block; an allocator's runs of consecutive slots go
+    as 2D copies."""
     n, groups = 64, 2 if kind == "groups" else 1
     half = n * groups
     layout = build_layout(
@@ -67,6 +70,8 @@ def test_layer_by_layer_round_trip_and_race(
     dst = [half + int(x) for x in rng.choice(half, half, replace=False)]
     per_group = -(-n // factor)
     slots = [int(x) for x in rng.permutation(per_group * groups)]
+    if order != "random":
+        slots = sorted(slots, reverse=order == "descending")
     sizes = (n,) * groups
     tier = pinned_host_tier(cuda, layout, per_group * groups, factor=factor)
     try:

@@ -38,6 +38,32 @@ class MemcpyAttributes(ctypes.Structure):
 
 _P = ctypes.c_void_p
 _Z = ctypes.c_size_t
+CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_DEVICE = 1, 2
+
+
+class Memcpy2D(ctypes.Structure):
+    """CUDA_MEMCPY2D, for cuMemcpy2DAsync_v2."""
+
+    _fields_ = (
+        ("srcXInBytes", _Z),
+        ("srcY", _Z),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", _P),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", _P),
+        ("srcPitch", _Z),
+        ("dstXInBytes", _Z),
+        ("dstY", _Z),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", _P),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", _P),
+        ("dstPitch", _Z),
+        ("WidthInBytes", _Z),
+        ("Height", _Z),
+    )
+
+
 _BATCH_V13 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P)
 _BATCH_V12 = ctypes.CFUNCTYPE(ctypes.c_int, _P, _P, _P, _Z, _P, _P, _Z, _P, _P)
 # the same calls holding the GIL: for a handful of descriptors the driver returns in
@@ -71,6 +97,9 @@ class Driver:
         self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
         self.event_query = held.cuEventQuery
         self.event_query.argtypes = (_P,)
+        # a 2D copy of many rows takes the driver tens of microseconds: released
+        self.memcpy2d = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2
+        self.memcpy2d.argtypes = (_P, _P)
         self.batch_address = 0  # the batched copy's entry point, for the native launch
         try:
             from cuda.bindings import driver as drv

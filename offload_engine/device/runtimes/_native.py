@@ -50,7 +50,7 @@ from offload_engine.errors import TransferError
 
 SOURCE = Path(__file__).with_name("_native_launch.c")
 
-OP_WAIT, OP_RECORD, OP_BATCH, OP_LAUNCH, OP_HTOD = 1, 2, 3, 4, 5
+OP_WAIT, OP_RECORD, OP_BATCH, OP_LAUNCH, OP_HTOD, OP_COPY2D = 1, 2, 3, 4, 5, 6
 #: the driver entry points a program calls, in the order of the table handed to C
 ENTRY_NAMES = (
     "cuEventRecord",
@@ -59,6 +59,7 @@ ENTRY_NAMES = (
     "cuMemcpyAsync",
     "cuLaunchKernel",
     "cuMemcpyHtoDAsync",
+    "cuMemcpy2DAsync",
 )
 #: what each opcode calls, for the error text (a batch of variant 0 is cuMemcpyAsync)
 CALL_NAMES = {
@@ -67,12 +68,16 @@ CALL_NAMES = {
     OP_BATCH: "cuMemcpyBatchAsync",
     OP_LAUNCH: "cuLaunchKernel",
     OP_HTOD: "cuMemcpyHtoDAsync",
+    OP_COPY2D: "cuMemcpy2DAsync",
 }
 #: the words of a batch op that the staged planner sets per piece (the same names in
 #: ``_native_launch.c``): OP_BATCH, stream, the dst, src and sizes columns' word
 #: offsets in the descriptor array, count, descriptors per call, attributes, variant
 BATCH_STREAM, BATCH_DST, BATCH_SRC, BATCH_SIZES, BATCH_COUNT = 1, 2, 3, 4, 5
 BATCH_WORDS = 9
+#: a 2D copy op: OP_COPY2D, stream, dst, src, width, height, dst pitch, src pitch, and
+#: 1 for device to host (0: host to device)
+COPY2D_WORDS = 9
 #: a launch op: OP_LAUNCH, function, grid x y z, block x y z, shared bytes, stream,
 #: parameter count, then one word per parameter; the staged planner sets the grid's x
 #: (the piece's blocks) and two parameters of the block-copy kernel
@@ -111,6 +116,9 @@ class StagedHeader(ctypes.Structure):
         ("factor", ctypes.c_uint64),  # tier slots per tier block
         # slot s is at (s / factor) * block_stride + (s % factor) * slot_bytes
         ("block_stride", ctypes.c_uint64),
+        # a run of at least this many rows one stride apart moves as one 2D copy (a
+        # group that moves part of each slot); 0: never
+        ("copy2d_rows", ctypes.c_int64),
         ("words", ctypes.c_void_p),  # where the program's words go
         ("descriptors", ctypes.c_void_p),  # the descriptor array
         ("first_descriptor", ctypes.c_int64),  # its first free word

@@ -18,6 +18,10 @@
  *              cuLaunchKernel; each parameter is read from its own 8-byte word
  *              (a narrower parameter from the word's first bytes: little endian)
  *   OP_HTOD    dst src nbytes stream     cuMemcpyHtoDAsync_v2
+ *   OP_COPY2D  stream dst src width height dst_pitch src_pitch to_host
+ *              cuMemcpy2DAsync_v2: `height` rows of `width` bytes, the rows
+ *              `*_pitch` bytes apart on each side; to_host 1: device to host,
+ *              0: host to device
  *
  * oe_launch_run returns 0 when every call succeeded. Otherwise it stops at the
  * first failing call and returns 1 with fail[0] = that op's index (0 for the
@@ -46,8 +50,25 @@ typedef int (*launch_fn)(void *function, unsigned int gx, unsigned int gy, unsig
                          unsigned int bx, unsigned int by, unsigned int bz, unsigned int shared,
                          void *stream, void **params, void **extra);
 typedef int (*htod_fn)(uint64_t dst, const void *src, size_t bytes, void *stream);
+/* CUDA_MEMCPY2D (cuda.h), field for field */
+struct oe_memcpy2d {
+    size_t src_x, src_y;
+    int src_type; /* CUmemorytype: 1 host, 2 device */
+    const void *src_host;
+    uint64_t src_device;
+    void *src_array;
+    size_t src_pitch;
+    size_t dst_x, dst_y;
+    int dst_type;
+    void *dst_host;
+    uint64_t dst_device;
+    void *dst_array;
+    size_t dst_pitch;
+    size_t width, height;
+};
+typedef int (*copy2d_fn)(const struct oe_memcpy2d *copy, void *stream);
 
-enum { OP_WAIT = 1, OP_RECORD = 2, OP_BATCH = 3, OP_LAUNCH = 4, OP_HTOD = 5 };
+enum { OP_WAIT = 1, OP_RECORD = 2, OP_BATCH = 3, OP_LAUNCH = 4, OP_HTOD = 5, OP_COPY2D = 6 };
 /* the words of a batch and a launch op that oe_staged_build sets per piece (the same
    names in _native.py): a batch's stream, descriptor columns and count; a launch's
    grid x and the block-copy kernel's cache ids (parameter 4) and slot base (6) */
@@ -55,7 +76,10 @@ enum { BATCH_STREAM = 1, BATCH_DST = 2, BATCH_SRC = 3, BATCH_SIZES = 4, BATCH_CO
        BATCH_WORDS = 9 };
 enum { LAUNCH_GRID_X = 2, LAUNCH_NPARAMS = 10, LAUNCH_PARAMS = 11,
        LAUNCH_IDS = LAUNCH_PARAMS + 4, LAUNCH_SLOT_BASE = LAUNCH_PARAMS + 6 };
-enum { E_RECORD = 0, E_WAIT = 1, E_BATCH = 2, E_MEMCPY = 3, E_LAUNCH = 4, E_HTOD = 5 };
+enum { E_RECORD = 0, E_WAIT = 1, E_BATCH = 2, E_MEMCPY = 3, E_LAUNCH = 4, E_HTOD = 5, E_COPY2D = 6 };
+enum { COPY2D_WORDS = 9 };
+/* the largest pitch a 2D copy takes (the device's memPitch on current GPUs) */
+#define MAX_PITCH 0x7fffffffull
 #define MAX_PARAMS 32
 
 #define P(x) ((void *)(intptr_t)(x))
@@ -129,6 +153,29 @@ int64_t oe_launch_run(const int64_t *prog, int64_t words, const uint64_t *desc,
             if (left < used) goto bad;
             rc = ((htod_fn)entries[E_HTOD])((uint64_t)w[0], P(w[1]), (size_t)w[2], P(w[3]));
             break;
+        case OP_COPY2D: {
+            used = COPY2D_WORDS - 1;
+            if (left < used || w[3] < 0 || w[4] < 0 || w[5] < w[3] || w[6] < w[3]) goto bad;
+            struct oe_memcpy2d c;
+            memset(&c, 0, sizeof c);
+            c.src_pitch = (size_t)w[6];
+            c.dst_pitch = (size_t)w[5];
+            c.width = (size_t)w[3];
+            c.height = (size_t)w[4];
+            if (w[7]) {
+                c.src_type = 2;
+                c.src_device = (uint64_t)w[2];
+                c.dst_type = 1;
+                c.dst_host = P(w[1]);
+            } else {
+                c.src_type = 1;
+                c.src_host = P(w[2]);
+                c.dst_type = 2;
+                c.dst_device = (uint64_t)w[1];
+            }
+            rc = ((copy2d_fn)entries[E_COPY2D])(&c, P(w[0]));
+            break;
+        }
         default:
             goto bad;
         }
@@ -170,6 +217,8 @@ struct oe_staged_header {
     uint64_t slot_bytes;
     uint64_t factor;       /* tier slots per tier block */
     uint64_t block_stride; /* slot s is at (s / factor) * block_stride + (s % factor) * slot_bytes */
+    int64_t copy2d_rows;   /* a run of at least this many rows of one stride moves as one
+                              2D copy (a group that moves part of each slot); 0: never */
     int64_t *words;        /* where the program's words go */
     uint64_t *descriptors; /* the descriptor array */
     int64_t first_descriptor; /* its first free word */
@@ -196,8 +245,13 @@ int64_t oe_staged_header_size(void) { return (int64_t)sizeof(struct oe_staged_he
  * Each group's blocks are sorted by tier address (stable) and cut into pieces of
  * `rows` blocks; within a piece, blocks whose tier rows continue each other (and
  * whose staging rows do: a group that fills a row) merge into one descriptor.
+ * A group that moves part of each slot (some layers, or a group smaller than the
+ * slot) leaves gaps between its tier rows: a run of at least copy2d_rows rows
+ * one stride apart (consecutive slots) moves as one 2D copy instead, which the
+ * copy engine runs at the link's rate where one descriptor per row does not.
  * A piece is: [wait first <- buffer's last event] first half, record, wait,
  * second half, record; a store gathers (launch) then DMAs, a load the reverse.
+ * A piece's DMA half is its batch of descriptors (if any), then its 2D copies.
  * out = (words written, ops, the descriptor array's first free word). Returns 0,
  * or -1 if memory for the sort could not be had.
  */
@@ -288,8 +342,15 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
     const int64_t ids_device = h->device_ids, next = h->next_buffer, before = h->pieces_before;
     const int64_t ngroups = h->groups;
     const int64_t *free_in = h->tail, *groups = free_in + nbuf, *events = groups + 4 * ngroups;
+    const int64_t m2d = h->copy2d_rows;
     int64_t *last = malloc((size_t)(nbuf > 0 ? nbuf : 1) * sizeof *last);
-    if (!last) return -1;
+    /* a piece's 2D runs: (first row, rows, stride) each; a run has at least m2d rows */
+    int64_t *runs = malloc((size_t)(m2d > 1 ? rows / m2d + 1 : 1) * 3 * sizeof *runs);
+    if (!last || !runs) {
+        free(last);
+        free(runs);
+        return -1;
+    }
     memcpy(last, free_in, (size_t)nbuf * sizeof *last);
     int64_t nw = 0, ops = 0, piece = 0, at = 0;
     for (int64_t g = 0; g < ngroups; g++) {
@@ -298,12 +359,16 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
         const uint64_t start = (uint64_t)groups[4 * g + 3];
         const int64_t launch_words = LAUNCH_PARAMS + launch_tpl[LAUNCH_NPARAMS];
         const int merge = size == pitch;
+        /* 2D runs: a group that moves part of each slot (a part, or a group that does
+           not fill its slot), whose rows in the tier are apart by more than they hold */
+        const int two_d = m2d > 1 && (uint64_t)size < slot_bytes;
         for (int64_t i = at; i < at + n; i++) { /* slots to tier addresses, in place */
             const uint64_t slot = tier[i];
             tier[i] = tier_base + slot / factor * block_stride + slot % factor * slot_bytes + start;
         }
         if (sort_rows(tier + at, ids + at, n)) {
             free(last);
+            free(runs);
             return -1;
         }
         for (int64_t lo = 0; lo < n; lo += rows, piece++) {
@@ -316,13 +381,31 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
             /* descriptors: columns of `count` words each (fewer used after merging) */
             uint64_t *dst = desc + nd, *src = dst + count, *sizes = src + count;
             uint64_t *tier_col = store ? dst : src, *row_col = store ? src : dst;
-            int64_t k = 0;
+            int64_t k = 0, nruns = 0, last_row = -1; /* last_row: the last row in a descriptor */
             for (int64_t i = lo; i < hi; i++) {
                 const uint64_t t = tier[at + i];
-                if (k && merge && tier[at + i - 1] + (uint64_t)size == t) {
+                if (two_d && hi - i >= m2d) { /* rows i..j apart by one stride d */
+                    const uint64_t d = tier[at + i + 1] - t;
+                    int64_t j = i + 1;
+                    if (d >= (uint64_t)size && d <= MAX_PITCH && !(merge && d == (uint64_t)size))
+                        while (j + 1 < hi && tier[at + j + 1] - tier[at + j] == d) j++;
+                    else
+                        j = i;
+                    if (j + 1 - i >= m2d) {
+                        runs[3 * nruns] = i;
+                        runs[3 * nruns + 1] = j + 1 - i;
+                        runs[3 * nruns + 2] = (int64_t)d;
+                        nruns++;
+                        i = j;
+                        continue;
+                    }
+                }
+                if (k && merge && last_row == i - 1 && tier[at + i - 1] + (uint64_t)size == t) {
                     sizes[k - 1] += (uint64_t)size;
+                    last_row = i;
                     continue;
                 }
+                last_row = i;
                 tier_col[k] = t;
                 row_col[k] = row0 + (uint64_t)((i - lo) * pitch);
                 sizes[k++] = (uint64_t)size;
@@ -357,8 +440,25 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
                     op[LAUNCH_SLOT_BASE] = (int64_t)(row0 - start);
                     nw += launch_words;
                 } else {
-                    memcpy(w + nw, batch, sizeof batch);
-                    nw += BATCH_WORDS;
+                    if (k) {
+                        memcpy(w + nw, batch, sizeof batch);
+                        nw += BATCH_WORDS;
+                    }
+                    for (int64_t r = 0; r < nruns; r++) {
+                        const int64_t first_row = runs[3 * r], height = runs[3 * r + 1];
+                        const int64_t stride = runs[3 * r + 2];
+                        const int64_t row = (int64_t)row0 + (first_row - lo) * pitch;
+                        const int64_t t = (int64_t)tier[at + first_row];
+                        w[nw++] = OP_COPY2D;
+                        w[nw++] = dma;
+                        w[nw++] = store ? t : row;         /* dst */
+                        w[nw++] = store ? row : t;         /* src */
+                        w[nw++] = size;                    /* width */
+                        w[nw++] = height;
+                        w[nw++] = store ? stride : pitch;  /* dst pitch */
+                        w[nw++] = store ? pitch : stride;  /* src pitch */
+                        w[nw++] = store;                   /* to host */
+                    }
                 }
                 w[nw++] = OP_RECORD;
                 w[nw++] = half == 0 ? full : end;
@@ -369,12 +469,13 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
                     w[nw++] = full;
                 }
             }
-            ops += 5;
+            ops += 4 + (k > 0) + nruns;
             last[b] = end;
         }
         at += n;
     }
     free(last);
+    free(runs);
     out[0] = nw;
     out[1] = ops;
     out[2] = nd;

@@ -225,6 +225,25 @@ class DeviceRuntime(abc.ABC):
         :attr:`max_batch` descriptors (or one call per copy where the batched
         API is missing). Returns the number of driver calls made."""
 
+    def memcpy_2d(
+        self,
+        stream: Any,
+        dst: int,
+        src: int,
+        width: int,
+        height: int,
+        pitches: tuple[int, int],
+        kind: Direction,
+    ) -> None:
+        """Enqueue ``height`` copies of ``width`` bytes on ``stream``, row ``i`` from
+        ``src + i * pitches[1]`` to ``dst + i * pitches[0]``. Here: one descriptor
+        per row through :meth:`memcpy_batch`; a runtime with a 2D copy (the copy
+        engine moves the rows as one transfer) makes that instead."""
+        rows = np.arange(height, dtype=np.uint64)
+        dst_rows = np.uint64(dst) + rows * np.uint64(pitches[0])
+        src_rows = np.uint64(src) + rows * np.uint64(pitches[1])
+        self.memcpy_batch(stream, dst_rows, src_rows, np.full(height, width, np.uint64), kind)
+
     @abc.abstractmethod
     def copy_blocks(self, stream: Any, copy: BlockCopy) -> None:
         """Enqueue a device-side (SM) block copy on ``stream``."""

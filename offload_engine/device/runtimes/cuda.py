@@ -43,9 +43,12 @@ from offload_engine.device.runtimes._cuda_driver import (
     CU_MEM_LOCATION_TYPE_DEVICE,
     CU_MEM_LOCATION_TYPE_HOST,
     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+    CU_MEMORYTYPE_DEVICE,
+    CU_MEMORYTYPE_HOST,
     CUDA_ERROR_NOT_READY,
     CUDA_HOST_REGISTER_PORTABLE_MAPPED,
     Driver,
+    Memcpy2D,
     MemcpyAttributes,
     MemLocation,
     address_of,
@@ -54,6 +57,7 @@ from offload_engine.device.runtimes._cuda_driver import (
 from offload_engine.device.runtimes._native import (
     HOLD_GIL_DESCRIPTORS,
     OP_BATCH,
+    OP_COPY2D,
     OP_HTOD,
     OP_LAUNCH,
     OP_RECORD,
@@ -322,6 +326,28 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
 
     # ------------------------------------------------------------ copies
 
+    def memcpy_2d(
+        self,
+        stream: Any,
+        dst: int,
+        src: int,
+        width: int,
+        height: int,
+        pitches: tuple[int, int],
+        kind: Direction,
+    ) -> None:
+        self._bind_thread()
+        c = Memcpy2D(WidthInBytes=width, Height=height, dstPitch=pitches[0], srcPitch=pitches[1])
+        device, host = (src, dst) if kind is Direction.STORE else (dst, src)
+        if kind is Direction.STORE:
+            c.srcMemoryType, c.srcDevice = CU_MEMORYTYPE_DEVICE, device
+            c.dstMemoryType, c.dstHost = CU_MEMORYTYPE_HOST, host
+        else:
+            c.srcMemoryType, c.srcHost = CU_MEMORYTYPE_HOST, host
+            c.dstMemoryType, c.dstDevice = CU_MEMORYTYPE_DEVICE, device
+        rc = self._driver.memcpy2d(ctypes.byref(c), stream.cuda_stream)
+        self._check(rc, "cuMemcpy2DAsync")
+
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         self._bind_thread()
         n = int(sizes.shape[0])
@@ -419,6 +445,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
             address_of(d.memcpy),
             self._direct.launch_address,
             address_of(d.memcpy_htod),
+            address_of(d.memcpy2d),
         )
         try:
             return _CudaProgram(
@@ -475,6 +502,19 @@ class _CudaProgram(LaunchProgram):
 
     def wait_event(self, stream: Any, event: Any) -> None:
         self.op(OP_WAIT, stream.cuda_stream, event.cuda_event)
+
+    def memcpy_2d(
+        self,
+        stream: Any,
+        dst: int,
+        src: int,
+        width: int,
+        height: int,
+        pitches: tuple[int, int],
+        kind: Direction,
+    ) -> None:
+        to_host = int(kind is Direction.STORE)
+        self.op(OP_COPY2D, stream.cuda_stream, dst, src, width, height, *pitches, to_host)
 
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         n = int(sizes.shape[0])
