@@ -21,7 +21,8 @@ from offload_engine import (
     SyncOffloadingEngine,
     TransferResult,
 )
-from offload_engine.connectors.vllm.bridge import EngineBridge, build_bridge
+from offload_engine.connectors.vllm.bridge import EngineBridge
+from offload_engine.connectors.vllm.build import build_bridge
 from offload_engine.connectors.vllm.config import parse_extra_config
 from offload_engine.connectors.vllm.testing import (
     FakeCanonicalKVCaches,

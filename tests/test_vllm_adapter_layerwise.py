@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from offload_engine import KVLayout, Medium, SyncOffloadingEngine
+from offload_engine import InvalidTransferError, KVLayout, Medium, SyncOffloadingEngine
 from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.layerwise import (
     LayerPlan,
@@ -157,6 +157,29 @@ def test_a_refused_part_reports_its_loads_blocks_as_load_errors(
     assert loads.take_invalid() == set()
     assert not loads.owns(4)
     assert bridge.stats()["adapter"]["submits_refused"] == plan.parts
+
+
+def test_blocks_refused_at_open_fail_every_wait_and_the_load_once(
+    fake: FakeRuntime, bridge: EngineBridge
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    plan = LayerPlan.build(layout, addresses(layout), 2)
+    loads = LayerwiseLoads(bridge, plan, timeout=10)
+    # two cache ids for a group of one: refused when the load is opened
+    loads.start([(4, [1], [2, 3], (1,), (0,))])
+    for name in names(LAYERS):
+        loads.wait_for_layer(name)  # does not raise: the failure is reported
+    loads.finish_step()
+    assert loads.take_invalid() == {2, 3}
+    [result] = bridge.get_finished()
+    assert result.job_id == 4 and not result.success and result.bytes_moved == 0
+    assert isinstance(result.error, InvalidTransferError)
+    loads.finished(4, False, result.error)
+    assert loads.take_invalid() == set() and not loads.owns(4)
+    adapter = bridge.stats()["adapter"]
+    assert adapter["loads_submitted"] == 1 and adapter["submits_refused"] == plan.parts
+    assert adapter["failures_delivered"] == 1 and bridge.live_jobs == 0
 
 
 def test_a_part_that_fails_on_the_device_is_reported_once(

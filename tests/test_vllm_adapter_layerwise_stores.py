@@ -9,7 +9,9 @@ any part failed or was refused.
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -18,15 +20,19 @@ import pytest
 import torch
 
 from offload_engine import (
+    CacheBlocks,
     Direction,
+    InvalidBlockIdsError,
     InvalidTransferError,
     KVLayout,
     Medium,
     SyncOffloadingEngine,
     TransferResult,
+    cpu_blocks,
 )
+from offload_engine.connectors.vllm import bridge as bridge_module
 from offload_engine.connectors.vllm.bridge import EngineBridge
-from offload_engine.connectors.vllm.layerwise import LayerPlan, LayerwiseStores
+from offload_engine.connectors.vllm.layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores
 from offload_engine.device import DeviceHandlerConfig, make_device_handlers, pinned_host_tier
 from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout
 from tests.test_vllm_adapter_layerwise import LAYERS, addresses, bridge, fake, names, region
@@ -49,7 +55,7 @@ def recorded_parts(bridge: EngineBridge, monkeypatch: pytest.MonkeyPatch) -> lis
     real = bridge.submit_part
 
     def spy(job_id: int, *args: Any, **kwargs: Any) -> Any:
-        calls.append((job_id, args[4]))
+        calls.append((job_id, args[0]))
         return real(job_id, *args, **kwargs)
 
     monkeypatch.setattr(bridge, "submit_part", spy)
@@ -170,22 +176,141 @@ def test_a_part_that_fails_on_the_device_fails_its_stores_result(
     assert result.job_id == 6 and not result.success and result.error is not None
 
 
+#: one cache block and one tier block, as open_parts takes a job's blocks
+BLOCKS: dict[str, Any] = {
+    "cache_ids": [0],
+    "group_sizes": (1,),
+    "block_indices": (0,),
+    "tier_ids": [0],
+}
+
+
 def test_parts_are_announced_checked_and_counted(bridge: EngineBridge) -> None:
     for bad in (0, -1, True, 1.0):
         with pytest.raises(InvalidTransferError, match="at least one part"):
-            bridge.open_parts(7, Direction.STORE, bad)  # type: ignore[arg-type]
+            bridge.open_parts(7, Direction.STORE, bad, **BLOCKS)  # type: ignore[arg-type]
     with pytest.raises(InvalidTransferError, match="no part left"):
-        bridge.submit_part(7, [0], (1,), (0,), [0], None)  # never opened
-    bridge.open_parts(7, Direction.STORE, 1)
+        bridge.submit_part(7, None)  # never opened
+    assert bridge.open_parts(7, Direction.STORE, 1, **BLOCKS) is None
     with pytest.raises(InvalidTransferError, match="already out"):
-        bridge.open_parts(7, Direction.LOAD, 2)
-    assert bridge.submit_part(7, [0], (1,), (0,), [0], None) is None
+        bridge.open_parts(7, Direction.LOAD, 2, **BLOCKS)
+    assert bridge.submit_part(7, None) is None
     with pytest.raises(InvalidTransferError, match="all 1 were"):
-        bridge.submit_part(7, [0], (1,), (0,), [0], None)
+        bridge.submit_part(7, None)
     bridge.wait([7])
     [result] = bridge.get_finished()
     assert isinstance(result, TransferResult) and result.job_id == 7 and result.success
     assert bridge.stats()["adapter"]["stores_submitted"] == 1
+
+
+def counted_conversions(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """How often the bridge converts vLLM's ids into cache and tier blocks."""
+    counts: Counter[str] = Counter()
+
+    def counting(name: str, real: Callable[..., Any]) -> Callable[..., Any]:
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            counts[name] += 1
+            return real(*args, **kwargs)
+
+        return spy
+
+    monkeypatch.setattr(bridge_module, "CacheBlocks", counting("cache", CacheBlocks))
+    monkeypatch.setattr(bridge_module, "cpu_blocks", counting("tier", cpu_blocks))
+    return counts
+
+
+def test_a_jobs_blocks_are_converted_once_for_all_its_parts(
+    fake: FakeRuntime, bridge: EngineBridge, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    plan = plan_of(layout, 1)  # one part per layer
+    assert plan.parts == LAYERS
+    conversions = counted_conversions(monkeypatch)
+    stores = LayerwiseStores(bridge, plan)
+    calls = recorded_parts(bridge, monkeypatch)
+    stores.start([(1, [0, 1], (2,), (0,), [3, 4]), (2, [2], (1,), (0,), [5])])
+    assert conversions == {"cache": 2, "tier": 2}  # at open, once per store
+    for name in names(LAYERS):
+        stores.saved(name)
+    stores.finish_step()
+    assert len(calls) == 2 * LAYERS
+    assert conversions == {"cache": 2, "tier": 2}  # no part converted them again
+    loads = LayerwiseLoads(bridge, plan, timeout=10)
+    loads.start([(3, [3, 4], [6, 7], (2,), (0,))])
+    for name in names(LAYERS):
+        loads.wait_for_layer(name)
+    loads.finish_step()
+    assert conversions == {"cache": 3, "tier": 3}  # a load of 6 parts: once
+    bridge.wait([1, 2, 3])
+    results = {r.job_id: r for r in bridge.get_finished()}
+    assert set(results) == {1, 2, 3} and all(r.success for r in results.values())
+    assert results[3].bytes_moved == 2 * layout.slot_bytes
+
+
+def test_blocks_refused_at_open_end_the_store_as_one_failed_result(
+    fake: FakeRuntime,
+    bridge: EngineBridge,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    plan = plan_of(layout, 2)
+    caplog.set_level(logging.ERROR, logger="offload_engine.connectors.vllm.bridge")
+    # job 4's group sizes count two cache blocks, its ids one: refused when opened
+    refused = bridge.open_parts(
+        4,
+        Direction.STORE,
+        plan.parts,
+        cache_ids=[0],
+        group_sizes=(2,),
+        block_indices=(0,),
+        tier_ids=[1],
+    )
+    assert isinstance(refused, InvalidTransferError)
+    assert "store job 4" in caplog.text
+    assert "InvalidTransferError: group_sizes (2,) sum to 2" in caplog.text
+    assert bridge.open_parts(5, Direction.STORE, plan.parts, **BLOCKS) is None
+    conversions = counted_conversions(monkeypatch)
+    for tensors in plan.tensor_sets[:-1]:
+        assert bridge.submit_part(4, tensors) is refused  # never reaches the engine
+        assert bridge.submit_part(5, tensors) is None
+    bridge.wait([4])  # none of job 4's parts is in the engine: returns at once
+    assert bridge.get_finished() == []  # job 4 has a part to come: no result yet
+    assert bridge.submit_part(4, plan.tensor_sets[-1]) is refused
+    assert bridge.submit_part(5, plan.tensor_sets[-1]) is None
+    assert conversions == {}
+    with pytest.raises(InvalidTransferError, match="no part left"):
+        bridge.submit_part(4, None)  # all were handed in: the job is done
+    bridge.wait([4, 5])
+    results = {r.job_id: r for r in bridge.get_finished()}
+    assert set(results) == {4, 5}  # one result per store, none for a part
+    assert not results[4].success and results[4].bytes_moved == 0
+    assert results[4].error is refused
+    assert results[5].success
+    assert bridge.get_finished() == [] and bridge.live_jobs == 0
+    adapter = bridge.stats()["adapter"]
+    assert adapter["stores_submitted"] == 2
+    assert adapter["submits_refused"] == plan.parts
+    assert adapter["failures_delivered"] == 1
+
+
+def test_layerwise_stores_of_blocks_refused_at_open_still_finish(
+    fake: FakeRuntime, bridge: EngineBridge
+) -> None:
+    layout = bridge.layout
+    assert layout is not None
+    stores = LayerwiseStores(bridge, plan_of(layout, 2))
+    stores.start([(4, [0, -1], (2,), (0,), [1]), (5, [1], (1,), (0,), [2])])
+    for name in names(LAYERS):
+        stores.saved(name)
+    stores.finish_step()
+    bridge.wait([4, 5])
+    results = {r.job_id: r for r in bridge.get_finished()}
+    assert set(results) == {4, 5}
+    assert not results[4].success and isinstance(results[4].error, InvalidBlockIdsError)
+    assert results[5].success
 
 
 def test_a_one_part_plan_stores_the_whole_block_once_every_layer_is_saved(

@@ -26,7 +26,8 @@ from offload_engine import (
     npu_blocks,
 )
 from offload_engine.connectors.vllm import platform
-from offload_engine.connectors.vllm.bridge import EngineBridge, build_bridge
+from offload_engine.connectors.vllm.bridge import EngineBridge
+from offload_engine.connectors.vllm.build import build_bridge
 from offload_engine.connectors.vllm.config import parse_extra_config
 from offload_engine.connectors.vllm.layout import layout_from_canonical
 from offload_engine.connectors.vllm.platform import select_backend

@@ -44,6 +44,7 @@ from offload_engine import (
     Medium,
     OffloadError,
     SyncOffloadingEngine,
+    TierBlocks,
     TransferResult,
     TransferSpec,
     UnknownJobError,
@@ -51,8 +52,6 @@ from offload_engine import (
 )
 
 from .config import EngineOffloadingConfig
-from .layout import layout_from_canonical
-from .platform import TierPlacement, select_backend
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +64,21 @@ def _length(ids: object) -> str:
         return str(len(ids))  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - only describes bad input that is being refused
         return f"? ({type(ids).__name__})"
+
+
+def _describe(
+    cache_ids: object,
+    group_sizes: object,
+    block_indices: object,
+    tier_ids: object,
+    tensors: tuple[int, ...] | None = None,
+) -> str:
+    """A refused job's blocks, for its log line."""
+    return (
+        f"{_length(cache_ids)} cache blocks, groups {group_sizes!r}, first indices "
+        f"{block_indices!r}, {_length(tier_ids)} tier blocks"
+        + ("" if tensors is None else f", tensors {tensors}")
+    )
 
 
 def _as_counts(values: object, what: str) -> tuple[int, ...]:
@@ -98,13 +112,15 @@ _FIRST_PART_ID = 1 << 62
 
 @dataclasses.dataclass
 class _Layered:
-    """A job sent to the engine in parts (a layer-wise load or store): how many parts it
+    """A job sent to the engine in parts (a layer-wise load or store): its blocks,
+    converted once when it was opened (or why they were refused), how many parts it
     has, how many were handed in and came back, and what came back so far."""
 
     direction: Direction
     parts: int
+    blocks: tuple[CacheBlocks, TierBlocks] | OffloadError  # or why they were refused
     submitted: int = 0  # parts handed to submit_part
-    done: int = 0  # parts whose result came back or that the engine refused
+    done: int = 0  # parts whose result came back or that were refused
     pending: set[int] = dataclasses.field(default_factory=set)  # parts in the engine
     nbytes: int = 0
     seconds: float = 0.0
@@ -219,55 +235,79 @@ class EngineBridge:
         tensor), each with a :class:`JobFence`, returned in that order.
 
         The parts report as one result under ``job_id`` once all are done, failed if
-        any failed (see :meth:`open_parts`). A part the engine refuses is logged, and
-        its fence is already finished with the error, so its wait raises instead of
-        passing."""
+        any failed (see :meth:`open_parts`). A part refused (its blocks at open, or
+        the part by the engine) is logged, and its fence is already finished with the
+        error, so its wait raises instead of passing."""
         job_id = _job_id(job_id)
-        self.open_parts(job_id, Direction.LOAD, len(tensor_sets))
+        self.open_parts(
+            job_id,
+            Direction.LOAD,
+            len(tensor_sets),
+            cache_ids=cache_ids,
+            group_sizes=group_sizes,
+            block_indices=block_indices,
+            tier_ids=tier_ids,
+        )
         fences: list[JobFence] = []
         for tensors in tensor_sets:
             fence = JobFence()
             fences.append(fence)
-            refused = self.submit_part(
-                job_id, cache_ids, group_sizes, block_indices, tier_ids, tensors, fence=fence
-            )
+            refused = self.submit_part(job_id, tensors, fence=fence)
             if refused is not None:
                 fence.finished(refused)
         return fences
 
-    def open_parts(self, job_id: int, direction: Direction, parts: int) -> None:
-        """Announce ``job_id`` as ``parts`` engine jobs, each handed in later by
+    def open_parts(
+        self,
+        job_id: int,
+        direction: Direction,
+        parts: int,
+        *,
+        cache_ids: IdsLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        tier_ids: IdsLike,
+    ) -> OffloadError | None:
+        """Announce ``job_id`` as ``parts`` engine jobs over these blocks (converted and
+        checked here, once for all parts), each part handed in later by
         :meth:`submit_part` (as the forward pass reaches its layers, say). They report
         as ONE result under ``job_id`` once every part came back, failed if any part
         failed or was refused; until then no part's result is handed out.
+
+        None if the blocks were taken. If they are refused, the typed error (logged):
+        the job is open all the same, each of its parts is refused with that error
+        when handed in (counted in ``submits_refused``, never reaching the engine),
+        and once all are handed in the job reports as one failed result. A ``parts``
+        below one, or a ``job_id`` already out, raises :class:`InvalidTransferError`
+        (nothing is opened).
 
         :meth:`wait` on ``job_id`` waits for the parts handed in so far: a caller
         that waits on such a job hands in all of its parts first."""
         job_id = _job_id(job_id)
         if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
             raise InvalidTransferError(f"a job has at least one part, got {parts!r}")
+        blocks = self._blocks(cache_ids, group_sizes, block_indices, tier_ids)
         with self._cond:
             if job_id in self._layered or job_id in self._live:
                 raise InvalidTransferError(f"job {job_id} is already out")
-            self._layered[job_id] = _Layered(direction, parts)
+            self._layered[job_id] = _Layered(direction, parts, blocks)
             self._counts[f"{direction.value}s_submitted"] += 1
+        if not isinstance(blocks, OffloadError):
+            return None
+        what = _describe(cache_ids, group_sizes, block_indices, tier_ids)
+        self._log_refused(direction, job_id, f"{what}; all {parts} parts", blocks)
+        return blocks
 
     def submit_part(
-        self,
-        job_id: int,
-        cache_ids: IdsLike,
-        group_sizes: Sequence[int],
-        block_indices: Sequence[int],
-        tier_ids: IdsLike,
-        tensors: tuple[int, ...] | None,
-        *,
-        fence: JobFence | None = None,
+        self, job_id: int, tensors: tuple[int, ...] | None, *, fence: JobFence | None = None
     ) -> OffloadError | None:
         """Hand the engine the next part of ``job_id`` (see :meth:`open_parts`): the
-        blocks' regions in the KV tensors ``tensors`` (None: all), in the direction the
-        job was opened with. None once the engine took it; if the engine refused it,
-        the typed error (logged), and the part counts as failed. A part past the
-        announced number, or of a job not opened, raises :class:`InvalidTransferError`."""
+        regions of the job's blocks in the KV tensors ``tensors`` (None: all), in the
+        direction the job was opened with, with ``fence`` if given. None once the
+        engine took it; otherwise the typed error, and the part counts as failed: the
+        engine's refusal (logged here), or the refusal of the job's blocks at
+        :meth:`open_parts` (logged there). A part past the announced number, or of a
+        job not opened, raises :class:`InvalidTransferError`."""
         job_id = _job_id(job_id)
         with self._cond:
             state = self._layered.get(job_id)
@@ -279,23 +319,48 @@ class EngineBridge:
             state.submitted += 1
             part = self._next_part
             self._next_part += 1
-        refused = self._try_submit(
-            part,
-            state.direction,
-            cache_ids,
-            group_sizes,
-            block_indices,
-            tier_ids,
-            tensors=tensors,
-            fence=fence,
-            parent=job_id,
+            blocks = state.blocks
+            if isinstance(blocks, OffloadError):  # refused at open, and logged there
+                self._counts["submits_refused"] += 1
+                self._fold_refused(job_id, part, blocks)
+                return blocks
+        cache, tier = blocks
+        refused = self._submit(
+            part, state.direction, cache, tier, tensors=tensors, fence=fence, parent=job_id
         )
         if refused is not None:
+            what = _describe(cache, cache.group_sizes, cache.block_indices, tier, tensors)
+            self._log_refused(state.direction, part, f"{what}; part of job {job_id}", refused)
             with self._cond:
-                whole = self._fold(job_id, TransferResult(part, False, 0, 0.0, refused))
-                if whole is not None:  # it was the last part out: the job's result is next
-                    self._stash.append((whole, state.direction))
+                self._fold_refused(job_id, part, refused)
         return refused
+
+    def _fold_refused(self, job_id: int, part: int, error: OffloadError) -> None:
+        """Count ``part`` of ``job_id`` as refused; if it was the job's last part out,
+        stash the job's result for the next get_finished. With the lock held."""
+        direction = self._layered[job_id].direction
+        whole = self._fold(job_id, TransferResult(part, False, 0, 0.0, error))
+        if whole is not None:
+            self._stash.append((whole, direction))
+
+    def _blocks(
+        self,
+        cache_ids: IdsLike,
+        group_sizes: Sequence[int],
+        block_indices: Sequence[int],
+        tier_ids: IdsLike,
+    ) -> tuple[CacheBlocks, TierBlocks] | OffloadError:
+        """vLLM's ids as the engine's block specs, checked; the typed error if they are bad."""
+        try:
+            cache = CacheBlocks(
+                self._cache_medium,
+                cache_ids,  # type: ignore[arg-type]  # validated and converted by CacheBlocks
+                _as_counts(group_sizes, "group_sizes"),
+                _as_counts(block_indices, "block_indices"),
+            )
+            return cache, cpu_blocks(tier_ids)
+        except OffloadError as exc:
+            return exc
 
     def _try_submit(
         self,
@@ -305,22 +370,35 @@ class EngineBridge:
         group_sizes: Sequence[int],
         block_indices: Sequence[int],
         tier_ids: IdsLike,
+    ) -> OffloadError | None:
+        """Submit one whole job; the typed error (logged) if it was refused."""
+        blocks = self._blocks(cache_ids, group_sizes, block_indices, tier_ids)
+        if isinstance(blocks, OffloadError):
+            with self._cond:
+                self._counts["submits_refused"] += 1
+            refused: OffloadError | None = blocks
+        else:
+            refused = self._submit(job_id, direction, *blocks)
+        if refused is not None:
+            what = _describe(cache_ids, group_sizes, block_indices, tier_ids)
+            self._log_refused(direction, job_id, what, refused)
+        return refused
+
+    def _submit(
+        self,
+        job_id: int,
+        direction: Direction,
+        cache: CacheBlocks,
+        tier: TierBlocks,
         *,
         tensors: tuple[int, ...] | None = None,
         fence: JobFence | None = None,
         parent: int | None = None,
     ) -> OffloadError | None:
         """Submit one engine job (a part of job ``parent``, if given); the typed error
-        (logged) if the engine refused it."""
+        (counted, not logged) if the engine refused it."""
+        src, dst = (cache, tier) if direction is Direction.STORE else (tier, cache)
         try:
-            cache = CacheBlocks(
-                self._cache_medium,
-                cache_ids,  # type: ignore[arg-type]  # validated and converted by CacheBlocks
-                _as_counts(group_sizes, "group_sizes"),
-                _as_counts(block_indices, "block_indices"),
-            )
-            tier = cpu_blocks(tier_ids)
-            src, dst = (cache, tier) if direction is Direction.STORE else (tier, cache)
             spec = TransferSpec(src, dst, tensors=tensors, fence=fence)
             # under the lock, so no get_finished() in another thread sees this job's
             # result before the job is recorded as live
@@ -333,24 +411,17 @@ class EngineBridge:
                     self._part_of[job_id] = parent
                     self._layered[parent].pending.add(job_id)
         except OffloadError as exc:
-            # vLLM's interface has only a bool here (and asserts on it): say why first.
             with self._cond:
                 self._counts["submits_refused"] += 1
-            self._log.error(
-                "offload-engine refused %s job %r (%s cache blocks, groups %r, first "
-                "indices %r, %s tier blocks%s): %s: %s",
-                direction.value,
-                job_id,
-                _length(cache_ids),
-                group_sizes,
-                block_indices,
-                _length(tier_ids),
-                "" if tensors is None else f", tensors {tensors}",
-                type(exc).__name__,
-                exc,
-            )
             return exc
         return None
+
+    def _log_refused(self, direction: Direction, job_id: int, what: str, exc: Exception) -> None:
+        # vLLM's interface has only a bool here (and asserts on it): say why first.
+        name, value = type(exc).__name__, direction.value
+        self._log.error(
+            "offload-engine refused %s job %r (%s): %s: %s", value, job_id, what, name, exc
+        )
 
     # ------------------------------------------------------------ results
 
@@ -559,54 +630,3 @@ class EngineBridge:
         os.replace(tmp, path)
         if undelivered is not None:
             self._log.info("offload-engine stats written to %s", path)
-
-
-def build_bridge(
-    kv_caches: Any,
-    platform: Any,
-    config: EngineOffloadingConfig,
-    num_tier_blocks: int,
-    *,
-    rank: int = 0,
-    log: logging.Logger | None = None,
-    placement: TierPlacement | None = None,
-) -> EngineBridge:
-    """Layout, backend, handlers, engine: the worker side, from vLLM's registration.
-
-    Raises :class:`LayoutError` for a KV cache the engine cannot move and
-    :class:`RuntimeUnavailableError` for a platform without a handler, before
-    any memory is taken. With a ``placement`` the tier lives in that memory
-    (vLLM's shared offload region) instead of a private allocation.
-    """
-    layout = layout_from_canonical(kv_caches)
-    backend = select_backend(platform)
-    handlers, tier = backend.build(layout, num_tier_blocks, config, placement)
-    try:
-        engine = SyncOffloadingEngine(
-            handlers,
-            capacity=config.queue_capacity,
-            default_timeout=config.job_timeout_s,
-            thread_name=f"offload-engine-vllm-{rank}",
-        )
-    except BaseException:
-        tier.release()
-        raise
-    stats_path = config.stats_path.format(rank=rank) if config.stats_path else None
-    (log or logger).info(
-        "offload-engine: %s backend, %r, tier %d blocks x %d x %d bytes (%.1f MiB)",
-        backend.name,
-        layout,
-        tier.num_blocks,
-        tier.factor,
-        tier.slot_bytes,
-        tier.nbytes / 2**20,
-    )
-    return EngineBridge(
-        engine,
-        backend.cache_medium,
-        tier=tier,
-        stats_path=stats_path,
-        log=log,
-        layout=layout,
-        config=config,
-    )

@@ -210,7 +210,8 @@ class LayerwiseStores:
         self._layers: list[set[str]] = [set() for _ in range(plan.parts)]
         for name, part in plan.part_of.items():
             self._layers[part].add(name)
-        self._jobs: list[StoreJob] | None = None  # this step's, from start to finish_step
+        # this step's job ids, from start to finish_step (the bridge holds their blocks)
+        self._jobs: list[int] | None = None
         self._saved: list[set[str]] = []
         self._sent: list[bool] = []
         # parts submitted once their layers were saved, and by finish_step (in the
@@ -223,15 +224,25 @@ class LayerwiseStores:
         return self._jobs is not None
 
     def start(self, jobs: Iterable[StoreJob]) -> None:
-        """This step's stores: each announced to the bridge as one job of
-        ``plan.parts`` parts; nothing is submitted until its layers are computed."""
+        """This step's stores: each announced to the bridge, with its blocks, as one job
+        of ``plan.parts`` parts; nothing is submitted until its layers are computed. A
+        store whose blocks the bridge refuses is logged there and ends as one failed
+        result once its parts are handed in."""
         self.finish_step()
         self._jobs = []
         self._saved = [set() for _ in range(self.plan.parts)]
         self._sent = [False] * self.plan.parts
-        for job in jobs:
-            self.bridge.open_parts(job[0], Direction.STORE, self.plan.parts)
-            self._jobs.append(job)
+        for job_id, cache_ids, sizes, indices, tier_ids in jobs:
+            self.bridge.open_parts(
+                job_id,
+                Direction.STORE,
+                self.plan.parts,
+                cache_ids=cache_ids,
+                group_sizes=sizes,
+                block_indices=indices,
+                tier_ids=tier_ids,
+            )
+            self._jobs.append(job_id)
 
     def saved(self, layer_name: str) -> None:
         """``layer_name`` is computed (its KV written): submit its part if that was the
@@ -262,6 +273,6 @@ class LayerwiseStores:
         jobs = self._jobs or []
         self.bridge.counters[counter] += len(jobs)
         tensors = self.plan.tensor_sets[part]
-        for job_id, cache_ids, sizes, indices, tier_ids in jobs:
+        for job_id in jobs:
             # a refusal is logged by the bridge and fails the job's result
-            self.bridge.submit_part(job_id, cache_ids, sizes, indices, tier_ids, tensors)
+            self.bridge.submit_part(job_id, tensors)

@@ -20,7 +20,8 @@ from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec
 
 from offload_engine import ConfigError
 
-from .bridge import EngineBridge, build_bridge
+from .bridge import EngineBridge
+from .build import build_bridge
 from .compat import SUPPORTED_VLLM, vllm_version
 from .config import EngineOffloadingConfig, parse_extra_config
 from .platform import TierPlacement
