@@ -380,6 +380,29 @@ def test_native_staged_planning_of_large_jobs() -> None:
 
 
 @needs_cc
+@pytest.mark.parametrize(("blocks", "how"), [(8, "_held"), (100, "_released")])
+def test_a_2d_copy_of_many_rows_runs_without_the_gil(blocks: int, how: str) -> None:
+    """A layer-wise part over consecutive slots is one piece with one 2D copy: a few
+    ops, no descriptors. Its rows still cost the driver CPU, so a program whose 2D
+    copies move more rows than HOLD_GIL_DESCRIPTORS runs releasing the GIL."""
+    empty = lambda s, d: torch.empty(s, dtype=d)  # noqa: E731
+    layout = build_layout("flash-attention", empty, num_blocks=200, num_layers=4)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 200)
+    driver, store, load = handlers(layout, tier, True, rows=64)  # 128 half-slot rows a buffer
+    taken: list[str] = []
+    program = load._native
+    for name in ("_held", "_released"):
+        run = getattr(program, name)
+        setattr(program, name, lambda *a, run=run, name=name: (taken.append(name), run(*a))[1])
+    with SyncOffloadingEngine([store, load]) as engine:
+        spec = TransferSpec(cpu_blocks(range(blocks)), gpu_blocks(range(blocks)), tensors=[0, 1])
+        [r] = engine.wait([engine.submit(spec)])
+        assert r.success, r.error
+    assert [c[4] for c in driver.calls if c[0] == "copy2d"] == [blocks]  # one 2D copy, its rows
+    assert taken == [how]
+
+
+@needs_cc
 @pytest.mark.parametrize(("kind", "rows"), [("cross-layer", 3), ("groups", 2), ("mla", 5)])
 def test_native_staged_planning_on_a_tier_of_several_slots_per_block(kind: str, rows: int) -> None:
     """Blocks of a job that starts mid tier block (factor 4: several cache blocks per

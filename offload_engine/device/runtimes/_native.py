@@ -301,7 +301,8 @@ class StagedPlanner:
         self._buffer_at = self._buffer.ctypes.data
         self._desc = np.empty(1024, dtype=np.uint64)
         self._desc_at = self._desc.ctypes.data
-        self._out = (ctypes.c_int64 * 3)()  # oe_staged_build's counts
+        self._rows2d = 0  # rows moved by 2D copies (each weighs as a descriptor for the GIL)
+        self._out = (ctypes.c_int64 * 4)()  # oe_staged_build's counts
         self._out_at = ctypes.addressof(self._out)
         self._tail: Any = (ctypes.c_int64 * 64)()  # a staged job's StagedHeader.tail
         self._tail_at = ctypes.addressof(self._tail)
@@ -323,6 +324,7 @@ class StagedPlanner:
         self._n = 0
         self._ops = 0
         self._ndesc = 0
+        self._rows2d = 0
 
     def op(self, *words: int) -> None:
         """Append one op: its code and operands."""
@@ -374,6 +376,7 @@ class StagedPlanner:
         out = self._out
         self._n += out[0]
         self._ops += out[1]
+        self._rows2d += out[3]
         self._ndesc = out[2]
 
 
@@ -423,11 +426,10 @@ class LaunchProgram(StagedPlanner):
         n = self._n
         if n == 0:
             return
-        call = (
-            self._held
-            if self._ops <= HOLD_GIL_OPS and self._ndesc <= 3 * HOLD_GIL_DESCRIPTORS
-            else self._released
-        )
+        # a 2D copy's driver CPU grows with its rows (about 30 us for 512): each row
+        # counts as a descriptor
+        held = self._ndesc + 3 * self._rows2d <= 3 * HOLD_GIL_DESCRIPTORS
+        call = self._held if self._ops <= HOLD_GIL_OPS and held else self._released
         rc = call(self._buffer_at, n, self._desc_at, self._entries_at, self._fail_at)
         if rc == 0:
             return

@@ -252,7 +252,8 @@ int64_t oe_staged_header_size(void) { return (int64_t)sizeof(struct oe_staged_he
  * A piece is: [wait first <- buffer's last event] first half, record, wait,
  * second half, record; a store gathers (launch) then DMAs, a load the reverse.
  * A piece's DMA half is its batch of descriptors (if any), then its 2D copies.
- * out = (words written, ops, the descriptor array's first free word). Returns 0,
+ * out = (words written, ops, the descriptor array's first free word, rows moved by
+ * 2D copies). Returns 0,
  * or -1 if memory for the sort could not be had.
  */
 
@@ -352,7 +353,7 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
         return -1;
     }
     memcpy(last, free_in, (size_t)nbuf * sizeof *last);
-    int64_t nw = 0, ops = 0, piece = 0, at = 0;
+    int64_t nw = 0, ops = 0, piece = 0, at = 0, rows2d = 0;
     for (int64_t g = 0; g < ngroups; g++) {
         const int64_t n = groups[4 * g], size = groups[4 * g + 1];
         const int64_t *launch_tpl = (const int64_t *)(intptr_t)groups[4 * g + 2];
@@ -396,6 +397,7 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
                         runs[3 * nruns + 1] = j + 1 - i;
                         runs[3 * nruns + 2] = (int64_t)d;
                         nruns++;
+                        rows2d += j + 1 - i;
                         i = j;
                         continue;
                     }
@@ -479,6 +481,7 @@ int64_t oe_staged_build(const struct oe_staged_header *h, int64_t *out) {
     out[0] = nw;
     out[1] = ops;
     out[2] = nd;
+    out[3] = rows2d;
     return 0;
 }
 

@@ -515,6 +515,7 @@ class _CudaProgram(LaunchProgram):
     ) -> None:
         to_host = int(kind is Direction.STORE)
         self.op(OP_COPY2D, stream.cuda_stream, dst, src, width, height, *pitches, to_host)
+        self._rows2d += height
 
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
         n = int(sizes.shape[0])
