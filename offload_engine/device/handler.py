@@ -349,8 +349,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         parts = None
         if regions is not None:
             # a part of each block (some layers): staged where each group's part is
-            # one span of its slot of several regions (one descriptor per block
-            # instead of one per region), else dma, region by region
+            # one span of its slot (one descriptor per block instead of one per region,
+            # or one 2D copy per run of consecutive slots; see _parts), else dma,
+            # region by region
             parts = self._parts(groups, regions)
             if parts is None:
                 strategy = CopyStrategy.DMA
