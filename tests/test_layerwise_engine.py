@@ -161,16 +161,58 @@ def test_host_loads_layer_by_layer_move_only_their_tensors(kind: str) -> None:
 # ------------------------------------------------------------------ the device
 
 
-def device_setup(fake: FakeRuntime, strategy: CopyStrategy = CopyStrategy.AUTO):
+def device_setup(
+    fake: FakeRuntime, strategy: CopyStrategy = CopyStrategy.AUTO, inline_launch_blocks: int = 64
+):
     layout = build_layout("flash-attention", fake.empty, num_blocks=8, num_layers=LAYERS, seed=5)
     tier = pinned_host_tier(fake, layout, 8)
     store, load = make_device_handlers(
         fake,
         layout,
         tier,
-        DeviceHandlerConfig(strategy=strategy, staging_bytes=4 * layout.slot_bytes),
+        DeviceHandlerConfig(
+            strategy=strategy,
+            staging_bytes=4 * layout.slot_bytes,
+            inline_launch_blocks=inline_launch_blocks,
+        ),
     )
     return layout, tier, store, load
+
+
+@pytest.mark.parametrize("inline_blocks", [1, 0])
+def test_a_fenced_job_launches_on_the_submitting_thread_whatever_its_size(
+    fake: FakeRuntime, inline_blocks: int
+) -> None:
+    """A job with a fence (a stream waits on it soon) is put on the streams by the
+    thread that submits it, past ``inline_launch_blocks``; the same job without a
+    fence goes to the launcher thread, and so does every job where
+    ``inline_launch_blocks`` is 0."""
+    layout, tier, store, load = device_setup(fake, inline_launch_blocks=inline_blocks)
+    launched_on: list[int] = []
+    enqueue = load._enqueue
+
+    def recording(plan: Any) -> None:
+        launched_on.append(threading.get_ident())
+        enqueue(plan)
+
+    load._enqueue = recording  # type: ignore[method-assign]
+    here = threading.get_ident()
+    try:
+        with SyncOffloadingEngine([store, load]) as engine:
+            engine.wait([engine.submit(TransferSpec(gpu_blocks([0, 1, 2]), cpu_blocks([0, 1, 2])))])
+            fence = JobFence()
+            spec = TransferSpec(cpu_blocks([0, 1, 2]), gpu_blocks([5, 6, 7]), tensors=[1])
+            fenced = TransferSpec(spec.src, spec.dst, tensors=[1], fence=fence)
+            [r] = engine.wait([engine.submit(fenced)])
+            assert r.success and fence.done
+            [r] = engine.wait([engine.submit(spec)])
+            assert r.success
+            assert len(launched_on) == 2
+            assert (launched_on[0] == here) is (inline_blocks > 0)
+            assert launched_on[1] != here
+            assert tensor_bytes(layout, 1, 5) == tensor_bytes(layout, 1, 0)
+    finally:
+        tier.release()
 
 
 @pytest.mark.parametrize("strategy", [CopyStrategy.AUTO, CopyStrategy.STAGED, CopyStrategy.DMA])

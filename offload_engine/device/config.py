@@ -52,8 +52,11 @@ class DeviceHandlerConfig:
     regions, one copy descriptor each) is put on the streams by the engine's
     loop thread when the launcher thread has nothing pending, which spares the
     launcher's wake-up; larger jobs, and jobs behind them, go through the
-    launcher thread. 0 sends every job through the launcher thread, as does a
-    runtime whose launches may wait (``nonblocking_launch`` false: NPU).
+    launcher thread. A job with a fence (``TransferSpec.fence``: a layer-wise
+    load's part, on which a stream waits soon) is launched by the thread that
+    submits it when nothing is queued or pending before it, whatever its size.
+    0 sends every job through the launcher thread, as does a runtime whose
+    launches may wait (``nonblocking_launch`` false: NPU).
     ``submitter_launch``: such small jobs are launched by the thread that
     submits them when nothing is queued before them, sparing the loop's wake-up
     too: the least CPU per job in all, but the submitter pays the launch (a step

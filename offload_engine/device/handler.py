@@ -184,9 +184,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self.ordered = True
         self.max_inflight = config.max_inflight
         # small jobs launch on the thread that hands them over (see launch): the
-        # engine's loop, or with submitter_launch the submitting thread
+        # engine's loop, or with submitter_launch the submitting thread. A fenced job
+        # (a layer-wise load part) launches on the submitting thread, whatever its
+        # size: a stream waits on its fence soon after the submit, and the hand-offs
+        # to the loop and the launcher put about a millisecond before its first copy
         self._inline_units = config.inline_launch_blocks if runtime.nonblocking_launch else 0
-        self.launch_in_submitter = config.submitter_launch and self._inline_units > 0
+        self._submitter_launch = config.submitter_launch and self._inline_units > 0
+        self.launch_in_submitter = self._inline_units > 0
         self.polled_completion = config.polled_completion
         # polled completion: launched jobs nobody reported yet, in launch order,
         # and how many callers wait (while any do, jobs go to the watcher instead)
@@ -398,6 +402,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         return tuple(parts)
 
     # ------------------------------------------------------------ launch and completion
+
+    def launch_here(self, prepared: DevicePlan) -> bool:
+        return self._submitter_launch or prepared.fence is not None
 
     def launch(self, job: LaunchedJob[DevicePlan]) -> None:
         plan = job.prepared

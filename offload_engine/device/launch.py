@@ -5,7 +5,10 @@ a **watcher thread** sleeps on the job's events, in launch order, and reports
 it. A small job goes on the streams on the thread that hands it over (the
 engine's loop, or with ``submitter_launch`` the submitting thread) when the
 launcher has nothing pending, so jobs still launch in order: a thread wake-up
-and the GIL hand-offs it brings cost more than such a launch. With
+and the GIL hand-offs it brings cost more than such a launch. So does a job
+with a fence, whatever its size, and the engine hands it to the submitting
+thread: a stream waits on it soon (a layer-wise load's part), and the hand-offs
+would delay its first copy by about a millisecond. With
 ``polled_completion`` a launched job waits in a queue that the caller's own poll
 (the engine's ``get_finished``) checks with event queries, and the watcher
 reports only while someone waits.
@@ -38,7 +41,10 @@ STOP = object()
 def launch(h: DeviceCopyHandler, job: LaunchedJob[DevicePlan]) -> None:
     # Launch calls never overlap and only they add to ``_pending``, so a zero read
     # here stays zero.
-    if h._pending == 0 and 0 < job.prepared.units <= h._inline_units:
+    plan = job.prepared
+    if h._pending == 0 and (
+        0 < plan.units <= h._inline_units or (plan.fence is not None and h._inline_units)
+    ):
         launch_one(h, job)
         return
     with h._pending_lock:

@@ -150,7 +150,11 @@ class Core:
         self.jobs[jid] = job
         route.submitted += 1
         here = None
-        if route.launch_in_submitter and route.hand_to_submitter_locked(job):
+        if (
+            route.launch_in_submitter
+            and route.handler.launch_here(prepared)
+            and route.hand_to_submitter_locked(job)
+        ):
             # the route is idle: this thread launches the job, and the loop sleeps on
             self.submitter_launches += 1
             here = job

@@ -24,7 +24,8 @@ calls whether a handler takes them or not:
 * **Launch in the submitter** (``launch_in_submitter = True``): ``launch`` is
   safe on any thread, never two at once. When the handler's queue is empty and
   it has room, the engine launches a new job on the submitting thread instead of
-  waking its loop (the submit's one "queue it, or launch it here" step).
+  waking its loop (the submit's one "queue it, or launch it here" step), if
+  :meth:`TransferHandler.launch_here` says so for that job (default: every job).
 * **Polled completion** (``polled_completion = True``): the handler may leave a
   finished job unreported until :meth:`TransferHandler.poll`, and reports
   unprompted only while :meth:`TransferHandler.watch` counts someone waiting.
@@ -154,6 +155,13 @@ class TransferHandler(abc.ABC, Generic[P]):
     @abc.abstractmethod
     def prepare(self, spec: TransferSpec) -> P:
         """Validate ``spec`` and do submit-time work. Raise a typed error to refuse it."""
+
+    def launch_here(self, prepared: P) -> bool:
+        """With ``launch_in_submitter``: whether the thread that submits this job
+        launches it when the handler's queue is empty and it has room (else the
+        engine's loop does). Called under the engine's lock, so it only looks at
+        ``prepared``. Default: every job."""
+        return True
 
     @abc.abstractmethod
     def launch(self, job: LaunchedJob[P]) -> None:
