@@ -20,9 +20,10 @@ from hypothesis import strategies as st
 
 from offload_engine import KVLayout, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.device.runtimes import _native
-from offload_engine.errors import OffloadError
+from offload_engine.errors import InvalidBlockIdsError, OffloadError
+from offload_engine.host import tier as tier_module
 from offload_engine.host.layout import check_destinations, map_blocks
-from offload_engine.host.tier import HostTier, map_transfer
+from offload_engine.host.tier import HostTier, LastMapping, map_transfer
 from offload_engine.vocabulary import Direction
 
 NC, NT = 300, 200  # cache blocks, tier blocks
@@ -126,3 +127,37 @@ def test_the_native_check_finds_a_repeat_anywhere(n: int) -> None:
         assert check(cache, dup, 2 * n, 2 * n, False)  # a load only reads them
     assert not check(cache, tier, int(cache.max()), 2 * n, True)
     assert not check(cache, tier, 2 * n, int(tier.max()), False)
+
+
+def test_the_parts_of_one_load_pair_their_blocks_once(
+    pools: tuple[KVLayout, HostTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a LastMapping, specs over the very same block objects (a layer-wise
+    load's parts) reuse the first one's pairing; new objects are checked again, so
+    a bad job on new objects is still refused, whatever came before."""
+    layout, tier = pools
+    calls: list[int] = []
+    whole = tier_module._map_whole
+
+    def counted(*args: object) -> object:
+        calls.append(1)
+        return whole(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tier_module, "_map_whole", counted)
+    last = LastMapping()
+    src, dst = cpu_blocks(range(70)), gpu_blocks(range(100, 170))
+    jobs = [
+        map_transfer(TransferSpec(src, dst, tensors=(t,)), layout, tier, who="t", last=last)
+        for t in range(2)
+    ]
+    assert len(calls) == 1
+    assert [j.regions for j in jobs] == [layout.regions_in((0,)), layout.regions_in((1,))]
+    assert jobs[0].groups[0] is jobs[1].groups[0]
+    assert np.array_equal(jobs[0].groups[0].cache_ids, np.arange(100, 170))
+    same_ids = TransferSpec(cpu_blocks(range(70)), gpu_blocks(range(100, 170)))
+    map_transfer(same_ids, layout, tier, who="t", last=last)
+    assert len(calls) == 2  # equal ids in new objects: checked again
+    repeat = TransferSpec(cpu_blocks([1, 2]), gpu_blocks([5, 5]))
+    for _ in range(2):
+        with pytest.raises(InvalidBlockIdsError, match="twice"):
+            map_transfer(repeat, layout, tier, who="t", last=last)

@@ -45,7 +45,7 @@ from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
-from offload_engine.host import GroupMapping, HostTier, KVLayout, map_transfer
+from offload_engine.host import GroupMapping, HostTier, KVLayout, LastMapping, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
 log = logging.getLogger("offload_engine.device")
@@ -220,6 +220,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # what the launch code calls to enqueue work: the program, or the runtime
         self._ops: Any = runtime if self._native is None else self._native
         self._check = None if self._native is None else self._native.check_pairs
+        self._last_mapping = LastMapping()  # a layer-wise load's parts pair their blocks once
         self._native_sets: dict[Any, Any] = {}  # the planner's facts per stream set
         # a staged job's tier slots, for the native planner (which makes them addresses)
         self._slots = np.empty(1024, dtype=np.int64)
@@ -343,7 +344,13 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # runs in the caller's thread, often after it sat idle: every step here is
         # cold code, so the fixed facts come from __init__
         job = map_transfer(
-            spec, self.layout, self.tier, who=self._who, expect=self.direction, check=self._check
+            spec,
+            self.layout,
+            self.tier,
+            who=self._who,
+            expect=self.direction,
+            check=self._check,
+            last=self._last_mapping,
         )
         ready = self._resources.event()
         self.runtime.record_current(ready)

@@ -13,13 +13,14 @@ from offload_engine.host.layout import (
     chunk_descriptors,
     merge_runs,
 )
-from offload_engine.host.tier import HostTier, TierTransfer, map_transfer
+from offload_engine.host.tier import HostTier, LastMapping, TierTransfer, map_transfer
 
 __all__ = [
     "GroupMapping",
     "HostCopyHandler",
     "HostTier",
     "KVLayout",
+    "LastMapping",
     "Region",
     "TierTransfer",
     "byte_view",

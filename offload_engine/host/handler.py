@@ -20,7 +20,7 @@ from offload_engine.engine.handler import LaunchedJob
 from offload_engine.engine.threadpool import ThreadPoolHandler
 from offload_engine.errors import LayoutError
 from offload_engine.host.layout import GroupMapping, KVLayout
-from offload_engine.host.tier import HostTier, map_transfer
+from offload_engine.host.tier import HostTier, LastMapping, map_transfer
 from offload_engine.vocabulary import (
     Direction,
     Medium,
@@ -67,6 +67,7 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         tier.check_layout(layout)
         self.layout = layout
         self.tier = tier
+        self._last_mapping = LastMapping()  # a layer-wise load's parts pair their blocks once
         # (num_blocks, size) strided byte views of every region, and the matching
         # (num_slots, size) column slices of the tier's slot rows, built once. A
         # tier whose slots are not evenly spaced (blocks of several slots with
@@ -84,7 +85,7 @@ class HostCopyHandler(ThreadPoolHandler[HostPlan]):
         )
 
     def prepare(self, spec: TransferSpec) -> HostPlan:
-        job = map_transfer(spec, self.layout, self.tier, who=self.name)
+        job = map_transfer(spec, self.layout, self.tier, who=self.name, last=self._last_mapping)
         return HostPlan(job.direction, job.groups, job.nbytes, job.regions)
 
     def execute(self, job: LaunchedJob[HostPlan]) -> int:

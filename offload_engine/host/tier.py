@@ -341,6 +341,28 @@ def _common_job_passes(
     return check(cache_ids, tier_ids, num_cache, num_tier, store)
 
 
+class LastMapping:
+    """The last whole-block pairing :func:`map_transfer` made for one handler, by the
+    identity of its spec's two sides. The parts of a layer-wise load (one spec per
+    group of layers over the same :class:`CacheBlocks` and :class:`TierBlocks`, whose
+    ids are read-only) then check and pair their blocks once. Any thread: one tuple
+    is read or replaced at a time."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: tuple[CacheBlocks, TierBlocks, TierTransfer] | None = None
+
+    def get(self, cache: CacheBlocks, blocks: TierBlocks) -> TierTransfer | None:
+        last = self._last
+        if last is not None and last[0] is cache and last[1] is blocks:
+            return last[2]
+        return None
+
+    def put(self, cache: CacheBlocks, blocks: TierBlocks, job: TierTransfer) -> None:
+        self._last = (cache, blocks, job)
+
+
 def map_transfer(
     spec: TransferSpec,
     layout: KVLayout,
@@ -349,12 +371,14 @@ def map_transfer(
     who: str,
     expect: Direction | None = None,
     check: PairChecker | None = None,
+    last: LastMapping | None = None,
 ) -> TierTransfer:
     """Check that ``spec`` moves blocks between the KV cache and the tier (the
     ``expect``-ed way, if given), and pair every cache block with its tier slot.
     A job that writes one destination twice is refused (:func:`check_destinations`).
     ``check`` checks the common job of more than 64 blocks in one call (the native
-    library's); without it, numpy does.
+    library's); without it, numpy does. With ``last``, a spec over the very block
+    objects of the previous one reuses its pairing.
 
     Raises :class:`InvalidTransferError`, :class:`BlockCountMismatchError`,
     :class:`InvalidBlockIdsError` or, for a released tier, :class:`LayoutError`.
@@ -371,7 +395,11 @@ def map_transfer(
         raise InvalidTransferError(f"{who} needs CacheBlocks and TierBlocks, got {spec!r}")
     if tier.released:
         raise LayoutError(f"{who}: the host tier has been released")
-    job = _map_whole(spec, cache, blocks, layout, tier, check)
+    job = None if last is None else last.get(cache, blocks)
+    if job is None:
+        job = _map_whole(spec, cache, blocks, layout, tier, check)
+        if last is not None:
+            last.put(cache, blocks, job)
     if spec.tensors is None:
         return job
     return _select_tensors(job, layout, spec.tensors)
