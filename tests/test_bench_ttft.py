@@ -4,6 +4,7 @@ every variant run, every field filled, the layer-wise loads checked byte for byt
 from __future__ import annotations
 
 import ctypes
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -86,6 +87,9 @@ def test_the_pass_runs_every_variant_on_the_fake_runtime(fake: FakeRuntime) -> N
             "recompute_ms",
             "layerwise_best_ms",
             "best_vs_bound",
+            "best_floor_ms",
+            "floor_vs_bound",
+            "best_vs_floor",
             "best_vs_load_then_compute",
             "ideal_vs_load_then_compute",
             "load_gbps",
@@ -120,6 +124,44 @@ def test_layerwise_compute_reads_the_loaded_hit_not_the_poison(fake: FakeRuntime
         bench.close()
     assert torch.equal(out["a"], out["b1"]) and torch.equal(out["a"], out["b3"])
     assert not torch.equal(out["a"], poisoned)
+
+
+class SlowCopies(FakeRuntime):
+    """Each batched copy lands 10 ms after its stream reaches it."""
+
+    def memcpy_batch(self, stream: Any, dst: Any, src: Any, sizes: Any, kind: Direction) -> int:
+        stream.enqueue(lambda: time.sleep(0.01))
+        return super().memcpy_batch(stream, dst, src, sizes, kind)
+
+
+def test_the_floor_moves_the_hits_bytes_and_the_forward_waits_for_them() -> None:
+    """The floor's parts copy the hit's tier bytes into the floor's buffer, and the
+    forward pass waits on each part before its layers: the compute stream finds the
+    layer's bytes in place at every layer, though every copy lands late."""
+    from offload_engine.bench.ttft import TtftBench
+
+    fake = SlowCopies()
+    bench = TtftBench(fake_device(fake), PLAN)
+    nbytes = 64 // SHAPE.block_tokens * SHAPE.block_bytes
+    seen: list[bool] = []
+    step = bench.model.step
+
+    def checked_step(i: int, *args: Any) -> None:
+        lo, hi = nbytes * i // SHAPE.layers, nbytes * (i + 1) // SHAPE.layers
+        want = bench.tier.span[lo:hi]
+        seen.append(torch.equal(bench.floor_dst[lo:hi].cpu(), want))
+        step(i, *args)
+
+    try:
+        bench.floor_dst.zero_()
+        bench.model.step = checked_step  # type: ignore[method-assign]
+        bench.run("f1", 64, 16)
+        assert seen == [True] * SHAPE.layers
+        assert torch.equal(bench.floor_dst[:nbytes].cpu(), bench.tier.span[:nbytes])
+    finally:
+        bench.model.step = step  # type: ignore[method-assign]
+        bench.close()
+        fake.close()
 
 
 def test_a_corrupted_layerwise_load_is_reported_as_a_mismatch() -> None:
@@ -189,9 +231,10 @@ def test_the_quick_plan_is_small() -> None:
     plan = TtftPlan.quick()
     assert plan.hits == (2048,) and plan.new == (128, 512) and plan.reps == 1
     assert plan.cache_blocks == (2048 + 512) // 16
-    # the full plan's KV cache (4.25 GiB), the hit's reference copy (4 GiB), one layer's
-    # weights and the recompute's activations over 34,816 tokens
-    assert 12 << 30 < TtftPlan().device_bytes() < 16 << 30
+    # the full plan's KV cache (4.25 GiB), the hit's reference copy and the floor's
+    # buffer (4 GiB each), one layer's weights and the recompute's activations over
+    # 34,816 tokens
+    assert 16 << 30 < TtftPlan().device_bytes() < 20 << 30
 
 
 def test_the_grid_is_drawn(fake: FakeRuntime, tmp_path: Any) -> None:
@@ -199,5 +242,6 @@ def test_the_grid_is_drawn(fake: FakeRuntime, tmp_path: Any) -> None:
 
     rows = run_ttft_pass(fake_device(fake), PLAN)
     assert all(set(r["layerwise_load_ms"]) == {"1", "3"} for r in rows)
+    assert all(set(r["floor_ms"]) == {"1", "3"} for r in rows)
     path = ttft_figure(rows, "fake", "2026-11-26", tmp_path / "ttft.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
