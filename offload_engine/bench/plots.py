@@ -163,8 +163,9 @@ def ttft_figure(
 
 def draw_ttft(rows: Sequence[dict[str, Any]], machine: str, day: str, note: str = "") -> Figure:
     """Time to first token per (hit, new tokens), as a multiple of max(load, compute):
-    load-then-compute and each layer-wise part size, with the target (1.10) and the
-    bound (1.0) drawn in. ``rows``: the ttft pass's rows."""
+    load-then-compute and each layer-wise part size, with the floor (where the rows
+    have it), the target (1.10) and the bound (1.0) drawn in. ``rows``: the ttft
+    pass's rows."""
     fig = _figure(4.8)
     ax = fig.add_subplot()
     groups = sorted({g for r in rows for g in r["layerwise_ms"]}, key=int)
@@ -181,6 +182,18 @@ def draw_ttft(rows: Sequence[dict[str, Any]], machine: str, day: str, note: str 
             values.append(ms / bound)
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, values, width=width, label=label)
+    floors = [(j, r["floor_vs_bound"]) for j, r in enumerate(rows) if "floor_vs_bound" in r]
+    if floors:
+        ax.scatter(
+            [j for j, _ in floors],
+            [f for _, f in floors],
+            marker="_",
+            s=900,
+            linewidths=2,
+            color="black",
+            zorder=3,
+            label="floor: one contiguous copy per part, no engine (best G)",
+        )
     ax.axhline(1.0, color="0.2", linewidth=1, label="max(load, compute)")
     ax.axhline(1.10, color="tab:red", linewidth=1, linestyle="--", label="target: 1.10 x max")
     ax.set_xticks(range(len(rows)))
