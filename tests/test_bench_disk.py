@@ -28,13 +28,16 @@ def test_quick_disk_bench_writes_a_report_with_every_system(
     [run] = report["runs"]
     systems = {(f["system"], f["direction"]) for f in run["figures"]}
     assert {("engine", "write"), ("engine", "read")} <= systems
+    # the raw threads: what a reader landing each chunk in its own memory gets
+    assert {("raw", "write"), ("raw", "read"), ("raw-reused", "read")} <= systems
+    assert {"write engine/raw", "read engine/raw"} <= set(run["ratios"])
     if shutil.which("fio"):
         assert {("fio", "write"), ("fio", "read")} <= systems
         assert set(run["ratios"]) >= {"write engine/fio", "read engine/fio"}
         assert "1 MiB write engine/fio" in report["ratios"]
     for f in run["figures"]:
         assert f["gbps"] > 0 and f["seconds"] > 0
-        if not f["system"].startswith("fio"):
+        if not f["system"].startswith(("fio", "raw")):
             assert f["submit_us_per_chunk"] > 0
     assert report["command"].startswith("offload-engine bench --tier disk")
     assert list(drive.iterdir()) == []  # the bench cleans up after itself

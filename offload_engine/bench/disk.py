@@ -1,6 +1,6 @@
-"""The disk tier's benchmark: this engine, fio, and vLLM's fs tier, side by side, one run.
+"""The disk tier's benchmark: this engine, fio, raw threads and vLLM's fs tier, side by side.
 
-All three move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
+All of them move the same chunks (``chunk_bytes`` each, ``chunks`` of them) in
 the same directory with the same queue depth, O_DIRECT where the filesystem
 takes it. The plan's ``queue_depth`` ``None`` (the default) is the disk tier's
 own default for the directory (derived from its block device,
@@ -21,6 +21,13 @@ tier get that same depth:
   written a second time (blocks already allocated and written, what
   ``engine-reuse`` is compared with); for chunks under 1 MiB also **fio-1m**, the same
   bytes in 1 MiB requests (what the drive gives to requests of the size records make);
+* **raw**: ``queue_depth`` Python threads, each one synchronous O_DIRECT
+  ``pwritev``/``preadv`` at a time (as fio's jobs and the engine's threads), the
+  chunks written into one file and read back into distinct rows of page-aligned
+  memory, as a tier lands each chunk in its own host block: what any reader that
+  lands bytes where a tier does gets on this drive, with no format, index or
+  checksum; **raw-reused** reads the same requests into one buffer per thread, as
+  fio does (a buffer that stays in cache);
 * **vLLM fs tier**: ``FileSystemTierManager`` driven directly through its
   ``SecondaryTierManager`` API on a memoryview, the same jobs. Its pool's
   read-priority and write-priority threads both drain either queue, so a phase
@@ -41,6 +48,7 @@ import mmap
 import os
 import shutil
 import subprocess
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -85,8 +93,8 @@ class DiskBenchPlan:
         return cls(chunk_bytes=chunk_bytes, chunks=-(-chunks // per) * per, **fields)
 
     def host_bytes(self) -> int:
-        """Host memory the bench holds at once: the random chunks, the engine's host
-        tier, and the buffer vLLM's fs tier reads from."""
+        """Host memory the bench holds at most: the random chunks, the engine's host
+        tier, and the buffer vLLM's fs tier or the raw threads read into."""
         return 3 * self.chunks * self.chunk_bytes
 
     def random_chunks(self) -> np.ndarray:
@@ -98,7 +106,7 @@ class DiskBenchPlan:
 
 @dataclass(frozen=True)
 class DiskFigure:
-    system: str  # engine | fio | vllm-fs
+    system: str  # engine | fio | raw | vllm-fs, and their variants
     direction: str  # write | read
     gbps: float
     seconds: float
@@ -143,9 +151,10 @@ def engine_sizes(plan: DiskBenchPlan) -> tuple[int, int]:
 def disk_bytes_needed(plan: DiskBenchPlan, repeats: int) -> int:
     """Drive space one :func:`run_disk_bench` of ``plan`` takes at its peak: every
     repeat's directories stay until the end (the engine's preallocated segments,
-    fio's files, fio-1m's for small chunks, vLLM's files, a page of metadata each)."""
+    fio's files, fio-1m's for small chunks, the raw file, vLLM's files, a page of
+    metadata each)."""
     volume = plan.chunks * (plan.chunk_bytes + 4096)
-    others = 3 if plan.chunk_bytes < PACK_BYTES else 2
+    others = 4 if plan.chunk_bytes < PACK_BYTES else 3
     return repeats * (engine_sizes(plan)[1] + others * volume)
 
 
@@ -240,6 +249,91 @@ def bench_fio(
             DiskFigure(f"{name}-over" if over else name, rw, bw / 1e9, job["runtime"] / 1000, True)
         )
     return out
+
+
+def _open_direct(path: Path, flags: int) -> tuple[int, bool]:
+    """``path`` opened with O_DIRECT where the filesystem takes it; (fd, direct)."""
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            return os.open(path, flags | direct, 0o600), True
+        except OSError:
+            pass
+    return os.open(path, flags, 0o600), False
+
+
+def _threads(depth: int, n: int, io: Callable[[int], None]) -> float:
+    """Seconds for ``depth`` threads to run ``io(i)`` for ``i`` in ``range(n)``, chunk
+    ``i`` on thread ``i % depth``."""
+
+    def worker(t: int) -> None:
+        for i in range(t, n, depth):
+            io(i)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(depth)]
+    t0 = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return time.perf_counter() - t0
+
+
+def bench_raw(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFigure]:
+    """``raw`` and ``raw-reused`` (see the module docstring): one file of the plan's
+    chunks written, then read twice."""
+    n, size, qd = plan.chunks, plan.chunk_bytes, _depth(plan)
+    memory = mmap.mmap(-1, n * size)  # page-aligned, as O_DIRECT needs
+    rows = np.frombuffer(memory, dtype=np.uint8).reshape(n, size)
+    rows[:] = data  # also faults every page in, as a tier's used blocks are
+    view = memoryview(memory)
+    own = [mmap.mmap(-1, size) for _ in range(qd)]
+    for buffer in own:
+        buffer.write(bytes(size))
+    target = path / "raw.bin"
+    out: list[DiskFigure] = []
+
+    def into_rows(i: int) -> memoryview:
+        return view[i * size : (i + 1) * size]
+
+    def into_own(i: int) -> mmap.mmap:
+        return own[i % qd]
+
+    fd, direct = _open_direct(target, os.O_CREAT | os.O_WRONLY)
+    try:
+        seconds = _threads(qd, n, _requests(os.pwritev, fd, size, into_rows))
+    finally:
+        os.close(fd)
+    out.append(DiskFigure("raw", "write", n * size / seconds / 1e9, seconds, direct))
+    rows[:] = 0
+    reads: list[tuple[str, Callable[[int], Any]]] = [("raw", into_rows), ("raw-reused", into_own)]
+    for name, into in reads:
+        fd, direct = _open_direct(target, os.O_RDONLY)
+        try:
+            seconds = _threads(qd, n, _requests(os.preadv, fd, size, into))
+        finally:
+            os.close(fd)
+        out.append(DiskFigure(name, "read", n * size / seconds / 1e9, seconds, direct))
+    if not np.array_equal(rows, data):
+        raise RuntimeError("the raw read-back differs from what was written")
+    return out
+
+
+def _requests(
+    call: Callable[[int, list[Any], int], int], fd: int, size: int, into: Callable[[int], Any]
+) -> Callable[[int], None]:
+    """Chunk ``i``'s request: ``call`` (``os.preadv`` or ``os.pwritev``) of ``into(i)`` at
+    its offset in the file, all of it."""
+
+    def request(i: int) -> None:
+        _whole(call(fd, [into(i)], i * size), size)
+
+    return request
+
+
+def _whole(done: int, size: int) -> None:
+    if done != size:
+        raise OSError(f"a raw request moved {done} of {size} bytes")
 
 
 def _depth(plan: DiskBenchPlan) -> int:
@@ -367,6 +461,7 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     runs: list[tuple[str, Callable[[Path], list[DiskFigure]]]] = [
         ("engine", lambda p: bench_engine(p, plan, data, depth_from_store=default_depth)),
         ("fio", lambda p: bench_fio(p, plan, again=True)),
+        ("raw", lambda p: bench_raw(p, plan, data)),
         ("vllm-fs", lambda p: bench_vllm_fs(p, plan, data)),
     ]
     if plan.chunk_bytes < PACK_BYTES:  # what the drive gives to record-sized requests
@@ -392,8 +487,9 @@ def run_disk_bench(directory: Path, plan: DiskBenchPlan, *, repeats: int = 3) ->
     skipped = {name: why for name, why in missing_systems().items() if name not in measured}
     by = {(f.system, f.direction): f for f in figures}
     ratios: dict[str, float] = {}
-    pairs = [("engine", other) for other in ("fio", "fio-1m", "vllm-fs")] + [
+    pairs = [("engine", other) for other in ("fio", "fio-1m", "raw", "vllm-fs")] + [
         ("engine-reuse", "fio-over"), ("engine-reuse", "vllm-fs"),
+        ("raw", "fio"), ("raw-reused", "fio"),
     ]  # fmt: skip
     for d in ("write", "read"):
         for mine, other in pairs:
