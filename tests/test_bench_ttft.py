@@ -59,6 +59,7 @@ def fake_device(runtime: FakeRuntime) -> TtftDevice:
         runtime,
         runtime.empty,
         launch=lambda work: runtime.enqueue(runtime.current_stream(), work),
+        launch_on=runtime.enqueue,
     )
 
 
@@ -90,6 +91,7 @@ def test_the_pass_runs_every_variant_on_the_fake_runtime(fake: FakeRuntime) -> N
             "best_floor_ms",
             "floor_vs_bound",
             "best_vs_floor",
+            "staged_floor_vs_bound",
             "best_vs_load_then_compute",
             "ideal_vs_load_then_compute",
             "load_gbps",
@@ -158,6 +160,36 @@ def test_the_floor_moves_the_hits_bytes_and_the_forward_waits_for_them() -> None
         bench.run("f1", 64, 16)
         assert seen == [True] * SHAPE.layers
         assert torch.equal(bench.floor_dst[:nbytes].cpu(), bench.tier.span[:nbytes])
+    finally:
+        bench.model.step = step  # type: ignore[method-assign]
+        bench.close()
+        fake.close()
+
+
+def test_the_staged_floor_places_each_parts_bytes_before_its_layers() -> None:
+    """The staged floor scatters each part's bytes into its layers' hit blocks, and each
+    layer's compute finds them there, though every copy lands late."""
+    from offload_engine.bench.ttft import TtftBench
+
+    fake = SlowCopies()
+    bench = TtftBench(fake_device(fake), PLAN)
+    nh = 64 // SHAPE.block_tokens
+    hit = bench.table[:nh]
+    seen: list[bool] = []
+    step = bench.model.step
+
+    def checked_step(i: int, *args: Any) -> None:
+        cache = bench.cache[i]
+        per = cache[0].numel() * cache.element_size()
+        lo = i * nh * per  # G = 1: part i's bytes, then its one layer
+        want = bench.floor_dst[lo : lo + nh * per].view(cache.dtype).view(nh, *cache.shape[1:])
+        seen.append(torch.equal(cache.index_select(0, hit), want))
+        step(i, *args)
+
+    try:
+        bench.model.step = checked_step  # type: ignore[method-assign]
+        bench.run("s1", 64, 16)
+        assert seen == [True] * SHAPE.layers
     finally:
         bench.model.step = step  # type: ignore[method-assign]
         bench.close()
@@ -242,6 +274,6 @@ def test_the_grid_is_drawn(fake: FakeRuntime, tmp_path: Any) -> None:
 
     rows = run_ttft_pass(fake_device(fake), PLAN)
     assert all(set(r["layerwise_load_ms"]) == {"1", "3"} for r in rows)
-    assert all(set(r["floor_ms"]) == {"1", "3"} for r in rows)
+    assert all(set(r["floor_ms"]) == set(r["staged_floor_ms"]) == {"1", "3"} for r in rows)
     path = ttft_figure(rows, "fake", "2026-11-26", tmp_path / "ttft.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

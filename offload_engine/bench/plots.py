@@ -163,8 +163,8 @@ def ttft_figure(
 
 def draw_ttft(rows: Sequence[dict[str, Any]], machine: str, day: str, note: str = "") -> Figure:
     """Time to first token per (hit, new tokens), as a multiple of max(load, compute):
-    load-then-compute and each layer-wise part size, with the floor (where the rows
-    have it), the target (1.10) and the bound (1.0) drawn in. ``rows``: the ttft
+    load-then-compute and each layer-wise part size, with the floors (where the rows
+    have them), the target (1.10) and the bound (1.0) drawn in. ``rows``: the ttft
     pass's rows."""
     fig = _figure(4.8)
     ax = fig.add_subplot()
@@ -182,18 +182,23 @@ def draw_ttft(rows: Sequence[dict[str, Any]], machine: str, day: str, note: str 
             values.append(ms / bound)
         xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(rows))]
         ax.bar(xs, values, width=width, label=label)
-    floors = [(j, r["floor_vs_bound"]) for j, r in enumerate(rows) if "floor_vs_bound" in r]
-    if floors:
-        ax.scatter(
-            [j for j, _ in floors],
-            [f for _, f in floors],
-            marker="_",
-            s=900,
-            linewidths=2,
-            color="black",
-            zorder=3,
-            label="floor: one contiguous copy per part, no engine (best G)",
-        )
+    marks = (
+        ("floor_vs_bound", "black", "floor: one contiguous copy per part, no engine (best G)"),
+        ("staged_floor_vs_bound", "0.55", "staged floor: those copies, each then scattered"),
+    )
+    for key, color, label in marks:
+        floors = [(j, r[key]) for j, r in enumerate(rows) if key in r]
+        if floors:
+            ax.scatter(
+                [j for j, _ in floors],
+                [f for _, f in floors],
+                marker="_",
+                s=900,
+                linewidths=2,
+                color=color,
+                zorder=3,
+                label=label,
+            )
     ax.axhline(1.0, color="0.2", linewidth=1, label="max(load, compute)")
     ax.axhline(1.10, color="tab:red", linewidth=1, linestyle="--", label="target: 1.10 x max")
     ax.set_xticks(range(len(rows)))

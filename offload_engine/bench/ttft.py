@@ -23,6 +23,13 @@ engine's pinned host tier, and a prefill computes the ``N`` new ones. Per
   this hit would take if each part moved at the link's rate and cost no device
   work (the engine's parts are a slice of every slot, and land in the cache's
   randomly placed blocks by a scatter kernel); reported as ``floor_ms``;
+* **s**, per ``G``, the floor of a staged load: f's copies, each followed on
+  the same stream by a scatter of the part's bytes into the hit's cache blocks
+  of the part's layers (``index_copy_``, one per layer), the layers waiting on
+  the scatters: the device work any load that stages into contiguous memory and
+  then places the blocks does, without the engine (the bytes are f's, so only
+  their amount and placement are the layers'); reported as
+  ``staged_floor_ms``;
 * **c**, recompute: the whole prompt (``H + N`` tokens) through the model, no load;
 * **L**, the load alone (as in a, without compute), and **C**, the compute
   alone with the hit's KV already in place.
@@ -173,6 +180,7 @@ class TtftPlan:
             *(f"b{g}" for g in self.layers_per_load),
             *(f"p{g}" for g in self.layers_per_load),
             *(f"f{g}" for g in self.layers_per_load),
+            *(f"s{g}" for g in self.layers_per_load),
             RECOMPUTE,
         )
 
@@ -200,6 +208,11 @@ def _call(work: Callable[[], None]) -> None:
     work()
 
 
+def _call_on(stream: Any, work: Callable[[], None]) -> None:
+    with torch.cuda.stream(stream):
+        work()
+
+
 @dataclass(frozen=True)
 class TtftDevice:
     """Where the pass runs.
@@ -207,14 +220,16 @@ class TtftDevice:
     ``empty(shape, dtype)`` allocates a device tensor; ``launch(work)`` puts
     ``work`` (torch calls) on the runtime's current stream: on CUDA calling it
     enqueues its kernels there, on a fake runtime it is enqueued on the fake's
-    stream thread; ``synchronize`` waits on the host for all of it (default:
-    an event recorded on the current stream). ``config`` is the device
-    handlers' config (``None``: their defaults).
+    stream thread; ``launch_on(stream, work)`` puts it on ``stream``;
+    ``synchronize`` waits on the host for all of it (default: an event recorded on
+    the current stream). ``config`` is the device handlers' config (``None``:
+    their defaults).
     """
 
     runtime: DeviceRuntime
     empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
     launch: Callable[[Callable[[], None]], None] = _call
+    launch_on: Callable[[Any, Callable[[], None]], None] = _call_on
     synchronize: Callable[[], None] | None = None
     config: DeviceHandlerConfig | None = None
 
@@ -420,6 +435,9 @@ class TtftBench:
                 fence.wait_on_stream()
         elif variant.startswith("f"):
             self._forward(new_tokens, blocks, self._floor_parts(hit_tokens, int(variant[1:])))
+        elif variant.startswith("s"):
+            parts = self._floor_parts(hit_tokens, int(variant[1:]), scatter=True)
+            self._forward(new_tokens, blocks, parts)
         self.device.sync()
         seconds = time.perf_counter() - t0
         if jobs:
@@ -442,13 +460,17 @@ class TtftBench:
             jobs.append(engine.submit(spec))
         return jobs, fences
 
-    def _floor_parts(self, hit_tokens: int, per_load: int) -> dict[int, _StreamEvent]:
+    def _floor_parts(
+        self, hit_tokens: int, per_load: int, *, scatter: bool = False
+    ) -> dict[int, _StreamEvent]:
         """The floor of a layer-wise load: one contiguous copy per ``per_load`` layers'
-        share of the hit's bytes, enqueued on the floor's stream; each part's event,
-        keyed by its first layer."""
+        share of the hit's bytes, enqueued on the floor's stream (with ``scatter``, each
+        followed there by its scatter into the part's layers); each part's event, keyed
+        by its first layer."""
         rt = self.runtime
         layers = self.plan.shape.layers
-        nbytes = hit_tokens // self.plan.shape.block_tokens * self.plan.shape.block_bytes
+        nh = hit_tokens // self.plan.shape.block_tokens
+        nbytes = nh * self.plan.shape.block_bytes
         src, dst = self.tier.span.data_ptr(), self.floor_dst.data_ptr()
         stream, events = self.floor_stream, self.floor_events
         rt.record(events[-1], rt.current_stream())
@@ -459,9 +481,22 @@ class TtftBench:
             at = np.array([lo], dtype=np.uint64)
             size = np.array([hi - lo], dtype=np.uint64)
             rt.memcpy_batch(stream, at + dst, at + src, size, Direction.LOAD)
+            if scatter:
+                work = partial(self._scatter, nh, first, min(first + per_load, layers), lo)
+                self.device.launch_on(stream, work)
             rt.record(events[first], stream)
             waits[first] = _StreamEvent(rt, events[first])
         return waits
+
+    def _scatter(self, nh: int, first: int, last: int, at: int) -> None:
+        """Place the floor buffer's bytes from ``at`` into the first ``nh`` hit blocks of
+        layers ``first`` to ``last - 1`` (one layer's share of each block per layer)."""
+        cache = self.cache[first]
+        per = cache[0].numel() * cache.element_size()  # one block of one layer
+        for i, layer in enumerate(range(first, last)):
+            lo = at + i * nh * per
+            view = self.floor_dst[lo : lo + nh * per].view(cache.dtype).view(nh, *cache.shape[1:])
+            self.cache[layer].index_copy_(0, self.table[:nh], view)
 
 
 @dataclass(frozen=True)
@@ -513,6 +548,7 @@ def _row(
     layerwise = {str(g): ms[f"b{g}"] for g in plan.layers_per_load}
     best = min(layerwise, key=layerwise.__getitem__)
     floor = {str(g): ms[f"f{g}"] for g in plan.layers_per_load}
+    staged = {str(g): ms[f"s{g}"] for g in plan.layers_per_load}
     best_floor = min(floor, key=floor.__getitem__)
     bound = max(load, compute)
     hit_bytes = hit // plan.shape.block_tokens * plan.shape.block_bytes
@@ -534,8 +570,11 @@ def _row(
         # the same parts with no compute: the layer-wise load's own pace (its pieces are
         # one layer's share of a block each)
         "layerwise_load_ms": {str(g): ms[f"p{g}"] for g in plan.layers_per_load},
-        # the floor: the same layers waiting on one contiguous copy per part, no engine
+        # the floor: the same layers waiting on one contiguous copy per part, no engine;
+        # and a staged load's floor: those copies each followed by a scatter
         "floor_ms": floor,
+        "staged_floor_ms": staged,
+        "staged_floor_vs_bound": min(staged.values()) / bound,
         "best_floor_ms": floor[best_floor],
         "floor_vs_bound": floor[best_floor] / bound,
         "best_vs_floor": layerwise[best] / floor[best_floor],
@@ -595,7 +634,8 @@ def format_ttft_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
     head = (
         f"{'H':>6} {'N':>5} {'L':>8} {'C':>8} {'a':>8} {'c':>8} "
         + " ".join(f"{'b G=' + g:>8}" for g in gs)
-        + f" {'best':>4} {'b/max':>6} {'f/max':>6} {'b/f':>6} {'b/a':>6} {'ideal':>6}  check"
+        + f" {'best':>4} {'b/max':>6} {'f/max':>6} {'s/max':>6} {'b/f':>6} {'b/a':>6} {'ideal':>6}"
+        + "  check"
     )
     out = [head]
     for r in rows:
@@ -605,6 +645,7 @@ def format_ttft_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
             f"{r['hit_tokens']:6} {r['new_tokens']:5} {r['load_ms']:8.2f} {r['compute_ms']:8.2f} "
             f"{r['load_then_compute_ms']:8.2f} {r['recompute_ms']:8.2f} {cells} "
             f"{r['best_layers_per_load']:4} {r['best_vs_bound']:6.3f} {r['floor_vs_bound']:6.3f} "
+            f"{r['staged_floor_vs_bound']:6.3f} "
             f"{r['best_vs_floor']:6.3f} {r['best_vs_load_then_compute']:6.3f} "
             f"{r['ideal_vs_load_then_compute']:6.3f}  {check}"
         )
@@ -612,6 +653,7 @@ def format_ttft_rows(rows: Sequence[dict[str, Any]]) -> list[str]:
         "ms, median of each row's reps: L load alone, C compute alone, a load then compute, "
         "c recompute, b layer-wise per G layers a job; b/max = best b / max(L, C) (aim <= 1.10), "
         "f/max = the floor's best (one contiguous copy per part, no engine) / max(L, C), "
+        "s/max = the staged floor's best (those copies, each then scattered) / max(L, C), "
         "b/f = best b / best floor, b/a = best b / a, ideal = max(L, C) / (L + C)"
     )
     return out
