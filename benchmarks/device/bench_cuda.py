@@ -33,9 +33,11 @@ load of 8, 64 and 512 blocks are kept in flight, against the same loop with no e
 Pass 5 (``ttft``): time to first token of a Llama-3-8B-shaped prefill whose prefix
 hit of H tokens sits in the pinned tier, N new tokens: load then compute, layer by
 layer (one job per ``--ttft-layers-per-load`` layers, the compute stream waiting on
-each part's fence), recompute, the load alone and the compute alone
-(:mod:`offload_engine.bench.ttft` documents it); the layer-wise loads are checked
-bit-exact first, and a mismatch makes the script exit 1.
+each part's fence), recompute, the load alone and the compute alone, and two floors
+without the engine (:mod:`offload_engine.bench.ttft` documents it); the layer-wise
+loads are checked bit-exact first, and a mismatch makes the script exit 1.
+``--ttft-strategy dma`` moves the parts by DMA straight into the cache's blocks (one
+descriptor per layer and block, no SM work) instead of staging them.
 Pass ``ttft-stores``: the same prefill (H tokens in the cache, N new) with its new
 blocks stored into the pinned tier, after the forward pass (s1) or one job per
 ``--ttft-layers-per-load`` layers as they finish (s2): the prefill's time with the
@@ -548,8 +550,8 @@ def pass_ttft(args: argparse.Namespace, rows: list[dict[str, Any]]) -> list[dict
             shown[0] = cell
             print(f"  {cell}", flush=True)
 
-    found = run_cuda_ttft(plan, tick=tick)
-    rows += [{"pass": "ttft", **r} for r in found]
+    found = run_cuda_ttft(plan, tick=tick, strategy=args.ttft_strategy)
+    rows += [{"pass": "ttft", "strategy": args.ttft_strategy, **r} for r in found]
     for line in format_ttft_rows(found):
         print(f"  {line}", flush=True)
     if args.ttft_figure:
@@ -676,6 +678,12 @@ def main() -> int:
         "--gap-seconds", type=float, default=1.0, help="gaps pass: seconds per variant and round"
     )
     parser.add_argument("--ttft-figure", help="ttft pass: draw the grid into this PNG")
+    parser.add_argument(
+        "--ttft-strategy",
+        choices=["auto", "staged", "dma"],
+        default="auto",
+        help="ttft pass: the device handlers' strategy (default auto: the parts stage)",
+    )
     args = parser.parse_args()
     args.ttft_hits = _ints(args.ttft_hits)
     args.ttft_new = _ints(args.ttft_new)

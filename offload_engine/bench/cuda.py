@@ -30,6 +30,7 @@ message (``--device cuda``) or a note and a host run (``--device auto``).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -138,10 +139,11 @@ def run_cuda_step(plan: StepPlan, *, tick: Callable[[str], None]) -> list[StepRo
 
 
 def run_cuda_ttft(
-    plan: TtftPlan, *, tick: Callable[[str], None], stores: bool = False
+    plan: TtftPlan, *, tick: Callable[[str], None], stores: bool = False, strategy: str = "auto"
 ) -> list[dict[str, Any]]:
     """The time-to-first-token pass (or, with ``stores``, the store pass) on the current
-    CUDA device: one row per (H, N).
+    CUDA device: one row per (H, N). ``strategy`` names the device handlers'
+    :class:`~offload_engine.device.CopyStrategy` (``auto``: the parts stage).
 
     Raises :class:`InsufficientMemoryError` before allocating if the device's free
     memory cannot hold the plan's KV cache, reference copy, weights and activations.
@@ -157,6 +159,10 @@ def run_cuda_ttft(
                 f"{max(plan.new)} new), but only {free / 2**30:.1f} GiB is free"
             )
         run = run_store_pass if stores else run_ttft_pass
-        return run(TtftDevice.cuda(runtime), plan, tick=tick)
+        device = TtftDevice.cuda(runtime)
+        if device.config is not None:
+            config = replace(device.config, strategy=CopyStrategy(strategy))
+            device = replace(device, config=config)
+        return run(device, plan, tick=tick)
     finally:
         runtime.close()
