@@ -17,7 +17,9 @@ those specs works as it does under vLLM's connector. ``load_mode`` chooses:
   engine part by part in layer order (``layers_per_load`` layers a part), and each
   attention layer's ``wait_for_layer_load`` orders only that layer's part before
   the layer, so loading the next layers overlaps computing this one. A hit in a
-  tier below host memory is first promoted by vLLM's tiering, as before.
+  tier below host memory is first promoted by vLLM's tiering, as before. A model
+  with Mamba layers is refused at startup: vLLM reads a hit's Mamba state before
+  the forward pass (see :func:`_refuse_layerwise_mamba`).
 
 ``store_mode`` chooses when the blocks a step computes are stored:
 
@@ -95,6 +97,29 @@ def _engine_extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     return extra  # type: ignore[no-any-return]
 
 
+def _refuse_layerwise_mamba(kv_cache_config: Any) -> None:
+    """Layer-wise loads cannot serve a KV cache with a Mamba group: raise :class:`ConfigError`.
+
+    With prefix caching (mamba_cache_mode "align") vLLM's model runner copies a
+    prefix hit's Mamba state into the request's running block in
+    ``preprocess_mamba``, before the forward pass and so before ``start_load_kv``;
+    a state loaded inside the forward pass lands after that copy has read the
+    block. Loads in ``async`` mode are complete before the request is scheduled."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or []
+    mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
+    if mamba:
+        names = list(mamba[0].layer_names)
+        layers = ", ".join(names[:2]) + (", ..." if len(names) > 2 else "")
+        raise ConfigError(
+            "kv_connector_extra_config['load_mode']='layerwise' cannot serve a model with "
+            f"Mamba layers ({layers}): vLLM copies a prefix hit's Mamba state into "
+            "the request's running block before the forward pass (preprocess_mamba), so a "
+            "state loaded inside it comes too late; use load_mode 'async' for this model"
+        )
+
+
 def _layer_addresses(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
     return {name: int(t.data_ptr()) for name, t in kv_caches.items()}
 
@@ -135,6 +160,8 @@ class EngineConnector(OffloadingConnector):
         # errors; this reads the connector's own keys
         self._config = parse_extra_config(extra)
         self._layerwise = self._config.load_mode == "layerwise"
+        if self._layerwise:
+            _refuse_layerwise_mamba(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._loads: LayerwiseLoads | None = None
         self._stores: LayerwiseStores | None = None

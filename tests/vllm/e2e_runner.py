@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=0.25,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=True,
         disable_log_stats=False,
         seed=0,
@@ -155,6 +156,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gpu-blocks", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="tokens a step may compute (vLLM's default when not given)",
+    )
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--prompt-words", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)

@@ -99,3 +99,31 @@ def test_layerwise_stores_on_a_worker_that_cannot_serve_them_are_refused(
     connector.connector_worker = SimpleNamespace(worker=object())  # type: ignore[assignment]
     with pytest.raises(ConfigError, match=r"\['store_mode'\]='layerwise' needs the worker"):
         connector.register_kv_caches({})
+
+
+def _kv_cache_config(*specs: Any) -> Any:
+    groups = [
+        SimpleNamespace(kv_cache_spec=spec, layer_names=[f"model.layers.{i}.mixer"])
+        for i, spec in enumerate(specs)
+    ]
+    return SimpleNamespace(kv_cache_groups=groups)
+
+
+def test_layerwise_loads_refuse_a_mamba_model_at_startup() -> None:
+    """vLLM copies a hit's Mamba state before the forward pass: one ConfigError, at once."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from offload_engine.connectors.vllm import EngineConnector
+
+    attention = FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    extra = {"cpu_bytes_to_use": 1 << 20, "load_mode": "layerwise"}
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        with pytest.raises(ConfigError, match=r"\['load_mode'\]='layerwise'.*Mamba layers"):
+            EngineConnector(config(dict(extra)), role, _kv_cache_config(mamba, attention))
+    # attention groups alone (sliding window, MLA, ...) are served
+    from offload_engine.connectors.vllm.connector import _refuse_layerwise_mamba
+
+    _refuse_layerwise_mamba(_kv_cache_config(attention, attention))

@@ -7,6 +7,10 @@ Both compute the new tokens over a cached prefix, one request at a time, so
 with the same KV bytes they take the same kernels on the same batches: their
 greedy tokens must be equal even in bf16, where a recomputed prefix (or another
 batch) would round differently.
+
+A Mamba hybrid is refused by layer-wise loads (vLLM reads a hit's Mamba state
+before the forward pass; see ``EngineConnector``): its state and attention blocks
+come back through ``async`` loads, and go out through layer-wise stores.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import pytest
 from test_vllm_e2e import run_vllm  # tests/vllm/ is on sys.path
-from tiny_model import build_tiny_mla, build_tiny_sliding
+from tiny_model import build_tiny_mamba_hybrid, build_tiny_mla, build_tiny_sliding
 
 pytest.importorskip("vllm.v1.kv_offload.base")
 
@@ -80,6 +84,54 @@ def test_layerwise_loads_match_vllms_own_prefix_hits(kind: str, tmp_path: Path) 
     # (MLA: 2 layers; Gemma-2: its groups' layers share two tensors)
     assert adapter["loads_submitted"] > 0
     assert engine["loads_succeeded"] >= 2 * adapter["loads_submitted"]
+    assert all(h["failed"] == 0 for h in engine["handlers"])
+    assert adapter["failures_delivered"] == 0 and adapter["live_jobs"] == 0
+    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
+
+
+#: vLLM's CPU Mamba-2 scan returns no state from inside a prefill, which prefix
+#: caching asks for when a prefill crosses a block boundary: prefills go in chunks of
+#: one block (32 tokens), whose states are the chunks' final states
+ONE_BLOCK_A_STEP = ["--max-num-batched-tokens", "32"]
+
+
+def test_a_mamba_hybrids_state_comes_back_with_identical_tokens(tmp_path: Path) -> None:
+    """NemotronH (Mamba-2 and attention layers, two KV groups of different kinds) under
+    EngineConnector, loads ``async`` and stores ``layerwise``: the tokens equal plain
+    vLLM's with its own prefix hits, and every hit of the second round came from the tier."""
+    model = build_tiny_mamba_hybrid(tmp_path / "model")
+    plain = run_vllm(
+        tmp_path, "hybrid-plain", model, *ONE_AT_A_TIME, *ONE_BLOCK_A_STEP, "--gpu-blocks", "64"
+    )
+    stats_path = tmp_path / "hybrid-stats.json"
+    run = run_vllm(
+        tmp_path,
+        "hybrid-offload",
+        model,
+        *ONE_AT_A_TIME,
+        *ONE_BLOCK_A_STEP,
+        # 24 blocks: 12 a group, too few to keep the first round's prefixes
+        "--gpu-blocks",
+        "24",
+        "--offload",
+        "--connector",
+        "EngineConnector",
+        "--extra",
+        '{"store_mode": "layerwise", "layers_per_load": 1}',
+        "--stats-path",
+        str(stats_path),
+    )
+    local_hits, _ = _hits(plain)
+    assert local_hits > 0, "the reference's second round found no prefix in its own cache"
+    assert _hits(run) == (0, local_hits)
+    assert run["rounds"] == plain["rounds"]
+
+    stats = json.loads(stats_path.read_text())
+    engine, adapter = stats["engine"], stats["adapter"]
+    assert engine["bytes_loaded"] > 0 and adapter["loads_submitted"] > 0
+    # each store in two parts (one a tensor; each tensor holds a Mamba layer, which
+    # vLLM does not hook, so every part goes out when the forward pass is over)
+    assert adapter["store_parts_at_step_end"] == 2 * adapter["stores_submitted"] > 0
     assert all(h["failed"] == 0 for h in engine["handlers"])
     assert adapter["failures_delivered"] == 0 and adapter["live_jobs"] == 0
     assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]

@@ -7,7 +7,10 @@ has 2 dense layers with multi-head latent attention (MLA): one 576-wide latent
 per token and layer (``kv_lora_rank`` 512 + ``qk_rope_head_dim`` 64, the only
 width vLLM's CPU MLA backend takes), in bf16 (the only dtype it takes). The
 Gemma-2 has 4 layers that alternate a 64-token sliding window and full
-attention, so vLLM gives its KV cache two groups (a hybrid model).
+attention, so vLLM gives its KV cache two groups (a hybrid model). The NemotronH
+has 4 layers that alternate Mamba-2 and attention: two KV groups of different
+kinds, a Mamba state group and an attention group, whose pages vLLM pads to one
+size so that each tensor holds one layer of each.
 """
 
 from __future__ import annotations
@@ -134,3 +137,25 @@ def make_prompts(count: int, words: int, *, seed: int = 1) -> list[str]:
     """``count`` distinct prompts of ``words`` vocabulary words (one token each)."""
     rng = random.Random(seed)
     return [" ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(count)]
+
+
+def build_tiny_mamba_hybrid(out: Path, *, seed: int = 0) -> Path:
+    """A NemotronH (see the module docstring) into ``out``; return it."""
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    fast = _tokenizer(out, seed)
+    config = NemotronHConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        hybrid_override_pattern="M*M*",  # Mamba-2, attention, Mamba-2, attention
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        mamba_num_heads=4,
+        mamba_head_dim=32,
+        n_groups=1,
+        ssm_state_size=16,
+        chunk_size=32,
+        **_common(fast),
+    )
+    return _save_random(out, NemotronHForCausalLM, config, seed)
