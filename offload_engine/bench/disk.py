@@ -62,6 +62,7 @@ import torch
 
 from offload_engine.disk import DiskStore, disk_handlers, page_aligned_tier
 from offload_engine.disk._depth import DiskDepth, derive_queue_depth
+from offload_engine.disk._io import O_DIRECT, probe_direct, read_into, write_all
 from offload_engine.disk.store import PACK_BYTES, SEGMENT_BYTES
 from offload_engine.engine.sync import SyncOffloadingEngine
 from offload_engine.keyed import LayoutDigest
@@ -251,17 +252,6 @@ def bench_fio(
     return out
 
 
-def _open_direct(path: Path, flags: int) -> tuple[int, bool]:
-    """``path`` opened with O_DIRECT where the filesystem takes it; (fd, direct)."""
-    direct = getattr(os, "O_DIRECT", 0)
-    if direct:
-        try:
-            return os.open(path, flags | direct, 0o600), True
-        except OSError:
-            pass
-    return os.open(path, flags, 0o600), False
-
-
 def _threads(depth: int, n: int, io: Callable[[int], None]) -> float:
     """Seconds for ``depth`` threads to run ``io(i)`` for ``i`` in ``range(n)``, chunk
     ``i`` on thread ``i % depth``."""
@@ -299,18 +289,24 @@ def bench_raw(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFig
     def into_own(i: int) -> mmap.mmap:
         return own[i % qd]
 
-    fd, direct = _open_direct(target, os.O_CREAT | os.O_WRONLY)
+    direct = probe_direct(path)
+    flags = os.O_CLOEXEC | (O_DIRECT if direct else 0)
+
+    def write(i: int) -> None:
+        write_all(fd, [into_rows(i)], size, i * size)
+
+    fd = os.open(target, os.O_CREAT | os.O_WRONLY | flags, 0o600)
     try:
-        seconds = _threads(qd, n, _requests(os.pwritev, fd, size, into_rows))
+        seconds = _threads(qd, n, write)
     finally:
         os.close(fd)
     out.append(DiskFigure("raw", "write", n * size / seconds / 1e9, seconds, direct))
     rows[:] = 0
     reads: list[tuple[str, Callable[[int], Any]]] = [("raw", into_rows), ("raw-reused", into_own)]
     for name, into in reads:
-        fd, direct = _open_direct(target, os.O_RDONLY)
+        fd = os.open(target, os.O_RDONLY | flags)
         try:
-            seconds = _threads(qd, n, _requests(os.preadv, fd, size, into))
+            seconds = _threads(qd, n, _reader(fd, size, into))
         finally:
             os.close(fd)
         out.append(DiskFigure(name, "read", n * size / seconds / 1e9, seconds, direct))
@@ -319,21 +315,15 @@ def bench_raw(path: Path, plan: DiskBenchPlan, data: np.ndarray) -> list[DiskFig
     return out
 
 
-def _requests(
-    call: Callable[[int, list[Any], int], int], fd: int, size: int, into: Callable[[int], Any]
-) -> Callable[[int], None]:
-    """Chunk ``i``'s request: ``call`` (``os.preadv`` or ``os.pwritev``) of ``into(i)`` at
-    its offset in the file, all of it."""
+def _reader(fd: int, size: int, into: Callable[[int], Any]) -> Callable[[int], None]:
+    """Chunk ``i``'s read: all ``size`` bytes at its offset into ``into(i)``."""
 
-    def request(i: int) -> None:
-        _whole(call(fd, [into(i)], i * size), size)
+    def read(i: int) -> None:
+        done = read_into(fd, [memoryview(into(i))], i * size)
+        if done != size:
+            raise OSError(f"a raw read returned {done} of {size} bytes")
 
-    return request
-
-
-def _whole(done: int, size: int) -> None:
-    if done != size:
-        raise OSError(f"a raw request moved {done} of {size} bytes")
+    return read
 
 
 def _depth(plan: DiskBenchPlan) -> int:
