@@ -72,21 +72,29 @@ def test_layerwise_loads_match_vllms_own_prefix_hits(kind: str, tmp_path: Path) 
         "--stats-path",
         str(stats_path),
     )
+    engine, adapter = _served_from_the_tier(plain, run, stats_path)
+    # each of vLLM's loads went to the engine as parts, one per KV tensor: two at least
+    # (MLA: 2 layers; Gemma-2: its groups' layers share two tensors)
+    assert engine["loads_succeeded"] >= 2 * adapter["loads_submitted"]
+
+
+def _served_from_the_tier(
+    plain: dict[str, Any], run: dict[str, Any], stats_path: Path
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Check that ``run``'s tokens equal ``plain``'s, that every prefix hit ``plain``
+    found in its own cache came from the tier in ``run``, and that nothing failed; the
+    engine's and the adapter's stats."""
     local_hits, _ = _hits(plain)
     assert local_hits > 0, "the reference's second round found no prefix in its own cache"
     assert _hits(run) == (0, local_hits)
     assert run["rounds"] == plain["rounds"]
-
     stats = json.loads(stats_path.read_text())
     engine, adapter = stats["engine"], stats["adapter"]
-    assert engine["bytes_loaded"] > 0
-    # each of vLLM's loads went to the engine as parts, one per KV tensor: two at least
-    # (MLA: 2 layers; Gemma-2: its groups' layers share two tensors)
-    assert adapter["loads_submitted"] > 0
-    assert engine["loads_succeeded"] >= 2 * adapter["loads_submitted"]
+    assert engine["bytes_loaded"] > 0 and adapter["loads_submitted"] > 0
     assert all(h["failed"] == 0 for h in engine["handlers"])
     assert adapter["failures_delivered"] == 0 and adapter["live_jobs"] == 0
     assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
+    return engine, adapter
 
 
 #: vLLM's CPU Mamba-2 scan returns no state from inside a prefill, which prefix
@@ -121,17 +129,7 @@ def test_a_mamba_hybrids_state_comes_back_with_identical_tokens(tmp_path: Path) 
         "--stats-path",
         str(stats_path),
     )
-    local_hits, _ = _hits(plain)
-    assert local_hits > 0, "the reference's second round found no prefix in its own cache"
-    assert _hits(run) == (0, local_hits)
-    assert run["rounds"] == plain["rounds"]
-
-    stats = json.loads(stats_path.read_text())
-    engine, adapter = stats["engine"], stats["adapter"]
-    assert engine["bytes_loaded"] > 0 and adapter["loads_submitted"] > 0
+    _, adapter = _served_from_the_tier(plain, run, stats_path)
     # each store in two parts (one a tensor; each tensor holds a Mamba layer, which
     # vLLM does not hook, so every part goes out when the forward pass is over)
     assert adapter["store_parts_at_step_end"] == 2 * adapter["stores_submitted"] > 0
-    assert all(h["failed"] == 0 for h in engine["handlers"])
-    assert adapter["failures_delivered"] == 0 and adapter["live_jobs"] == 0
-    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
