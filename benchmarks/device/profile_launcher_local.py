@@ -84,6 +84,7 @@ def noop_runtime() -> CudaRuntime:
         stream_wait_event=fn(p, p, u),
         memcpy=fn(ctypes.c_uint64, ctypes.c_uint64, z, p),
         memcpy_htod=fn(ctypes.c_uint64, p, z, p),
+        memcpy2d=fn(p, p),
         launch=fn(p, u, u, u, u, u, u, u, p, p, p),
         error_name=str,
     )
