@@ -16,7 +16,12 @@ Pass 2: the same 512-block store and load while a bf16 GEMM loop runs on
 another stream: transfer ratio to the ceiling and the GEMM's slowdown, beside
 the same bytes as one contiguous pinned copy under the same GEMM (the floor;
 ``--gemm-variants``), with one or two rounds of jobs in flight
-(``--gemm-inflight``).
+(``--gemm-inflight``). The variant ``pieces`` issues a staged job's device work
+from a plain loop, no engine: 128 MiB pieces of 64 random tier slots, each one
+batched copy on one of two DMA streams in turn and an ``index_copy_`` (a load) or
+``index_select`` (a store) between a staging buffer and a (blocks, slot) cache on a
+high-priority stream, two staging buffers; it tells the engine's own cost from
+that of the work any staged load or store does.
 Pass 3: CPU microseconds per job in submit (the caller's thread) and in launch
 (the handler's launcher thread: descriptors and driver calls), measured as
 thread CPU time.
@@ -281,9 +286,13 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     round_bytes = 2 * 512 * bench.block_bytes  # two 512-block jobs per round
     floor: dict[str, float] = {}
     for strategy, buffers, staging in variants:
-        if strategy == "contiguous":
-            transfer = _contiguous_rounds(round_bytes)
-            label = "contiguous"
+        if strategy in ("contiguous", "pieces"):
+            transfer = (
+                _contiguous_rounds(round_bytes)
+                if strategy == "contiguous"
+                else _piece_rounds(runtime, bench, round_bytes)
+            )
+            label = strategy
             engine = None
         else:
             engine, _, _ = bench.engine(strategy, buffers, staging)
@@ -341,9 +350,10 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
 
 def _gemm_variant(text: str) -> tuple[Any, int, int]:
     """``contiguous`` (the same bytes as one pinned copy: the floor under the GEMM),
-    or ``strategy:staging_mib:buffers``."""
-    if text == "contiguous":
-        return "contiguous", 0, 0
+    ``pieces`` (a staged job's device work without the engine), or
+    ``strategy:staging_mib:buffers``."""
+    if text in ("contiguous", "pieces"):
+        return text, 0, 0
     strategy, staging, buffers = text.split(":")
     return CopyStrategy(strategy), int(buffers), int(staging) << 20
 
@@ -365,6 +375,64 @@ def _contiguous_rounds(nbytes: int) -> Any:
                 done = torch.cuda.Event()
                 done.record()
             done.synchronize()
+            return 1
+
+        return step
+
+    return rounds
+
+
+def _piece_rounds(runtime: CudaRuntime, bench: Bench, nbytes: int) -> Any:
+    """A staged job's device work from a plain loop (see the module doc): ``nbytes``
+    per round in pieces of 64 random slots of ``bench``'s tier; waits on its own
+    events (no device-wide sync: the GEMM stream must not gate it)."""
+    slot, rows = bench.block_bytes, 64
+    tier = bench.tier.memory
+    cache = torch.empty(bench.num_blocks, slot, dtype=torch.uint8, device="cuda")
+    staging = [torch.empty(rows, slot, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    dmas = [torch.cuda.Stream() for _ in range(2)]
+    sm = torch.cuda.Stream(priority=-1)
+    rng = np.random.default_rng(0)
+    half = bench.num_blocks // 2
+    pieces = []
+    for p in range(nbytes // (rows * slot)):
+        slots = np.sort(rng.choice(half, rows, replace=False)).astype(np.uint64)
+        rows_at = np.uint64(staging[p % 2].data_ptr()) + np.arange(
+            rows, dtype=np.uint64
+        ) * np.uint64(slot)
+        ids = torch.from_numpy(rng.choice(bench.num_blocks, rows, replace=False)).cuda()
+        pieces.append((np.uint64(tier.data_ptr()) + slots * np.uint64(slot), rows_at, ids))
+    sizes = np.full(rows, slot, dtype=np.uint64)
+
+    def rounds(case: str) -> Any:
+        store = case == "store"
+        kind = Direction.STORE if store else Direction.LOAD
+
+        def step() -> int:
+            free: list[Any] = [None, None]  # each staging buffer's last use
+            for p, (host, rows_at, ids) in enumerate(pieces):
+                b = p % 2
+                dma = dmas[b]
+                if free[b] is not None:
+                    (sm if store else dma).wait_event(free[b])
+                if store:
+                    with torch.cuda.stream(sm):
+                        torch.index_select(cache, 0, ids, out=staging[b])
+                    dma.wait_stream(sm)
+                    runtime.memcpy_batch(dma, host, rows_at, sizes, kind)
+                    free[b] = torch.cuda.Event()
+                    free[b].record(dma)
+                else:
+                    runtime.memcpy_batch(dma, rows_at, host, sizes, kind)
+                    sm.wait_stream(dma)
+                    with torch.cuda.stream(sm):
+                        cache.index_copy_(0, ids, staging[b])
+                    free[b] = torch.cuda.Event()
+                    free[b].record(sm)
+            done = torch.cuda.Event()
+            for stream in (sm, *dmas):
+                done.record(stream)
+                done.synchronize()
             return 1
 
         return step
@@ -635,7 +703,8 @@ def main() -> int:
     parser.add_argument(
         "--gemm-variants",
         default="contiguous,dma:256:2,staged:256:2,staged:256:3,staged:512:2,kernel:256:2",
-        help="gemm pass: contiguous (the floor) and/or strategy:staging_mib:buffers",
+        help="gemm pass: contiguous (the floor), pieces (a staged job's device work "
+        "without the engine) and/or strategy:staging_mib:buffers",
     )
     parser.add_argument(
         "--gemm-inflight", type=int, default=1, help="gemm pass: rounds of two jobs in flight"
