@@ -166,7 +166,7 @@ if [ -n "${WANT[bandwidth]:-}" ]; then
         --slots random,allocator "${extra[@]}"
 fi
 if [ -n "${WANT[gemm]:-}" ]; then
-    bench_rounds gemm --passes gemm --gemm-variants contiguous,staged:256:2,staged:512:4,dma:256:2 \
+    bench_rounds gemm --passes gemm --gemm-variants contiguous,pieces,staged:256:2,staged:512:4,dma:256:2 \
         --gemm-inflight 1
 fi
 if [ -n "${WANT[cpu]:-}" ]; then
