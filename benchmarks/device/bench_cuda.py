@@ -286,14 +286,10 @@ def pass_gemm(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     round_bytes = 2 * 512 * bench.block_bytes  # two 512-block jobs per round
     floor: dict[str, float] = {}
     for strategy, buffers, staging in variants:
-        if strategy in ("contiguous", "pieces"):
-            transfer = (
-                _contiguous_rounds(round_bytes)
-                if strategy == "contiguous"
-                else _piece_rounds(runtime, bench, round_bytes)
-            )
-            label = strategy
-            engine = None
+        if strategy == "contiguous":
+            transfer, label, engine = _contiguous_rounds(round_bytes), strategy, None
+        elif strategy == "pieces":
+            transfer, label, engine = _piece_rounds(runtime, bench, round_bytes), strategy, None
         else:
             engine, _, _ = bench.engine(strategy, buffers, staging)
             transfer = _engine_rounds(bench, engine, args.gemm_inflight)
@@ -420,15 +416,13 @@ def _piece_rounds(runtime: CudaRuntime, bench: Bench, nbytes: int) -> Any:
                         torch.index_select(cache, 0, ids, out=staging[b])
                     dma.wait_stream(sm)
                     runtime.memcpy_batch(dma, host, rows_at, sizes, kind)
-                    free[b] = torch.cuda.Event()
-                    free[b].record(dma)
                 else:
                     runtime.memcpy_batch(dma, rows_at, host, sizes, kind)
                     sm.wait_stream(dma)
                     with torch.cuda.stream(sm):
                         cache.index_copy_(0, ids, staging[b])
-                    free[b] = torch.cuda.Event()
-                    free[b].record(sm)
+                free[b] = torch.cuda.Event()
+                free[b].record(dma if store else sm)  # the buffer's last reader or writer
             done = torch.cuda.Event()
             for stream in (sm, *dmas):
                 done.record(stream)
