@@ -48,7 +48,7 @@ from offload_engine.device.runtimes._cuda_driver import Memcpy2D
 from offload_engine.device.runtimes._cuda_driver import MemcpyAttributes as _MemcpyAttributes
 from offload_engine.device.runtimes.base import IdBuffer
 from offload_engine.device.runtimes.cuda import CudaRuntime
-from offload_engine.host.layout import KVLayout
+from offload_engine.host.layout import KVLayout, RegionTables, chunk_descriptors
 from offload_engine.host.tier import HostTier
 from offload_engine.testing import FakeRuntime, build_layout
 from offload_engine.vocabulary import Direction
@@ -297,6 +297,8 @@ def run_jobs(engine: SyncOffloadingEngine, todo: list[Any]) -> list[Any]:
         ("flash-attention", CopyStrategy.STAGED, 5, 2, False, False, 4096),
         ("mla", CopyStrategy.STAGED, 4, 3, True, False, 2),
         ("flash-attention", CopyStrategy.DMA, 4, 2, True, False, 3),
+        ("cross-layer", CopyStrategy.DMA, 4, 2, True, False, 4096),
+        ("groups", CopyStrategy.DMA, 4, 2, False, False, 4096),
         ("separate-kv", CopyStrategy.KERNEL, 4, 2, True, False, 4096),
         ("flash-attention", CopyStrategy.AUTO, 3, 2, True, False, 4096),
         ("groups", CopyStrategy.AUTO, 2, 3, True, True, 4096),
@@ -348,6 +350,59 @@ def test_native_program_makes_the_python_paths_calls(
     assert len(python) == len(native_calls)
     for i, (a, b) in enumerate(zip(python, native_calls, strict=True)):
         assert a == b, f"call {i}"
+
+
+@needs_cc
+@pytest.mark.parametrize("seed", range(6))
+def test_native_dma_descriptors_are_the_numpy_ones(seed: int) -> None:
+    """``oe_chunk_descriptors`` makes exactly :func:`chunk_descriptors`' descriptors,
+    merges included: regions that continue each other inside a block and across
+    consecutive blocks, tiers with gaps between blocks and several slots a block,
+    stores and loads, and ids appended after an earlier batch in the program."""
+    rng = np.random.default_rng(seed)
+    program = _native.LaunchProgram((0,) * len(_native.ENTRY_NAMES), str)
+    for _ in range(40):
+        nreg = int(rng.integers(1, 5))
+        size = rng.choice([64, 4096, 1 << 21], size=nreg).astype(np.uint64)
+        touching = rng.random() < 0.5  # regions back to back: a block merges whole
+        stride = np.full(nreg, int(size.sum()) if touching else 1 << 24, dtype=np.uint64)
+        base = (1 << 40) + np.concatenate(([0], np.cumsum(size)[:-1])).astype(np.uint64)
+        if not touching:
+            base = (1 << 40) + np.arange(nreg, dtype=np.uint64) * np.uint64(1 << 32)
+        tables = RegionTables(base, stride, size, np.cumsum(size) - size)
+        slot_bytes = int(size.sum()) + int(rng.choice([0, 256]))
+        factor = int(rng.choice([1, 4]))
+        block_stride = factor * slot_bytes + int(rng.choice([0, 1 << 20]))
+        n = int(rng.integers(0, 40))
+        if rng.random() < 0.5:  # an allocator's run on both sides: long merges
+            start = int(rng.integers(0, 100))
+            cache = np.arange(start, start + n, dtype=np.int64)
+            slots = np.arange(start * 2, start * 2 + n, dtype=np.int64)
+        else:
+            cache = rng.choice(200, size=n, replace=False).astype(np.int64)
+            slots = rng.choice(400, size=n, replace=False).astype(np.int64)
+        direction = Direction.STORE if rng.random() < 0.5 else Direction.LOAD
+        want = chunk_descriptors(
+            tables,
+            cache,
+            slots,
+            tier_base=1 << 36,
+            slot_bytes=slot_bytes,
+            direction=direction,
+            factor=factor,
+            block_stride=block_stride,
+        )
+        program.begin()
+        program.descriptors(*(np.arange(3, dtype=np.uint64),) * 3)  # an earlier batch
+        geometry = (1 << 36, slot_bytes, factor, block_stride)
+        d, s_, z, k = program.chunk_descriptors(
+            tables, cache, slots, geometry, direction is Direction.STORE
+        )
+        desc = program.descriptor_array
+        assert k == want[2].shape[0]
+        for at, column in zip((d, s_, z), want, strict=True):
+            np.testing.assert_array_equal(desc[at : at + k], column)
+        np.testing.assert_array_equal(desc[:3], np.arange(3))
 
 
 @needs_cc
@@ -403,8 +458,19 @@ def test_a_2d_copy_of_many_rows_runs_without_the_gil(blocks: int, how: str) -> N
 
 
 @needs_cc
-@pytest.mark.parametrize(("kind", "rows"), [("cross-layer", 3), ("groups", 2), ("mla", 5)])
-def test_native_staged_planning_on_a_tier_of_several_slots_per_block(kind: str, rows: int) -> None:
+@pytest.mark.parametrize(
+    ("kind", "rows", "strategy"),
+    [
+        ("cross-layer", 3, CopyStrategy.STAGED),
+        ("groups", 2, CopyStrategy.STAGED),
+        ("mla", 5, CopyStrategy.STAGED),
+        ("cross-layer", 3, CopyStrategy.DMA),
+        ("groups", 2, CopyStrategy.DMA),
+    ],
+)
+def test_native_planning_on_a_tier_of_several_slots_per_block(
+    kind: str, rows: int, strategy: CopyStrategy
+) -> None:
     """Blocks of a job that starts mid tier block (factor 4: several cache blocks per
     tier block, the first slots skipped) are planned alike on both paths."""
     layout = build_layout(kind, lambda s, d: torch.empty(s, dtype=d), num_blocks=24)
@@ -424,7 +490,7 @@ def test_native_staged_planning_on_a_tier_of_several_slots_per_block(kind: str, 
         todo.append((rng.random() < 0.5, cache, [int(x) for x in tier_ids], n, start))
     logs = []
     for native in (False, True):
-        driver, store, load = handlers(layout, tier, native, rows=rows)
+        driver, store, load = handlers(layout, tier, native, rows=rows, strategy=strategy)
         with SyncOffloadingEngine([store, load]) as engine:
             for is_store, cache, tier_ids, n, start in todo:
                 blocks = gpu_blocks(
@@ -438,7 +504,8 @@ def test_native_staged_planning_on_a_tier_of_several_slots_per_block(kind: str, 
                 [r] = engine.wait([engine.submit(spec)])
                 assert r.success, r.error
         logs.append(driver.calls)
-    assert {"launch", "batch", "htod"} <= {c[0] for c in logs[0]}
+    kinds = {"batch"} if strategy is CopyStrategy.DMA else {"launch", "batch", "htod"}
+    assert kinds <= {c[0] for c in logs[0]}
     assert len(logs[0]) == len(logs[1])
     for i, (a, b) in enumerate(zip(*logs, strict=True)):
         assert a == b, f"call {i}"

@@ -21,9 +21,15 @@ def enqueue_dma(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> None:
     after_last_effect(h, (stream,))
     tier = h.tier
     regions = plan.regions
+    native = h._native
     for m in plan.groups:
+        tables = h.layout.region_tables(m.group, None if regions is None else regions[m.group])
+        if native is not None:
+            # the same descriptors, made by the native library in one call
+            native.memcpy_chunks(stream, tables, m.cache_ids, m.slots, h._geometry, h.direction)
+            continue
         dst, src, sizes = chunk_descriptors(
-            h.layout.region_tables(m.group, None if regions is None else regions[m.group]),
+            tables,
             m.cache_ids,
             m.slots,
             tier_base=h._tier_base,

@@ -279,6 +279,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         setup = self._pool[0][0]
         self._tables = RegionTables(rt, self.layout, self.direction, setup)
         self._tier_base = self.tier.span.data_ptr()
+        # where tier slot s starts, as the native dma descriptors take it
+        tier = self.tier
+        self._geometry = (self._tier_base, tier.slot_bytes, tier.factor, tier.block_stride)
         # each group's bytes per staging row, as a descriptor size column
         self._used_sizes = [
             np.full(max(rows, 1), b, dtype=np.uint64) for b in self.layout.group_bytes

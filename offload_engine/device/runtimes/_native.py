@@ -18,7 +18,9 @@ A staged job's pieces are planned by the library too, and only there
 (``oe_staged_build``, through :class:`StagedPlanner`): planning them in Python
 costs more CPU than the native launch of the whole job. The planner writes the
 pieces as program ops; a :class:`LaunchProgram` issues them, and a runtime that
-launches from Python has :mod:`offload_engine.device.staged` make their calls.
+launches from Python has :mod:`offload_engine.device.staged` make their calls. A
+``dma`` job's descriptors are made by the library for a :class:`LaunchProgram`
+(``oe_chunk_descriptors``), the same ones numpy makes on the Python path.
 
 The C file ships in the package and is compiled on first use with the system
 C compiler (``$CC`` or ``cc``) into a per-user cache
@@ -42,11 +44,15 @@ import sys
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from offload_engine.errors import TransferError
+from offload_engine.vocabulary import Direction
+
+if TYPE_CHECKING:
+    from offload_engine.host.layout import RegionTables
 
 SOURCE = Path(__file__).with_name("_native_launch.c")
 
@@ -135,7 +141,7 @@ class StagedHeader(ctypes.Structure):
     )
 
 
-_LIB: dict[str, tuple[Any, Any, Any, Any] | str] = {}  # "lib": the loaded library or why not
+_LIB: dict[str, tuple[Any, ...] | str] = {}  # "lib": the loaded library or why not
 _LIB_LOCK = threading.Lock()
 
 
@@ -182,11 +188,12 @@ def build_library(source: Path = SOURCE, directory: Path | None = None) -> Path:
     return target
 
 
-def native_library() -> tuple[Any, Any, Any, Any] | str:
-    """``(released, held, build, check)``: the library's launch entry point called
-    without and with the GIL, its staged planner (``oe_staged_build``) and a
-    submit's checks of the common job (``oe_check_pairs``, see :func:`check_pairs`),
-    built and loaded once per process; or why it is unavailable."""
+def native_library() -> tuple[Any, ...] | str:
+    """``(released, held, build, check, chunks)``: the library's launch entry point
+    called without and with the GIL, its staged planner (``oe_staged_build``), a
+    submit's checks of the common job (``oe_check_pairs``, see :class:`PairCheck`)
+    and a dma job's descriptors (``oe_chunk_descriptors``), built and loaded once
+    per process; or why it is unavailable."""
     with _LIB_LOCK:
         found = _LIB.get("lib")
         if found is None:
@@ -194,7 +201,7 @@ def native_library() -> tuple[Any, Any, Any, Any] | str:
         return found
 
 
-def _load() -> tuple[Any, Any, Any, Any] | str:
+def _load() -> tuple[Any, ...] | str:
     if sys.byteorder != "little":
         return "the native launch passes kernel parameters as little-endian words"
     try:
@@ -224,6 +231,13 @@ def _load() -> tuple[Any, Any, Any, Any] | str:
         check = ctypes.PyDLL(str(path)).oe_check_pairs
         check.argtypes = (ctypes.c_void_p, ctypes.c_void_p) + (ctypes.c_int64,) * 4
         check.restype = ctypes.c_int64
+        chunks = ctypes.PyDLL(str(path)).oe_chunk_descriptors
+        chunks.argtypes = (
+            (ctypes.c_void_p, ctypes.c_int64) * 2
+            + (ctypes.c_uint64,) * 4
+            + (ctypes.c_int64, ctypes.c_void_p)
+        )
+        chunks.restype = ctypes.c_int64
         header_size = ctypes.PyDLL(str(path)).oe_staged_header_size
         header_size.restype = ctypes.c_int64
     except (OSError, AttributeError) as exc:
@@ -233,7 +247,7 @@ def _load() -> tuple[Any, Any, Any, Any] | str:
             f"{SOURCE.name}'s struct oe_staged_header has {header_size()} bytes, "
             f"StagedHeader {ctypes.sizeof(StagedHeader)}"
         )
-    return entry[0], entry[1], build, check
+    return entry[0], entry[1], build, check, chunks
 
 
 def reset_library() -> None:
@@ -287,11 +301,11 @@ class StagedPlanner:
     so a planner serves one handler.
     """
 
-    def __init__(self, library: tuple[Any, Any, Any, Any] | None = None) -> None:
+    def __init__(self, library: tuple[Any, ...] | None = None) -> None:
         found = native_library() if library is None else library
         if isinstance(found, str):
             raise OSError(found)
-        self._released, self._held, self._build, check = found
+        self._released, self._held, self._build, check, self._chunks = found
         self.check_pairs = PairCheck(check)
         self._words: list[int] = []  # ops recorded since the last flush to the buffer
         self._n = 0  # words in the buffer
@@ -395,7 +409,7 @@ class LaunchProgram(StagedPlanner):
         self,
         entries: tuple[int, ...],
         error_name: Any,
-        library: tuple[Any, Any, Any, Any] | None = None,
+        library: tuple[Any, ...] | None = None,
     ) -> None:
         if len(entries) != len(ENTRY_NAMES):
             raise ValueError(f"a program needs the {len(ENTRY_NAMES)} entry points {ENTRY_NAMES}")
@@ -405,6 +419,11 @@ class LaunchProgram(StagedPlanner):
         self._error_name = error_name
         self._fail = (ctypes.c_int64 * 4)()
         self._fail_at = ctypes.addressof(self._fail)
+        # chunk_descriptors' inputs: per region table (by id, with the table kept to
+        # tell a reused id apart) its four columns in one array, and the ids' scratch
+        self._region_words: dict[int, tuple[RegionTables, Any, int, int]] = {}
+        self._ids = np.empty(1024, dtype=np.int64)
+        self._ids_at = self._ids.ctypes.data
 
     def descriptors(self, dst: Any, src: Any, sizes: Any) -> tuple[int, int, int]:
         """Append one batch's descriptors; their columns' offsets (in words) in the
@@ -418,6 +437,60 @@ class LaunchProgram(StagedPlanner):
         desc[at + 2 * n : at + 3 * n] = sizes
         self._ndesc = at + 3 * n
         return at, at + n, at + 2 * n
+
+    def chunk_descriptors(
+        self,
+        tables: RegionTables,
+        cache_ids: Any,
+        slots: Any,
+        geometry: tuple[int, int, int, int],
+        store: bool,
+    ) -> tuple[int, int, int, int]:
+        """Append one KV group's dma descriptors, made by the library exactly as
+        :func:`~offload_engine.host.layout.chunk_descriptors` makes them (block by
+        block, merged); ``geometry`` is the tier's base address, slot bytes, slots
+        per block and block stride. Their columns' offsets (in words) in the
+        descriptor array, and their count."""
+        n = int(cache_ids.shape[0])
+        found = self._region_words.get(id(tables))
+        if found is None or found[0] is not tables:
+            words = np.concatenate((tables.base, tables.stride, tables.size, tables.slot_offset))
+            found = (tables, words, words.ctypes.data, int(tables.size.shape[0]))
+            self._region_words[id(tables)] = found
+        _, _, tables_at, nreg = found
+        if 2 * n > self._ids.shape[0]:
+            self._ids = np.empty(4 * n, dtype=np.int64)
+            self._ids_at = self._ids.ctypes.data
+        self._ids[:n] = cache_ids
+        self._ids[n : 2 * n] = slots
+        at = self._ndesc
+        self._reserve_descriptors(3 * n * nreg)
+        out = self._desc_at + 8 * at
+        k: int = self._chunks(tables_at, nreg, self._ids_at, n, *geometry, store, out)
+        self._ndesc = at + 3 * k
+        return at, at + k, at + 2 * k, k
+
+    def memcpy_chunks(
+        self,
+        stream: Any,
+        tables: RegionTables,
+        cache_ids: Any,
+        slots: Any,
+        geometry: tuple[int, int, int, int],
+        kind: Direction,
+    ) -> int:
+        """The runtime's ``memcpy_batch`` of one KV group's dma descriptors
+        (:meth:`chunk_descriptors`); the driver calls it will make."""
+        d, s, z, n = self.chunk_descriptors(
+            tables, cache_ids, slots, geometry, kind is Direction.STORE
+        )
+        return self.batch(stream, d, s, z, n, kind)
+
+    def batch(self, stream: Any, d: int, s: int, z: int, n: int, kind: Direction) -> int:
+        """Append a batched copy of the ``n`` descriptors whose columns start at word
+        offsets ``d``, ``s`` and ``z``; the driver calls it will make (a runtime's
+        program says how it batches)."""
+        raise NotImplementedError
 
     def run(self) -> None:
         """Issue the recorded calls; raise :class:`TransferError` for the first that fails,

@@ -529,3 +529,50 @@ int64_t oe_check_pairs(const int64_t *cache, const int64_t *tier, int64_t n, int
     if (table != local) free(table);
     return rc;
 }
+
+/*
+ * oe_chunk_descriptors: a dma job's copy descriptors for one KV group, the ones
+ * chunk_descriptors in offload_engine/host/layout.py makes with numpy (about
+ * fifteen numpy calls, tens of microseconds in a thread that has been idle).
+ *
+ * tables: the group's regions as four columns of nreg words each: base address,
+ * block stride, size, offset in a tier slot. ids: n cache ids, then the n tier
+ * slots they pair with. Slot s starts at tier_base + (s / factor) * block_stride
+ * + (s % factor) * slot_bytes (a tier whose blocks are back to back has
+ * block_stride = factor * slot_bytes). store: 1 when the tier is the destination.
+ *
+ * Chunks go block by block, a block's regions in order; a chunk that continues
+ * the previous one on both sides joins it (merge_runs). out has room for 3 * n *
+ * nreg words; the k descriptors are written as three columns, dst at out[0..k),
+ * src at out[k..2k), sizes at out[2k..3k). Returns k.
+ */
+int64_t oe_chunk_descriptors(const uint64_t *tables, int64_t nreg, const int64_t *ids, int64_t n,
+                             uint64_t tier_base, uint64_t slot_bytes, uint64_t factor,
+                             uint64_t block_stride, int64_t store, uint64_t *out) {
+    const uint64_t *base = tables, *stride = tables + nreg, *size = tables + 2 * nreg,
+                   *offset = tables + 3 * nreg;
+    const int64_t cap = n * nreg;
+    uint64_t *dst = out, *src = out + cap, *len = out + 2 * cap;
+    int64_t k = 0, i, r;
+    for (i = 0; i < n; i++) {
+        const uint64_t block = (uint64_t)ids[i], slot = (uint64_t)ids[n + i];
+        const uint64_t slot_at =
+            tier_base + (slot / factor) * block_stride + (slot % factor) * slot_bytes;
+        for (r = 0; r < nreg; r++) {
+            const uint64_t cache_at = base[r] + block * stride[r];
+            const uint64_t tier_at = slot_at + offset[r];
+            const uint64_t d = store ? tier_at : cache_at, s = store ? cache_at : tier_at;
+            if (k && dst[k - 1] + len[k - 1] == d && src[k - 1] + len[k - 1] == s) {
+                len[k - 1] += size[r];
+                continue;
+            }
+            dst[k] = d;
+            src[k] = s;
+            len[k] = size[r];
+            k++;
+        }
+    }
+    memmove(out + k, src, (size_t)k * sizeof *out);
+    memmove(out + 2 * k, len, (size_t)k * sizeof *out);
+    return k;
+}

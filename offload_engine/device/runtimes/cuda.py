@@ -521,8 +521,12 @@ class _CudaProgram(LaunchProgram):
         n = int(sizes.shape[0])
         if n == 0:
             return 0
+        return self.batch(stream, *self.descriptors(dst, src, sizes), n, kind)
+
+    def batch(self, stream: Any, d: int, s: int, z: int, n: int, kind: Direction) -> int:
+        if n == 0:
+            return 0
         handle = stream.cuda_stream
-        d, s, z = self.descriptors(dst, src, sizes)
         if self._attrs is None or not handle:  # as CudaRuntime.memcpy_batch: one call each
             self.op(OP_BATCH, handle, d, s, z, n, 1, 0, 0)
             return n
