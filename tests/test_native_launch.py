@@ -353,6 +353,29 @@ def test_native_program_makes_the_python_paths_calls(
 
 
 @needs_cc
+def test_a_native_dma_job_makes_its_descriptors_without_numpy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the native launch a dma job never reaches the numpy descriptors (tens of
+    microseconds of a cold thread), whose only callers are the Python launch's."""
+    from offload_engine.device import dma
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the native launch made descriptors with numpy")
+
+    monkeypatch.setattr(dma, "chunk_descriptors", refuse)
+    layout = build_layout("groups", lambda s, d: torch.empty(s, dtype=d), num_blocks=24)
+    tier = pinned_host_tier(DriverlessCuda(Driver()), layout, 40)
+    driver, store, load = handlers(layout, tier, True, rows=4, strategy=CopyStrategy.DMA)
+    todo = list(jobs(np.random.default_rng(3), 24, 40, 12, len(layout.groups)))
+    with SyncOffloadingEngine([store, load]) as engine:
+        results = run_jobs(engine, todo)
+    assert all(r.success for r in results), [r.error for r in results if not r.success][:1]
+    assert {r.strategy for r in results} == {"dma"}
+    assert "batch" in {c[0] for c in driver.calls}
+
+
+@needs_cc
 @pytest.mark.parametrize("seed", range(6))
 def test_native_dma_descriptors_are_the_numpy_ones(seed: int) -> None:
     """``oe_chunk_descriptors`` makes exactly :func:`chunk_descriptors`' descriptors,
