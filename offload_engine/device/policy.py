@@ -26,9 +26,11 @@ Hence the rule (:func:`choose_strategy`):
    and a second stream hop for little. Beyond a few hundred, descriptors hold
    up the model: the driver serialises them with the kernel launches of a step
    that launches from Python (eager), so on an H100 a 16-block dma job of
-   64 KiB regions each way slowed an eager decode step 28 to 47 points more than
-   the same bytes as one copy, while as a CUDA graph dma and staged cost the
-   same, within a point of that copy.
+   32 KiB regions each way slowed an eager decode step 22 to 47 points more than
+   the same bytes as one copy. As a CUDA graph dma stays within a point of that
+   copy, and staged costs 1 to 3 points more (its gather's and scatter's own
+   traffic in device memory), so a deployment whose steps all run as graphs
+   does better with a larger ``dma_max_descriptors``.
 3. **While the link is saturated, medium jobs take ``dma`` too**: when at least
    ``dma_backlog_bytes`` are already launched and unfinished on the handler, a
    new job's bytes wait for the link whichever way they go, and its descriptors
