@@ -52,7 +52,7 @@ from offload_engine.errors import TransferError
 from offload_engine.vocabulary import Direction
 
 if TYPE_CHECKING:
-    from offload_engine.host.layout import RegionTables
+    from offload_engine.host import RegionTables
 
 SOURCE = Path(__file__).with_name("_native_launch.c")
 
