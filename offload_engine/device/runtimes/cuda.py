@@ -518,10 +518,7 @@ class _CudaProgram(LaunchProgram):
         self._rows2d += height
 
     def memcpy_batch(self, stream: Any, dst: U64, src: U64, sizes: U64, kind: Direction) -> int:
-        n = int(sizes.shape[0])
-        if n == 0:
-            return 0
-        return self.batch(stream, *self.descriptors(dst, src, sizes), n, kind)
+        return self.batch(stream, *self.descriptors(dst, src, sizes), int(sizes.shape[0]), kind)
 
     def batch(self, stream: Any, d: int, s: int, z: int, n: int, kind: Direction) -> int:
         if n == 0:
