@@ -14,6 +14,14 @@ what                                   0.32.0                       0.33.0
                                                                     ``num_segments`` instead
 =====================================  ===========================  ============================
 
+The offloading scheduler's books (``_req_status`` with each request's
+``transfer_jobs``, ``_jobs``, and the step's ``_current_batch_load_jobs``) are
+private in both; ``EngineConnector``'s layer-wise loads read and adjust them
+through :func:`scheduler_books` only (see :mod:`.in_step`). 0.33.0 marks a load
+that ends inside its step itself (``is_sync_load``, under its own
+``sync_load_budget_bytes`` key); the adapter keeps its own books there too, so one
+code path serves both.
+
 The adapter passes the region only :data:`REGION_KWARGS`, which both take, and
 reads only ``base_tensor``, ``total_size_bytes`` and ``cleanup()`` from it; the
 worker accepts ``expedited`` and ignores it (an expedited load queues behind the
@@ -88,3 +96,15 @@ def region_rows(region: Any, num_rows: int, row_bytes: int) -> torch.Tensor:
             f"the spec expects {num_rows} chunks x {row_bytes} bytes"
         )
     return base.view(torch.uint8).view(num_rows, row_bytes)
+
+
+#: The offloading scheduler's private books that layer-wise loads keep square.
+SCHEDULER_BOOKS = ("_req_status", "_jobs", "_current_batch_load_jobs")
+
+
+def scheduler_books(scheduler: Any) -> tuple[Any, Any, list[tuple[int, str]]]:
+    """vLLM's ``OffloadingConnectorScheduler``'s request states (request id -> a state
+    with ``transfer_jobs``), its tracked jobs (job id -> status), and the loads this
+    step has scheduled so far as ``(job id, request id)``."""
+    states, jobs, loads = (getattr(scheduler, name) for name in SCHEDULER_BOOKS)
+    return states, jobs, [(job_id, job.req_id) for job_id, job in loads.items()]

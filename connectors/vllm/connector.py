@@ -53,7 +53,9 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
 from offload_engine import ConfigError
 
+from .compat import scheduler_books
 from .config import ENGINE_CONNECTOR_KEY, parse_extra_config
+from .in_step import InStepLoads
 from .layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores, StoreJob
 from .spec import EngineOffloadingSpec
 from .tiering import EngineTieringSpec
@@ -62,6 +64,7 @@ from .worker import EngineOffloadingWorker
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -167,6 +170,8 @@ class EngineConnector(OffloadingConnector):
         self._stores: LayerwiseStores | None = None
         # request id -> its locally computed tokens, from a layer-wise hit to its allocation
         self._local_tokens: dict[str, int] = {}
+        # layer-wise loads, from their step to the workers' report (see in_step.py)
+        self._in_step = InStepLoads()
 
     # ------------------------------------------------------------ scheduler side
 
@@ -191,6 +196,17 @@ class EngineConnector(OffloadingConnector):
             # one past the local prefix) would find none: show it them as fresh
             blocks = _fresh_past(blocks, local, self.scheduler.config.kv_group_configs)
         super().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        if not self._layerwise:
+            return super().build_connector_meta(scheduler_output)
+        # every load of a layer-wise connector ends inside its step: the stores the
+        # scheduler builds beside it (this step's new blocks, later prefill chunks)
+        # must not find it pending, or vLLM's scheduler asserts
+        states, jobs, loads = scheduler_books(self.scheduler)
+        self._in_step.scheduled(loads)
+        with self._in_step.hidden(states, jobs):
+            return super().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         self._local_tokens.pop(request.request_id, None)  # a hit never allocated

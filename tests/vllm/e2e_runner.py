@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             kwargs["kv_transfer_config"]["kv_connector_module_path"] = (
                 "offload_engine.connectors.vllm"
             )
+    if args.async_scheduling:
+        kwargs["async_scheduling"] = True
     t0 = time.perf_counter()
     llm = LLM(
         model=str(model),
@@ -90,14 +92,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     t_init = time.perf_counter() - t0
     prompts = make_prompts(args.num_prompts, args.prompt_words)
+    later = asked_again(prompts, args.suffix_words, args.fresh_prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rounds: list[list[list[int]]] = []
     t1 = time.perf_counter()
     aborted = 0
     for i in range(args.rounds):
+        asked = prompts if i == 0 else later
         if args.abort_round and i == args.rounds - 1:
-            aborted = abort_round(llm, prompts, params)
-        outputs = llm.generate(prompts, params, use_tqdm=False)
+            aborted = abort_round(llm, asked, params)
+        outputs = llm.generate(asked, params, use_tqdm=False)
         rounds.append([list(o.outputs[0].token_ids) for o in outputs])
     t_gen = time.perf_counter() - t1
     metrics, series = _metrics(llm)
@@ -114,6 +118,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "offload": bool(args.offload),
         "aborted": aborted,
     }
+
+
+def asked_again(prompts: list[str], suffix_words: int, fresh: int) -> list[str]:
+    """The prompts of every round after the first: each first prompt with
+    ``suffix_words`` new words after it (a prefix hit whose new tokens fill blocks in
+    the hit's step), and every ``fresh``-th one replaced by a prompt never seen (a
+    miss beside the hits); with both 0, the first round's prompts."""
+    out = list(prompts)
+    if suffix_words:
+        suffixes = make_prompts(len(out), suffix_words, seed=2)
+        out = [f"{p} {s}" for p, s in zip(out, suffixes, strict=True)]
+    if fresh:
+        new = make_prompts(len(out), len(prompts[0].split()), seed=3)
+        out = [new[i] if i % fresh == fresh - 1 else p for i, p in enumerate(out)]
+    return out
 
 
 def abort_round(llm: Any, prompts: list[str], params: Any) -> int:
@@ -166,6 +185,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-words", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument(
+        "--suffix-words",
+        type=int,
+        default=0,
+        help="after the first round, each prompt carries this many new words",
+    )
+    p.add_argument(
+        "--fresh-prompts",
+        type=int,
+        default=0,
+        help="after the first round, every N-th prompt is one never seen (0: none)",
+    )
+    p.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="vLLM's async scheduling (its default on CUDA): the next step is scheduled "
+        "before the last one's output is processed",
+    )
     p.add_argument(
         "--abort-round",
         action="store_true",

@@ -317,3 +317,27 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
     common = cls(module(src, f"{base}.offloading.common"), "OffloadingConnectorMetadata")
     fields = {n.target.id for n in common.body if isinstance(n, ast.AnnAssign)}  # type: ignore[union-attr]
     assert {"load_jobs", "store_jobs", "jobs_to_flush"} <= fields
+
+
+def test_the_scheduler_keeps_the_books_that_in_step_loads_square(src: Path) -> None:
+    """Layer-wise loads adjust the scheduler's private books (``compat.scheduler_books``,
+    ``in_step.py``): each is there, a request's pending jobs are a set named
+    ``transfer_jobs``, the store rule reads them, and the workers' report removes a job
+    from its request's set and drops a finished request's state once it is empty."""
+    base = "vllm.distributed.kv_transfer.kv_connector.v1.offloading"
+    tree = module(src, f"{base}.scheduler")
+    scheduler = cls(tree, "OffloadingConnectorScheduler")
+    assert set(compat.SCHEDULER_BOOKS) <= self_assigned(method(scheduler, "__init__"))
+    state = cls(tree, "RequestOffloadState")
+    assert "transfer_jobs: set[int] = field(default_factory=set)" in ast.unparse(state)
+    job = cls(module(src, f"{base}.common"), "TransferJob")
+    assert "req_id" in {n.target.id for n in job.body if isinstance(n, ast.AnnAssign)}  # type: ignore[union-attr]
+    stores = ast.unparse(method(scheduler, "_build_store_jobs"))
+    assert "next(iter(req_status.transfer_jobs))" in stores
+    # the report's handling (0.33 moves it into a helper under the manager's lock)
+    report = ast.unparse(scheduler)
+    for read in (
+        "req_status.transfer_jobs.remove(job_id)",
+        "if req_status.finished_signaled and (not req_status.transfer_jobs):",
+    ):
+        assert read in report, read
