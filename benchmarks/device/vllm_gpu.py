@@ -1,0 +1,501 @@
+"""offload-engine under a real CUDA vLLM: the end-to-end check of every mode, and the
+time-to-first-token and decode bench beside vLLM's own offloading.
+
+Each command runs one vLLM engine in this process and writes a JSON result::
+
+    python benchmarks/device/vllm_gpu.py model --out /tmp/m            # a random 4-layer Llama
+    python benchmarks/device/vllm_gpu.py check --mode lw-lw --model /tmp/m --out r.json [--eager]
+    python benchmarks/device/vllm_gpu.py bench --mode engine-spec --out b.json [--eager]
+    python benchmarks/device/vllm_gpu.py report DIR                    # tables of DIR/*.json
+
+``benchmarks/device/vllm_gpu.sh`` installs vLLM's CUDA build from a wheel folder and
+runs these (several checks at once on one GPU). The modes (``MODES``): plain vLLM, vLLM's
+``OffloadingConnector`` with its ``CPUOffloadingSpec``, with ``EngineOffloadingSpec``
+and with ``EngineTieringSpec`` + ``EngineDiskTier``, and ``EngineConnector`` with each
+``load_mode`` x ``store_mode``.
+
+**check**: a Llama-shaped model with random weights drawn as Hugging Face draws them
+(greedy ids that depend on every KV byte, unlike vLLM's dummy weights), 16-token
+blocks, prefill chunks of 1,024 tokens, vLLM's default async scheduling. Six prompts
+of 2,048 tokens are prefilled one at a time; the GPU cache is reset (its prefix cache
+only); then each is asked again, one at a time, with new tokens after it (64, or
+1,500: a hit followed by two prefill chunks), 8 tokens greedy with the top-5
+logprobs of each. ``plain`` keeps the prefixes in its own GPU cache, so both compute
+the new tokens over the same cached prefix in the same batches: the ids and logprobs
+must be equal.
+
+**bench**: Llama-3-8B's shape with vLLM's dummy weights, bf16, 16-token blocks, a GPU
+cache of 3,072 blocks (1.5 prompts of 32k), a 24 GiB CPU tier. For H in 2k, 8k, 32k:
+four prompts of H tokens prefilled, the GPU's prefix cache reset, then each asked again
+with a new suffix of S tokens (64, 512): the time to first token (one output token,
+wall time of the call), and right after, the same prefix with another suffix, now a
+GPU hit: the suffix's compute C. L, the copy alone: the prefix's KV bytes over the
+host-to-device rate of a pinned 1 GiB copy measured in the same process. Decode: 32
+requests of 1,024 prompt tokens, 128 output tokens each, against the same with one
+output token; tokens/s and the inter-token latency of the difference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODULE = "offload_engine.connectors.vllm"
+
+#: mode -> (kv_connector, kv_connector_extra_config); None: plain vLLM
+MODES: dict[str, tuple[str, dict[str, Any]] | None] = {
+    "plain": None,
+    "vllm-cpu-spec": ("OffloadingConnector", {"spec_name": "CPUOffloadingSpec"}),
+    "engine-spec": (
+        "OffloadingConnector",
+        {"spec_name": "EngineOffloadingSpec", "spec_module_path": MODULE},
+    ),
+    "tiering-disk": (
+        "OffloadingConnector",
+        {"spec_name": "EngineTieringSpec", "spec_module_path": MODULE},
+    ),
+    "async-step": ("EngineConnector", {"load_mode": "async", "store_mode": "step"}),
+    "async-lw": ("EngineConnector", {"load_mode": "async", "store_mode": "layerwise"}),
+    "lw-step": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "step"}),
+    "lw-lw": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "layerwise"}),
+}
+
+BLOCK = 16
+
+#: top-5 logprobs after a hit agree with plain vLLM's within a bf16 step of the logits
+#: (the same KV bytes, yet runs of one engine differ by up to 1.6e-2 on vLLM's CPU build)
+LOGPROB_TOLERANCE = 0.05
+
+
+def transfer_config(mode: str, cpu_bytes: int, workdir: Path) -> dict[str, Any] | None:
+    entry = MODES[mode]
+    if entry is None:
+        return None
+    connector, extra = entry
+    extra = dict(extra, cpu_bytes_to_use=cpu_bytes)
+    if mode == "tiering-disk":
+        (workdir / "disk-tier").mkdir(parents=True, exist_ok=True)
+        extra["secondary_tiers"] = [
+            {
+                "type": "EngineDiskTier",
+                "module_path": MODULE,
+                "path": str(workdir / "disk-tier"),
+                "capacity_bytes": 4 * cpu_bytes,
+            }
+        ]
+    config: dict[str, Any] = {
+        "kv_connector": connector,
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    if connector == "EngineConnector":
+        config["kv_connector_module_path"] = MODULE
+    return config
+
+
+def build_model(out: Path, *, seed: int = 0) -> Path:
+    """A 4-layer Llama with Llama-3-8B's attention geometry (8 KV heads of 128) and
+    seeded random weights, saved in bf16 with no tokenizer (prompts go as ids)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=8192,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        torch_dtype="bfloat16",
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    return out
+
+
+def llama8b_config(out: Path) -> Path:
+    """Llama-3-8B's config.json (no weights: vLLM's dummy loader draws them)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def ids(rng: Any, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(10, vocab - 10) for _ in range(n)]
+
+
+def prompt(token_ids: list[int]) -> Any:
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=token_ids)
+
+
+def metrics(llm: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        value = getattr(m, "value", None)
+        out[m.name] = getattr(m, "count", None) if value is None else value
+    return out
+
+
+def start(model: str, mode: str, eager: bool, workdir: Path, **kw: Any) -> Any:
+    from vllm import LLM
+
+    config = transfer_config(mode, kw.pop("cpu_bytes"), workdir)
+    if config is not None and mode != "vllm-cpu-spec":
+        config["kv_connector_extra_config"]["stats_path"] = str(workdir / f"{mode}-stats.json")
+    blocks = kw["num_gpu_blocks_override"]
+    return LLM(
+        model=model,
+        dtype="bfloat16",
+        block_size=kw.pop("block_size", BLOCK),
+        # the cache's size given, not measured: several engines share one GPU in the checks
+        kv_cache_memory_bytes=blocks * kw.pop("page_bytes"),
+        enforce_eager=eager,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=True,
+        disable_log_stats=False,
+        seed=0,
+        kv_transfer_config=config,
+        **kw,
+    )
+
+
+def reset(llm: Any) -> None:
+    """Drop the GPU's prefix cache (not the connector's); vLLM refuses while blocks of
+    finished requests are still held, so step a little and ask again."""
+    from vllm import SamplingParams
+
+    for _ in range(20):
+        if llm.reset_prefix_cache():
+            return
+        llm.generate([prompt([11, 12, 13])], SamplingParams(max_tokens=1), use_tqdm=False)
+        time.sleep(0.2)
+    raise RuntimeError("vLLM did not reset its prefix cache")
+
+
+def shut(llm: Any) -> None:
+    llm.llm_engine.engine_core.shutdown(timeout=60)
+
+
+# ------------------------------------------------------------------ check
+
+
+def run_check(args: argparse.Namespace) -> dict[str, Any]:
+    import random
+
+    from vllm import SamplingParams
+
+    workdir = Path(args.out).parent / f"work-{Path(args.out).stem}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    plain = args.mode == "plain"
+    llm = start(
+        args.model,
+        args.mode,
+        args.eager,
+        workdir,
+        cpu_bytes=2 << 30,
+        block_size=args.block_size,
+        page_bytes=args.block_size * 4 * 2 * 8 * 128 * 2,
+        # plain keeps every prefix; the others hold about three prompts of 2,048
+        num_gpu_blocks_override=(4096 if plain else 400) * BLOCK // args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=4096,
+        max_num_batched_tokens=1024,
+        max_num_seqs=8,
+    )
+    rng = random.Random(1)
+    prompts = [ids(rng, 2048, 8192) for _ in range(6)]
+    suffixes = [ids(rng, 64 if i % 2 == 0 else 1500, 8192) for i in range(6)]
+    first = SamplingParams(temperature=0.0, max_tokens=1)
+    for p in prompts:
+        llm.generate([prompt(p)], first, use_tqdm=False)
+    if not plain:
+        reset(llm)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    tokens: list[list[int]] = []
+    top: list[dict[str, float]] = []
+    for p, s in zip(prompts, suffixes, strict=True):
+        [out] = llm.generate([prompt(p + s)], params, use_tqdm=False)
+        completion = out.outputs[0]
+        tokens.append(list(completion.token_ids))
+        top.append({str(k): float(v.logprob) for k, v in completion.logprobs[0].items()})
+    result = {
+        "mode": args.mode,
+        "eager": args.eager,
+        "tokens": tokens,
+        "top5": top,
+        "metrics": metrics(llm),
+    }
+    shut(llm)
+    result["engine_stats"] = final_stats(workdir / f"{args.mode}-stats.json")
+    return result
+
+
+def final_stats(path: Path, wait_s: float = 30.0) -> dict[str, Any] | None:
+    """The adapter's counters as its worker wrote them at shutdown (``"final": true``),
+    waiting up to ``wait_s`` for that write; else the last periodic snapshot, if any."""
+    deadline = time.monotonic() + wait_s
+    data = None
+    while time.monotonic() < deadline:
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data.get("final"):
+                break
+        time.sleep(0.5)
+    return data
+
+
+def compare(ref: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """How ``run``'s answers after the hits compare with plain vLLM's."""
+    same_tokens = run["tokens"] == ref["tokens"]
+    same_top = [set(a) == set(b) for a, b in zip(ref["top5"], run["top5"], strict=True)]
+    diff = max(
+        (
+            abs(a[k] - b[k])
+            for a, b in zip(ref["top5"], run["top5"], strict=True)
+            for k in a
+            if k in b
+        ),
+        default=float("inf"),
+    )
+    m = run["metrics"]
+    stats = run.get("engine_stats") or {}
+    adapter = stats.get("adapter", {})
+    return {
+        "tokens_equal": same_tokens,
+        "top5_ids_equal": all(same_top),
+        "max_logprob_diff": diff,
+        "external_hits": m.get("vllm:external_prefix_cache_hits", 0),
+        "failures": adapter.get("failures_delivered", 0),
+        "ok": same_tokens
+        and all(same_top)
+        and diff <= LOGPROB_TOLERANCE
+        and m.get("vllm:external_prefix_cache_hits", 0) > 0
+        and adapter.get("failures_delivered", 0) == 0,
+    }
+
+
+# ------------------------------------------------------------------ bench
+
+
+def link_rate() -> float:
+    """Host-to-device bytes/s of a pinned 1 GiB copy, median of 5."""
+    import torch
+
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(6):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return n / statistics.median(times[1:])
+
+
+def timed(llm: Any, prompts: list[Any], params: Any) -> float:
+    t0 = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    return time.perf_counter() - t0
+
+
+def run_bench(args: argparse.Namespace) -> dict[str, Any]:
+    import random
+
+    from vllm import SamplingParams
+
+    workdir = Path(args.out).parent / f"work-{Path(args.out).stem}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    model = llama8b_config(workdir / "llama8b")
+    rate = link_rate()
+    llm = start(
+        str(model),
+        args.mode,
+        args.eager,
+        workdir,
+        cpu_bytes=24 << 30,
+        page_bytes=BLOCK * 32 * 2 * 8 * 128 * 2,
+        load_format="dummy",
+        num_gpu_blocks_override=3072,
+        gpu_memory_utilization=0.5,
+        max_model_len=34 * 1024,
+    )
+    vocab = 128256
+    kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    rng = random.Random(7)
+    ttft: list[dict[str, Any]] = []
+    for h in args.heads:
+        prompts = [ids(rng, h, vocab) for _ in range(args.prompts)]
+        for p in prompts:
+            timed(llm, [prompt(p)], one)
+        # steps that carry the last prefill's stores (submitted at the next step)
+        for _ in range(3):
+            timed(llm, [prompt(ids(rng, 16, vocab))], one)
+        time.sleep(1.0)
+        for s in args.suffixes:
+            reset(llm)
+            hits, computes = [], []
+            for p in prompts:
+                hits.append(timed(llm, [prompt(p + ids(rng, s, vocab))], one))
+                computes.append(timed(llm, [prompt(p + ids(rng, s, vocab))], one))
+            ttft.append(
+                {
+                    "H": h,
+                    "S": s,
+                    "ttft_ms": [1e3 * t for t in hits],
+                    "compute_ms": [1e3 * t for t in computes],
+                    "L_ms": 1e3 * h * kv_bytes_per_token / rate,
+                }
+            )
+    decode = []
+    many = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    for _ in range(args.decode_repeats):
+        batch = [prompt(ids(rng, 1024, vocab)) for _ in range(32)]
+        t1 = timed(llm, [prompt(ids(rng, 1024, vocab)) for _ in range(32)], one)
+        tn = timed(llm, batch, many)
+        steps = args.decode_tokens - 1
+        decode.append({"tokens_per_s": 32 * steps / (tn - t1), "itl_ms": 1e3 * (tn - t1) / steps})
+    result = {
+        "mode": args.mode,
+        "eager": args.eager,
+        "link_GBps": rate / 1e9,
+        "ttft": ttft,
+        "decode": decode,
+        "metrics": metrics(llm),
+    }
+    shut(llm)
+    return result
+
+
+# ------------------------------------------------------------------ report
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def report(folder: Path) -> str:
+    runs = [json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))]
+    lines: list[str] = []
+    checks = [r for r in runs if "tokens" in r]
+    for eager in (True, False):
+        ref = next((r for r in checks if r["mode"] == "plain" and r["eager"] == eager), None)
+        if ref is None:
+            continue
+        lines.append(f"check ({'eager' if eager else 'compiled + CUDA graphs'}), against plain:")
+        lines.append(
+            f"  {'mode':14} {'ok':5} {'tokens':7} {'top5':5} {'max|dlogp|':>10} {'hits':>6} final"
+        )
+        for r in checks:
+            if r["eager"] != eager or r["mode"] == "plain":
+                continue
+            c = compare(ref, r)
+            lines.append(
+                f"  {r['mode']:14} {c['ok']!s:5} {c['tokens_equal']!s:7} "
+                f"{c['top5_ids_equal']!s:5} {c['max_logprob_diff']:10.2e} {c['external_hits']:6} "
+                f"{(r.get('engine_stats') or {}).get('final', '-')}"
+            )
+    benches = [r for r in runs if "ttft" in r]
+    for eager in (True, False):
+        rows = [r for r in benches if r["eager"] == eager]
+        if not rows:
+            continue
+        lines.append(
+            f"bench ({'eager' if eager else 'compiled + CUDA graphs'}); TTFT medians ms; "
+            f"link {rows[0]['link_GBps']:.1f} GB/s"
+        )
+        cases = [(t["H"], t["S"]) for t in rows[0]["ttft"]]
+        heads = "".join(f" {f'{h // 1024}k+{s}':>9}" for h, s in cases)
+        lines.append(f"  {'mode':14}{heads}")
+        for r in rows:
+            by = {(t["H"], t["S"]): t for t in r["ttft"]}
+            lines.append(
+                "  " + f"{r['mode']:14}" + "".join(f" {med(by[c]['ttft_ms']):9.1f}" for c in cases)
+            )
+        ref = rows[0]["ttft"]
+        lines.append("  " + f"{'L (copy)':14}" + "".join(f" {t['L_ms']:9.1f}" for t in ref))
+        lines.append(
+            "  " + f"{'C (compute)':14}" + "".join(f" {med(t['compute_ms']):9.1f}" for t in ref)
+        )
+        lines.append("  decode: tokens/s (median), ITL ms")
+        for r in rows:
+            tps = med([d["tokens_per_s"] for d in r["decode"]])
+            itl = med([d["itl_ms"] for d in r["decode"]])
+            lines.append(f"  {r['mode']:14} {tps:9.0f} {itl:7.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("model")
+    m.add_argument("--out", required=True)
+    c = sub.add_parser("check")
+    c.add_argument("--mode", choices=list(MODES), required=True)
+    c.add_argument("--model", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--eager", action="store_true")
+    c.add_argument("--gpu-memory-utilization", type=float, default=0.08)
+    c.add_argument("--block-size", type=int, default=BLOCK, help="vLLM's CPU build: 32")
+    b = sub.add_parser("bench")
+    b.add_argument("--mode", choices=list(MODES), required=True)
+    b.add_argument("--out", required=True)
+    b.add_argument("--eager", action="store_true")
+    b.add_argument("--heads", type=int, nargs="+", default=[2048, 8192, 32768])
+    b.add_argument("--suffixes", type=int, nargs="+", default=[64, 512])
+    b.add_argument("--prompts", type=int, default=4)
+    b.add_argument("--decode-tokens", type=int, default=128)
+    b.add_argument("--decode-repeats", type=int, default=3)
+    r = sub.add_parser("report")
+    r.add_argument("folder")
+    args = p.parse_args(argv)
+    if args.cmd == "model":
+        build_model(Path(args.out))
+        return 0
+    if args.cmd == "report":
+        print(report(Path(args.folder)))
+        return 0
+    result = run_check(args) if args.cmd == "check" else run_bench(args)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.cmd == "check":
+        print(json.dumps({k: v for k, v in result.items() if k in ("mode", "eager", "tokens")}))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    sys.exit(main())
