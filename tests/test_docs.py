@@ -81,6 +81,39 @@ def test_relative_links_and_anchors_resolve() -> None:
     assert broken == []
 
 
+#: performance.md is the page of current figures; superseded ones are left to git history
+PERFORMANCE_MAX_LINES = 600
+
+
+def test_performance_md_keeps_to_its_length() -> None:
+    lines = (DOCS / "performance.md").read_text().splitlines()
+    assert len(lines) <= PERFORMANCE_MAX_LINES, (
+        f"docs/performance.md has {len(lines)} lines (at most {PERFORMANCE_MAX_LINES}): "
+        "replace superseded figures instead of adding beside them"
+    )
+
+
+def _cited_results(text: str) -> set[str]:
+    """The ``benchmarks/results/`` files ``text`` names (``a-{1,2}.json`` is two)."""
+    names = set()
+    for m in re.finditer(r"benchmarks/results/([\w.{},-]+)", text):
+        name = m.group(1).rstrip(".,")
+        brace = re.search(r"\{([^}]*)\}", name)
+        if brace is None:
+            names.add(name)
+            continue
+        for part in brace.group(1).split(","):
+            names.add(name[: brace.start()] + part + name[brace.end() :])
+    return names
+
+
+def test_results_cited_by_performance_md_exist() -> None:
+    cited = _cited_results((DOCS / "performance.md").read_text())
+    assert cited, "performance.md cites no benchmarks/results file"
+    missing = sorted(n for n in cited if not (ROOT / "benchmarks" / "results" / n).is_file())
+    assert missing == []
+
+
 def _pip_commands(text: str) -> set[str]:
     """Every ``pip install``/``pip uninstall`` in ``text``, without --quiet/--yes flags."""
     found = set()

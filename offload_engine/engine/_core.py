@@ -66,7 +66,7 @@ class Core:
         self.state = NEW
         #: what crashed one of the engine's tasks (the engine is broken then), or None
         self.crash: BaseException | None = None
-        self.wakeups = Wakeups(self.lock)
+        self.wakeups = Wakeups(self.lock, self._closed_locked)
         self.todo = self.wakeups.todo  # the same list, tested on hot paths
         self.flush = self.wakeups.flush
         self.deadlines = Deadlines()
@@ -76,6 +76,9 @@ class Core:
         # submitting threads inside a handler's launch, and what close awaits them with
         self.submitter_launches = 0
         self.submitter_launches_done: anyio.Event | None = None
+
+    def _closed_locked(self) -> bool:
+        return self.state == CLOSED
 
     def add_route_locked(self, pair: tuple[Medium, Medium], route: Route) -> None:
         """Make ``route`` the one for ``pair``."""

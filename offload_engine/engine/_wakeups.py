@@ -9,22 +9,35 @@ scheduled, so a burst of completions from worker threads costs one loop wake-up.
 
 ``todo`` is one list for the manager's whole life (it is emptied in place), so
 the manager may keep a direct reference and test it cheaply.
+
+A thread may reach its flush after the engine has closed and its loop has
+ended: it queued a job, or reported or cancelled one, before close, and the
+loop thread ran the whole close between that thread's lock section and its
+flush. The bridge then refuses the callback. That is no error: close's last
+flush, on the loop after the engine was marked closed, set every event
+collected until then, and the tasks that could sleep on a later one ended with
+the loop. So a refusal once the engine is closed is dropped (the job has its
+result, the submitter its id), and one before it goes on as a broken engine.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import anyio
 
 from offload_engine._loop import LoopBridge
+from offload_engine.errors import EngineBrokenError
 
 
 class Wakeups:
-    __slots__ = ("_lock", "_scheduled", "bridge", "todo")
+    __slots__ = ("_closed_locked", "_lock", "_scheduled", "bridge", "todo")
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, closed_locked: Callable[[], bool]) -> None:
         self._lock = lock
+        #: whether the engine has closed; called under the lock
+        self._closed_locked = closed_locked
         self._scheduled = False
         self.bridge: LoopBridge | None = None
         self.todo: list[anyio.Event] = []  # guarded by the lock
@@ -47,7 +60,15 @@ class Wakeups:
             if self._scheduled or not self.todo:
                 return
             self._scheduled = True
-        bridge.call_soon(self._run)
+        try:
+            bridge.call_soon(self._run)
+        except EngineBrokenError:
+            # the loop has ended: nothing was scheduled, and after close nothing waits
+            with self._lock:
+                self._scheduled = False
+                closed = self._closed_locked()
+            if not closed:
+                raise
 
     def _run(self) -> None:
         with self._lock:

@@ -130,10 +130,15 @@ class SyncOffloadingEngine:
         self._host = _LoopThread(self._manager, backend, thread_name)
 
     def _check(self) -> None:
+        # The loop thread first, the flag after: close() sets _closed before it
+        # ends the loop thread, so a thread found stopped by close is always seen
+        # closed here, never broken (in the other order, a close that ran whole
+        # between the two reads looked like a loop thread that died).
+        host = self._host
+        stopped = host.crash is not None or host.ended
         if self._closed:
             raise EngineClosedError("the engine is closed")
-        host = self._host
-        if host.crash is not None or host.ended:
+        if stopped:
             raise EngineBrokenError("the engine's loop thread has stopped") from host.crash
 
     # ------------------------------------------------------------ jobs
