@@ -1,0 +1,89 @@
+"""``benchmarks/device/vllm_gpu.py``, the CUDA vLLM check and bench, on this machine: its
+check runs end to end on vLLM's CPU build (32-token blocks there), and its verdict and
+report read what a run writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.v1.kv_offload.base")
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "device" / "vllm_gpu.py"
+sys.path.insert(0, str(SCRIPT.parent))
+
+from vllm_gpu import compare  # noqa: E402
+
+
+def run(*args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def test_the_check_passes_layerwise_on_vllms_cpu_build(tmp_path: Path) -> None:
+    """A layer-wise connector with layer-wise stores answers as plain vLLM does, and the
+    report says so."""
+    run("model", "--out", str(tmp_path / "model"))
+    for mode in ("plain", "lw-lw"):
+        run(
+            "check",
+            "--mode",
+            mode,
+            "--model",
+            str(tmp_path / "model"),
+            "--out",
+            str(tmp_path / "out" / f"check-{mode}.json"),
+            "--eager",
+            "--block-size",
+            "32",
+            "--gpu-memory-utilization",
+            "0.25",
+        )
+    plain, layerwise = (
+        json.loads((tmp_path / "out" / f"check-{m}.json").read_text()) for m in ("plain", "lw-lw")
+    )
+    verdict = compare(plain, layerwise)
+    assert verdict["tokens_equal"] and verdict["top5_ids_equal"], verdict
+    assert verdict["external_hits"] > 0 and verdict["ok"], verdict
+    assert layerwise["engine_stats"]["final"] is True
+    assert layerwise["engine_stats"]["adapter"]["store_parts_at_layer"] > 0
+    report = run("report", str(tmp_path / "out"))
+    assert "lw-lw          True  True" in report
+
+
+def _check(tokens: list[list[int]], top: list[dict[str, float]], hits: int) -> dict[str, Any]:
+    return {
+        "mode": "m",
+        "eager": True,
+        "tokens": tokens,
+        "top5": top,
+        "metrics": {"vllm:external_prefix_cache_hits": hits},
+    }
+
+
+def test_the_verdict_fails_on_other_ids_other_logprobs_or_no_hits() -> None:
+    ref = _check([[1, 2]], [{"1": -0.5, "3": -1.0}], 0)
+    assert compare(ref, _check([[1, 2]], [{"1": -0.5, "3": -1.0}], 64))["ok"]
+    assert not compare(ref, _check([[1, 4]], [{"1": -0.5, "3": -1.0}], 64))["ok"]
+    assert not compare(ref, _check([[1, 2]], [{"1": -0.5, "5": -1.0}], 64))["ok"]
+    assert not compare(ref, _check([[1, 2]], [{"1": -0.3, "3": -1.0}], 64))["ok"]
+    assert not compare(ref, _check([[1, 2]], [{"1": -0.5, "3": -1.0}], 0))["ok"]
