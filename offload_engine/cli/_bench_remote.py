@@ -11,37 +11,30 @@ from pathlib import Path
 
 from offload_engine.cli._console import progress_bar
 from offload_engine.errors import ConfigError
+from offload_engine.remote.mooncake_store import mooncake_import_problem
 
 REMOTE_REPORT = "remote-report.json"
 SCHEMA = "offload-engine-bench-remote/1"
 
 
-_CLIENTS = {
-    "redis": (
-        "redis",
-        "the redis client is not installed: from the offload-engine checkout, "
-        "pip install -e '.[remote]'",
-    ),
-    "mooncake": (
-        "mooncake.store",
-        "the Mooncake client is not installed: from the offload-engine checkout, "
-        "pip install -e '.[remote]' (x86_64, Python 3.11), or pip install "
-        "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)",
-    ),
-}
-
-
 def check_clients(backends: list[str]) -> None:
-    """Raise :class:`ConfigError` naming the install command for a backend whose
-    client library does not import, before any server starts."""
-    import importlib
-
+    """Raise :class:`ConfigError` saying what to install for a backend whose client
+    library does not import (the pip command, or the system library it lacks), before
+    any server starts."""
     for backend in backends:
-        module, why = _CLIENTS[backend]
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(why) from exc
+        if backend == "redis":
+            try:
+                import redis  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(
+                    "the redis client is not installed: from the offload-engine checkout, "
+                    "pip install -e '.[remote]'"
+                ) from exc
+        else:
+            try:
+                import mooncake.store  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(mooncake_import_problem(exc)) from exc
 
 
 def cmd_bench_remote(args: argparse.Namespace) -> int:
