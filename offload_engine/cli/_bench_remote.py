@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import json
 from datetime import date
-from pathlib import Path
 
 from offload_engine.cli._console import progress_bar
 from offload_engine.errors import ConfigError
@@ -43,13 +42,14 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
 
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.remote import RemotePlan, run_remote_bench
-    from offload_engine.cli._report import report_header
+    from offload_engine.cli._report import output_dir, report_header
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     plan = RemotePlan.quick() if args.quick else RemotePlan()
     backends = ["redis", "mooncake"] if args.backend == "both" else [args.backend]
     check_clients(backends)
+    out_dir = output_dir(args)
     steps = len(plan.chunk_mib) * len(plan.concurrency) * len(backends)
     points = []
     with progress_bar(err) as progress:
@@ -103,8 +103,6 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
             "-" if p.redis_benchmark_get_gbps is None else f"{p.redis_benchmark_get_gbps:.2f}",
         )
     out.print(table)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     report = {
         **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "plan": {
