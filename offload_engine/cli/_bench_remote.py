@@ -8,7 +8,7 @@ import argparse
 import json
 from datetime import date
 
-from offload_engine.cli._console import progress_bar
+from offload_engine.cli._console import print_table, progress_bar
 from offload_engine.errors import ConfigError
 from offload_engine.remote.mooncake_store import mooncake_import_problem
 
@@ -84,7 +84,8 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
         "r-bench set",
         "r-bench get",
     ):
-        table.add_column(col, justify="left" if col == "backend" else "right")
+        # on a terminal narrower than the table, values wrap instead of ending in "..."
+        table.add_column(col, justify="left" if col == "backend" else "right", overflow="fold")
     for p in points:
         table.add_row(
             p.backend,
@@ -102,7 +103,7 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
             "-" if p.redis_benchmark_set_gbps is None else f"{p.redis_benchmark_set_gbps:.2f}",
             "-" if p.redis_benchmark_get_gbps is None else f"{p.redis_benchmark_get_gbps:.2f}",
         )
-    out.print(table)
+    print_table(out, table)
     report = {
         **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "plan": {

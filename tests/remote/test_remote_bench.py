@@ -27,10 +27,18 @@ def test_each_case_measures_engine_and_raw(backend: str) -> None:
 
 
 @pytest.mark.skipif(REDIS_MISSING is not None, reason=str(REDIS_MISSING))
-def test_the_command_writes_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_command_writes_a_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(RemotePlan, "quick", classmethod(lambda cls: TINY))
+    monkeypatch.delenv("COLUMNS", raising=False)  # a pipe: rich would assume 80 columns
     assert main(["bench", "--tier", "remote", "--backend", "redis", "--quick", "-o",
                  str(tmp_path)]) == 0  # fmt: skip
+    # the table into a pipe keeps every value whole, one row a line
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│ redis ")]
+    assert len(rows) == 2 and "…" not in out, out
+    assert "┃ CPU ms/MiB put e/r ┃" in out  # headers on one line too
     report = json.loads((tmp_path / "remote-report.json").read_text())
     assert report["schema"] == "offload-engine-bench-remote/1"
     assert report["command"].startswith("offload-engine bench --tier remote")
