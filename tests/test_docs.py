@@ -161,6 +161,24 @@ def test_cli_page_lists_every_option() -> None:
     assert missing == []
 
 
+def test_readme_and_cli_page_name_every_subcommand() -> None:
+    """The README and docs/cli.md count the command's subcommands as ``--help`` lists them,
+    and name each one."""
+    import argparse
+
+    from offload_engine.cli import build_parser
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    names = list(sub.choices)
+    words = ["no", "one", "two", "three", "four", "five", "six"]
+    readme, page = README.read_text(), (DOCS / "cli.md").read_text()
+    assert f"It has {words[len(names)]} subcommands:" in page
+    assert f"The same command has {words[len(names) - 1]} more subcommands:" in readme
+    for name in names:
+        assert f"| `offload-engine {name}` |" in page, name
+        assert f"offload-engine {name}" in readme, name
+
+
 def _undefined_names(code: str) -> set[str]:
     """Names a snippet reads but never imports, assigns or defines (builtins aside)."""
     import ast

@@ -1,7 +1,8 @@
 """The ``offload-engine`` command (also ``python -m offload_engine``).
 
 Subcommands: ``info`` (runtimes on this machine), ``demo`` (a serving loop in
-miniature) and ``bench`` (transfer benchmarks, a JSON report and figures).
+miniature), ``bench`` (transfer benchmarks, a JSON report and figures) and
+``serve-store`` (a long-lived Mooncake client that holds a memory segment).
 
 Exit status: 0 success; 1 the run failed (a failed job, corrupt bytes, a file
 that could not be written, sizes that do not fit in memory, threads the system
