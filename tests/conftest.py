@@ -1,6 +1,8 @@
 """Shared fixtures: every async test runs on asyncio and on trio, and no test may
-leave an engine thread behind. A checkout that is not installed (the GPU machine
-runs the tests from one) still imports ``offload_engine.connectors``."""
+leave an engine thread behind. ``--require-deps`` (``tests/required_deps.py``) fails a
+run in which a test skipped for a dependency the README's test command installs. A
+checkout that is not installed (the GPU machine runs the tests from one) still imports
+``offload_engine.connectors``."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 
 import offload_engine
 from offload_engine.testing import engine_threads
+from tests import required_deps
 
 
 def _connectors_from_this_checkout() -> None:
@@ -70,6 +73,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--run-slow", action="store_true", default=False, help="run the long chaos/soak variants"
     )
+    required_deps.add_option(parser)  # --require-deps
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    required_deps.configure(config)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -145,11 +145,23 @@ def test_chunk_sizes_must_be_whole_kib(tmp_path: Path) -> None:
         main(["bench", "--tier", "disk", "--chunk-mib", "0.0001", "--dir", str(tmp_path)])
 
 
-def test_disk_bench_needs_an_existing_directory(tmp_path: Path) -> None:
-    code = main(
-        ["bench", "--tier", "disk", "--quick", "--dir", str(tmp_path / "no"), "-o", str(tmp_path)]
-    )
-    assert code != 0
+def test_disk_bench_needs_an_existing_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        "bench",
+        "--tier",
+        "disk",
+        "--quick",
+        "--dir",
+        str(tmp_path / "no"),
+        "-o",
+        str(tmp_path),
+    ]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2  # a usage error, as the other options' are
+    assert f"error: --dir {tmp_path / 'no'} is not a directory\n" in capsys.readouterr().err
 
 
 def test_a_queue_depth_beyond_the_store_is_a_usage_error(

@@ -312,14 +312,36 @@ def test_bench_quick_writes_its_report_and_figures(
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
 
 
-def test_bench_output_dir_that_is_a_file_is_a_clear_error(
-    no_cuda: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("tier", ["host", "disk", "remote"])
+def test_bench_output_dir_under_a_file_is_a_usage_error_naming_o(
+    tier: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    assert main(["bench", "--quick", "-o", str(blocker / "out")]) == 1
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "--quick", "--tier", tier, "-o", str(blocker / "out")])
+    assert exc.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("offload-engine bench: error: ") and "Traceback" not in err
+    assert err.endswith(
+        f"offload-engine bench: error: -o {blocker / 'out'}: {blocker} is not a directory\n"
+    )
+    assert "Traceback" not in err
+
+
+def test_bench_output_dir_it_cannot_create_is_one_line_naming_o(
+    no_cuda: None,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def refused(self: Path, *args: object, **kwargs: object) -> None:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    assert main(["bench", "--quick", "-o", str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err == (
+        f"offload-engine bench: error: -o {tmp_path / 'out'}: cannot create it: Permission denied\n"
+    )
 
 
 # ---------------------------------------------------------------- errors
@@ -355,6 +377,11 @@ def test_bench_output_dir_that_is_a_file_is_a_clear_error(
             "--backend is for --tier remote, not --tier disk",
         ),
         (["bench", "--device", "cpu", "--ttft-stores"], "--ttft-stores is a GPU pass"),
+        (["bench", "-o", "/dev/null"], "-o /dev/null is not a directory"),
+        (
+            ["bench", "--tier", "disk", "--dir", "/nonexistent/x"],
+            "--dir /nonexistent/x is not a directory",
+        ),
         (["bench", "--tier", "disk", "--ttft-stores"], "--ttft-stores is a GPU pass"),
     ],
 )

@@ -133,8 +133,23 @@ def test_ci_installs_with_the_readme_commands() -> None:
 
 
 def _readme_test_command() -> str:
-    [line] = [ln for ln in README.read_text().splitlines() if ln.endswith("python -m pytest")]
+    [line] = [ln for ln in README.read_text().splitlines() if "&& python -m pytest" in ln]
     return line
+
+
+def test_readme_test_command_installs_the_system_packages_ci_installs() -> None:
+    """The README's test command installs the Debian packages ``.ci/run`` checks for, and
+    both run pytest with ``--require-deps``: a fresh machine that follows the README runs
+    the Redis and Mooncake tests, or fails saying what is missing."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    [required] = re.findall(r'^REQUIRED="(.*?)"', ci, re.S | re.M)
+    ci_packages = [entry.split(":")[1] for entry in required.split()]
+    command = _readme_test_command()
+    [apt] = re.findall(r"sudo apt-get install -y ([^&]+) &&", command)
+    assert apt.split() == ci_packages
+    assert command.startswith("sudo apt-get update && sudo apt-get install -y ")
+    assert command.endswith("python -m pytest --require-deps")
+    assert "\npython -m pytest --require-deps\n" in ci
 
 
 def test_readme_test_command_prepares_what_ci_prepares() -> None:
@@ -177,6 +192,24 @@ def test_cli_page_lists_every_option() -> None:
                 if row not in page:
                     missing.append(f"{name} {row}")
     assert missing == []
+
+
+def test_readme_and_cli_page_name_every_subcommand() -> None:
+    """The README and docs/cli.md count the command's subcommands as ``--help`` lists them,
+    and name each one."""
+    import argparse
+
+    from offload_engine.cli import build_parser
+
+    [sub] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    names = list(sub.choices)
+    words = ["no", "one", "two", "three", "four", "five", "six"]
+    readme, page = README.read_text(), (DOCS / "cli.md").read_text()
+    assert f"It has {words[len(names)]} subcommands:" in page
+    assert f"The same command has {words[len(names) - 1]} more subcommands:" in readme
+    for name in names:
+        assert f"| `offload-engine {name}` |" in page, name
+        assert f"offload-engine {name}" in readme, name
 
 
 def _undefined_names(code: str) -> set[str]:

@@ -435,7 +435,9 @@ def missing_systems() -> dict[str, str]:
     if shutil.which("fio") is None:
         missing["fio"] = "fio is not on PATH"
     if importlib.util.find_spec("vllm") is None:
-        missing["vllm-fs"] = "vllm is not installed (pip install 'offload-engine[vllm]')"
+        missing["vllm-fs"] = (
+            "vllm is not installed (from the offload-engine checkout: pip install -e '.[vllm]')"
+        )
     return missing
 
 

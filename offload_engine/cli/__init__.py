@@ -1,11 +1,13 @@
 """The ``offload-engine`` command (also ``python -m offload_engine``).
 
 Subcommands: ``info`` (runtimes on this machine), ``demo`` (a serving loop in
-miniature) and ``bench`` (transfer benchmarks, a JSON report and figures).
+miniature), ``bench`` (transfer benchmarks, a JSON report and figures) and
+``serve-store`` (a long-lived Mooncake client that holds a memory segment).
 
 Exit status: 0 success; 1 the run failed (a failed job, corrupt bytes, a file
 that could not be written, sizes that do not fit in memory, threads the system
-would not start); 2 usage error (argparse prints the usage); 3 the requested
+would not start); 2 usage error (argparse prints the usage; also a ``bench --dir``
+that is not a directory, or a ``-o`` under a file); 3 the requested
 device or backend is unavailable (for example ``--device cuda`` without CUDA,
 ``--tier remote`` without its client library); 130 interrupted (Ctrl-C).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from offload_engine.bench.rigs import DEVICES
 from offload_engine.errors import (
@@ -342,6 +345,22 @@ def _check_combinations(args: argparse.Namespace, command: argparse.ArgumentPars
             command.error(
                 "--ttft-stores is a GPU pass: not with --tier disk/remote or --device cpu"
             )
+        if args.tier == "disk" and not Path(args.dir).is_dir():
+            command.error(f"--dir {args.dir} is not a directory")
+        out = Path(args.output_dir)
+        blocked = _not_a_directory(out)
+        if blocked is not None:
+            where = "" if blocked == out else f": {blocked}"
+            command.error(f"-o {args.output_dir}{where} is not a directory")
+
+
+def _not_a_directory(path: Path) -> Path | None:
+    """The part of ``path`` (itself, or a folder above it) that exists but is not a
+    directory, so that ``path`` cannot be a directory to write into; None if there is none."""
+    for where in (path, *path.parents):
+        if where.exists():
+            return None if where.is_dir() else where
+    return None
 
 
 def _tier_flags(args: argparse.Namespace) -> str:

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from offload_engine.bench import BenchPlan, CaseResults, LatencySeries, SweepPoint
 from offload_engine.bench.rigs import RigShape
 from offload_engine.cli._console import progress_bar
-from offload_engine.cli._report import report_header
+from offload_engine.cli._report import output_dir, report_header
 from offload_engine.device.runtimes import probe as runtimes
 
 if TYPE_CHECKING:
@@ -159,9 +159,7 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
     from offload_engine.bench.disk import disk_bytes_needed, run_disk_bench
     from offload_engine.bench.machine import Machine
 
-    directory = Path(args.dir)
-    if not directory.is_dir():
-        raise OSError(f"--dir {directory} is not a directory")
+    directory = Path(args.dir)  # a directory: checked with the usage
     plans = _disk_plans(args)
     repeats = 1 if args.quick else 3
     free = shutil.disk_usage(directory).free
@@ -173,6 +171,7 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
                 f"need {need / 2**30:.2f} GiB of free space ({repeats} repeat(s) of every "
                 f"system), but only {free / 2**30:.2f} GiB is free; lower --volume-mib"
             )
+    out_dir = output_dir(args)
     runs = [run_disk_bench(directory, plan, repeats=repeats) for plan in plans]
     report: dict[str, Any] = {
         "schema": SCHEMA,
@@ -186,8 +185,6 @@ def cmd_bench_disk(args: argparse.Namespace) -> int:
             for k, v in r["ratios"].items()
         },
     }
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "disk-report.json").write_text(json.dumps(report, indent=1) + "\n")
     out = Console()
     out.print(f"disk bench on {report['machine']}, {report['date']}", markup=False)
@@ -323,8 +320,7 @@ def cmd_bench_host(args: argparse.Namespace) -> int:
         raise RuntimeUnavailableError(f"CUDA is not available: {cuda.reason}")
     run_gpu = args.device == "cuda" or (args.device == "auto" and cuda.available)
 
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = output_dir(args)
     machine = Machine.detect(gpus=cuda.devices)
     label = args.machine_label or machine.label()
     day = date.today().isoformat()

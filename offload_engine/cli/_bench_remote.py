@@ -7,41 +7,33 @@ from __future__ import annotations
 import argparse
 import json
 from datetime import date
-from pathlib import Path
 
-from offload_engine.cli._console import progress_bar
+from offload_engine.cli._console import print_table, progress_bar
 from offload_engine.errors import ConfigError
+from offload_engine.remote.mooncake_store import mooncake_import_problem
 
 REMOTE_REPORT = "remote-report.json"
 SCHEMA = "offload-engine-bench-remote/1"
 
 
-_CLIENTS = {
-    "redis": (
-        "redis",
-        "the redis client is not installed: from the offload-engine checkout, "
-        "pip install -e '.[remote]'",
-    ),
-    "mooncake": (
-        "mooncake.store",
-        "the Mooncake client is not installed: from the offload-engine checkout, "
-        "pip install -e '.[remote]' (x86_64, Python 3.11), or pip install "
-        "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)",
-    ),
-}
-
-
 def check_clients(backends: list[str]) -> None:
-    """Raise :class:`ConfigError` naming the install command for a backend whose
-    client library does not import, before any server starts."""
-    import importlib
-
+    """Raise :class:`ConfigError` saying what to install for a backend whose client
+    library does not import (the pip command, or the system library it lacks), before
+    any server starts."""
     for backend in backends:
-        module, why = _CLIENTS[backend]
-        try:
-            importlib.import_module(module)
-        except ImportError as exc:
-            raise ConfigError(why) from exc
+        if backend == "redis":
+            try:
+                import redis  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(
+                    "the redis client is not installed: from the offload-engine checkout, "
+                    "pip install -e '.[remote]'"
+                ) from exc
+        else:
+            try:
+                import mooncake.store  # noqa: F401
+            except ImportError as exc:
+                raise ConfigError(mooncake_import_problem(exc)) from exc
 
 
 def cmd_bench_remote(args: argparse.Namespace) -> int:
@@ -50,13 +42,14 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
 
     from offload_engine.bench.machine import Machine
     from offload_engine.bench.remote import RemotePlan, run_remote_bench
-    from offload_engine.cli._report import report_header
+    from offload_engine.cli._report import output_dir, report_header
 
     out = Console(highlight=False, soft_wrap=True)
     err = Console(stderr=True, highlight=False, soft_wrap=True)
     plan = RemotePlan.quick() if args.quick else RemotePlan()
     backends = ["redis", "mooncake"] if args.backend == "both" else [args.backend]
     check_clients(backends)
+    out_dir = output_dir(args)
     steps = len(plan.chunk_mib) * len(plan.concurrency) * len(backends)
     points = []
     with progress_bar(err) as progress:
@@ -91,7 +84,8 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
         "r-bench set",
         "r-bench get",
     ):
-        table.add_column(col, justify="left" if col == "backend" else "right")
+        # on a terminal narrower than the table, values wrap instead of ending in "..."
+        table.add_column(col, justify="left" if col == "backend" else "right", overflow="fold")
     for p in points:
         table.add_row(
             p.backend,
@@ -109,9 +103,7 @@ def cmd_bench_remote(args: argparse.Namespace) -> int:
             "-" if p.redis_benchmark_set_gbps is None else f"{p.redis_benchmark_set_gbps:.2f}",
             "-" if p.redis_benchmark_get_gbps is None else f"{p.redis_benchmark_get_gbps:.2f}",
         )
-    out.print(table)
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    print_table(out, table)
     report = {
         **report_header(SCHEMA, args, day, machine.as_dict(), label),
         "plan": {

@@ -19,6 +19,7 @@ found), ``-600`` (another size), ``-707`` (the read outlived its lease),
 
 from __future__ import annotations
 
+import re
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,6 +31,60 @@ from offload_engine.errors import ConfigError, StoreError, StoreUnavailableError
 from offload_engine.remote.store import Parts, RemoteStore, check_parts
 
 RPC_FAILED = -900
+
+#: The system libraries the Mooncake wheels link against without bundling them, and the
+#: Debian (and Ubuntu) package that ships each; libibverbs1 brings the two libnl ones.
+SYSTEM_LIBRARIES = {
+    "libibverbs.so.1": "libibverbs1",
+    "libnl-3.so.200": "libnl-3-200",
+    "libnl-route-3.so.200": "libnl-route-3-200",
+    "libnuma.so.1": "libnuma1",
+    "libcurl.so.4": "libcurl4",
+}
+#: what to install for all of them at once (the loader names only the first one missing)
+SYSTEM_PACKAGES = ("libibverbs1", "libnuma1", "libcurl4")
+
+NOT_INSTALLED = (
+    "the Mooncake client is not installed: from the offload-engine checkout, "
+    "pip install -e '.[remote]' (x86_64, Python 3.11), or pip install "
+    "mooncake-transfer-engine-non-cuda (CPU) or mooncake-transfer-engine (CUDA)"
+)
+
+# the dynamic loader's words for a library it cannot find, as ImportError carries them
+_CANNOT_OPEN = re.compile(r"([\w.+-]+\.so(?:\.[\w.]+)?): cannot open shared object file")
+
+
+def mooncake_import_problem(exc: ImportError) -> str:
+    """Why ``import mooncake.store`` raised ``exc``, in one line that names the fix: the
+    pip command where the package is missing; where it is installed but a system library
+    it links against is not, that library and its Debian package."""
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "mooncake":
+        return NOT_INSTALLED
+    found = _CANNOT_OPEN.search(str(exc))
+    if found is None:
+        return f"the Mooncake client does not import: {exc}"
+    library = found[1]
+    package = SYSTEM_LIBRARIES.get(library)
+    if package is None:
+        return (
+            f"the Mooncake client is installed but cannot load {library}, a system library "
+            f"it links against: install the package that ships it ({exc})"
+        )
+    return (
+        f"the Mooncake client is installed but cannot load {library} (Debian package "
+        f"{package}): apt-get install {' '.join(SYSTEM_PACKAGES)}, the system libraries "
+        "it links against"
+    )
+
+
+def mooncake_missing() -> str | None:
+    """Why the Mooncake client cannot be used on this machine
+    (:func:`mooncake_import_problem`), or None when ``mooncake.store`` imports."""
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError as exc:
+        return mooncake_import_problem(exc)
+    return None
 
 
 @dataclass(frozen=True)
@@ -92,10 +147,7 @@ class MooncakeStore(RemoteStore):
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as exc:
-            raise ConfigError(
-                "the mooncake backend needs: pip install mooncake-transfer-engine-non-cuda "
-                "(CPU machines) or mooncake-transfer-engine (CUDA)"
-            ) from exc
+            raise ConfigError(mooncake_import_problem(exc)) from exc
         self.config = config
         self._registered: list[torch.Tensor] = []
         try:

@@ -18,15 +18,16 @@ from offload_engine import (
     RedisStoreConfig,
     RemoteStore,
 )
+from offload_engine.remote.mooncake_store import mooncake_missing
 from offload_engine.testing.servers import MooncakeMaster, RedisServer
 
-HAVE_REDIS = shutil.which("redis-server") is not None
-try:
-    import mooncake.store  # noqa: F401
-
-    HAVE_MOONCAKE = True
-except (ImportError, OSError):  # not installed, or libibverbs1 missing
-    HAVE_MOONCAKE = False
+#: why each server cannot run here (the skip reason, naming what to install), or None
+REDIS_MISSING = (
+    None
+    if shutil.which("redis-server")
+    else "redis-server is not installed (apt-get install redis-server)"
+)
+MOONCAKE_MISSING = mooncake_missing()  # the package, or a system library it links against
 
 BLOCK_BYTES = 64 << 10  # 64 KiB host blocks: 2 slots of 32 KiB
 
@@ -56,14 +57,18 @@ class Backend:
         return open_store
 
 
+def skip_unless_installed(name: str) -> None:
+    """Skip the test where backend ``name`` (redis, mooncake) cannot run, saying why."""
+    missing = REDIS_MISSING if name == "redis" else MOONCAKE_MISSING
+    if missing is not None:
+        pytest.skip(missing)
+
+
 def start_backend(name: str, **server_args: object) -> Backend:
+    skip_unless_installed(name)
     if name == "redis":
-        if not HAVE_REDIS:
-            pytest.skip("redis-server is not installed (apt-get install redis-server)")
         server: RedisServer | MooncakeMaster = RedisServer(**server_args)  # type: ignore[arg-type]
     else:
-        if not HAVE_MOONCAKE:
-            pytest.skip("mooncake is not installed (pip install mooncake-transfer-engine-non-cuda)")
         server = MooncakeMaster(**server_args)  # type: ignore[arg-type]
     server.start()
     return Backend(name, server)

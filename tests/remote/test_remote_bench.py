@@ -10,15 +10,14 @@ import pytest
 
 from offload_engine.bench.remote import RemotePlan, run_remote_bench
 from offload_engine.cli import main
-from tests.remote.conftest import HAVE_MOONCAKE, HAVE_REDIS
+from tests.remote.conftest import REDIS_MISSING, skip_unless_installed
 
 TINY = RemotePlan(volume_mib=2, chunk_mib=(0.5,), concurrency=(1, 2), reps=1)
 
 
 @pytest.mark.parametrize("backend", ["redis", "mooncake"])
 def test_each_case_measures_engine_and_raw(backend: str) -> None:
-    if not (HAVE_REDIS if backend == "redis" else HAVE_MOONCAKE):
-        pytest.skip(f"{backend} is not installed")
+    skip_unless_installed(backend)
     points = run_remote_bench(backend, TINY)
     assert [(p.chunk_bytes, p.concurrency) for p in points] == [(1 << 19, 1), (1 << 19, 2)]
     for p in points:
@@ -27,11 +26,19 @@ def test_each_case_measures_engine_and_raw(backend: str) -> None:
         assert (p.redis_benchmark_set_gbps is not None) == (backend == "redis")
 
 
-@pytest.mark.skipif(not HAVE_REDIS, reason="redis-server is not installed")
-def test_the_command_writes_a_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.skipif(REDIS_MISSING is not None, reason=str(REDIS_MISSING))
+def test_the_command_writes_a_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(RemotePlan, "quick", classmethod(lambda cls: TINY))
+    monkeypatch.delenv("COLUMNS", raising=False)  # a pipe: rich would assume 80 columns
     assert main(["bench", "--tier", "remote", "--backend", "redis", "--quick", "-o",
                  str(tmp_path)]) == 0  # fmt: skip
+    # the table into a pipe keeps every value whole, one row a line
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("│ redis ")]
+    assert len(rows) == 2 and "…" not in out, out
+    assert "┃ CPU ms/MiB put e/r ┃" in out  # headers on one line too
     report = json.loads((tmp_path / "remote-report.json").read_text())
     assert report["schema"] == "offload-engine-bench-remote/1"
     assert report["command"].startswith("offload-engine bench --tier remote")

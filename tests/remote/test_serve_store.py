@@ -22,7 +22,7 @@ import pytest
 
 from offload_engine import ConfigError, MooncakeStore, MooncakeStoreConfig
 from offload_engine.testing.servers import MooncakeMaster
-from tests.remote.conftest import HAVE_MOONCAKE
+from tests.remote.conftest import skip_unless_installed
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT = 64 << 20
@@ -30,8 +30,7 @@ SEGMENT = 64 << 20
 
 @pytest.fixture
 def master() -> Iterator[MooncakeMaster]:
-    if not HAVE_MOONCAKE:
-        pytest.skip("needs mooncake (pip install mooncake-transfer-engine-non-cuda)")
+    skip_unless_installed("mooncake")
     try:
         server = MooncakeMaster()
     except ConfigError as exc:

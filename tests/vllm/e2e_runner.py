@@ -6,7 +6,11 @@ Run as a script in its own process (vLLM spawns processes and warns freely):
 
 The scenario: greedy generation of ``--num-prompts`` prompts, ``--rounds``
 times, with a KV cache of ``--gpu-blocks`` blocks of 32 tokens, too small to
-keep earlier prompts' prefix blocks between rounds. With ``--offload`` the
+keep earlier prompts' prefix blocks between rounds. The KV cache's memory is
+given (``--kv-cache-bytes``), not derived from the machine: on the CPU backend
+vLLM otherwise reserves ``gpu_memory_utilization`` of the host's memory, refuses
+to start where that share is not free, and sizes the cache as that share minus
+what its worker process holds at the time. With ``--offload`` the
 OffloadingConnector loads ``EngineOffloadingSpec`` from ``offload_engine.connectors.vllm``;
 its worker (in vLLM's worker process) writes the engine's counters to
 ``--stats-path`` at shutdown. The JSON written to ``--out`` holds the token ids
@@ -25,6 +29,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_model import build_tiny_llama, make_prompts
+
+#: the KV cache's memory: 910 blocks of the tiny MLA model (36 KiB each; the other tiny
+#: models' blocks take 32 KiB), more than any test's --gpu-blocks
+KV_CACHE_BYTES = 32 << 20
 
 
 def _metric_value(m: Any) -> Any:
@@ -81,7 +89,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         block_size=32,
         num_gpu_blocks_override=args.gpu_blocks,
-        gpu_memory_utilization=0.25,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -173,6 +181,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     p.add_argument("--dtype", default="float32", help="vLLM's dtype (the model's weights)")
     p.add_argument("--gpu-blocks", type=int, default=16)
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=KV_CACHE_BYTES,
+        help="vLLM's kv_cache_memory_bytes: the memory its worker must find free for the KV "
+        "cache (gpu_memory_utilization is then neither reserved nor checked); --gpu-blocks "
+        "blocks are allocated in it, and must fit",
+    )
     p.add_argument("--max-model-len", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -64,7 +65,24 @@ def run_vllm(out_dir: Path, name: str, model_dir: Path, *args: str) -> dict[str,
         )
     if proc.returncode != 0:
         pytest.fail(f"vLLM run {name!r} exited {proc.returncode}:\n{log.read_text()[-6000:]}")
+    check_kv_cache_fits(log.read_text(), name)
     return dict(json.loads(out.read_text()), log=str(log))
+
+
+#: vLLM's line saying how many blocks kv_cache_memory_bytes holds, and how many it allocates
+_OVERRIDE = re.compile(r"Overriding num_gpu_blocks=(\d+) with num_gpu_blocks_override=(\d+)")
+
+
+def check_kv_cache_fits(log: str, name: str) -> None:
+    """Fail unless the run's ``--gpu-blocks`` fit in its ``--kv-cache-bytes``: vLLM
+    allocates the blocks asked for even beyond the memory given, and the memory given is
+    what the run says it needs."""
+    found = _OVERRIDE.search(log)
+    if found is None:
+        pytest.fail(f"vLLM run {name!r} logged no num_gpu_blocks_override line")
+    held, asked = int(found[1]), int(found[2])
+    if asked > held:
+        pytest.fail(f"vLLM run {name!r}: {asked} blocks asked, --kv-cache-bytes holds {held}")
 
 
 @pytest.fixture(scope="module")

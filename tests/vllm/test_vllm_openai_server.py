@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tiny_model import make_prompts  # tests/vllm/ is on sys.path (no __init__.py)
+from test_vllm_e2e import check_kv_cache_fits  # tests/vllm/ is on sys.path (no __init__.py)
+from tiny_model import make_prompts
 
 pytest.importorskip("vllm.v1.kv_offload.base")
 
@@ -41,6 +42,9 @@ READY = "Application startup complete"
 START_TIMEOUT_S = 420
 REQUEST_TIMEOUT_S = 120
 STOP_TIMEOUT_S = 120
+#: the KV cache's memory, given rather than a share of the host's: 32 MiB (vLLM reads an
+#: upper-case M as MiB), of which the 16 blocks take 512 KiB
+KV_CACHE_MEMORY = "32M"
 
 
 def free_port() -> int:
@@ -164,12 +168,13 @@ def server(tmp_path: Path, stats_path: Path) -> Iterator[tuple[Server, int]]:
         "--host", "127.0.0.1", "--port", str(port),
         "--dtype", "float32", "--block-size", "32", "--max-model-len", "256",
         "--max-num-seqs", "4", "--enforce-eager",
-        "--num-gpu-blocks-override", "16", "--gpu-memory-utilization", "0.25",
+        "--num-gpu-blocks-override", "16", "--kv-cache-memory-bytes", KV_CACHE_MEMORY,
         "--kv-transfer-config", json.dumps(kv_transfer),
     ]  # fmt: skip
     srv = Server(cmd, tmp_path / "server.log", dict(os.environ))
     try:
         srv.wait_for_line(READY, START_TIMEOUT_S)
+        check_kv_cache_fits(srv.log.read_text(), "server")
         srv.wait_until_listening(port, 60)
         yield srv, port
     finally:

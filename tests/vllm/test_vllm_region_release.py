@@ -27,6 +27,7 @@ import vllm_configs
 
 from offload_engine import ConfigError
 from offload_engine.connectors.vllm.primary import PrimaryRows
+from offload_engine.remote.mooncake_store import mooncake_missing
 
 pytestmark = [
     pytest.mark.vllm,
@@ -37,12 +38,7 @@ SPEC_KEYS = {"spec_name": "EngineTieringSpec", "spec_module_path": "offload_engi
 VLLM_MODULE = "offload_engine.connectors.vllm"
 REGION_LOGGER = "vllm.v1.kv_offload.cpu.shared_offload_region"
 
-try:
-    import mooncake.store  # noqa: F401
-
-    HAVE_MOONCAKE = True
-except (ImportError, OSError):
-    HAVE_MOONCAKE = False
+MOONCAKE_MISSING = mooncake_missing()  # the package, or a system library it links against
 
 
 class Records(logging.Handler):
@@ -92,8 +88,8 @@ def tier_config(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict
         with RedisServer() as server:
             yield {**base, "backend": "redis", "url": server.url}
     else:
-        if not HAVE_MOONCAKE:
-            pytest.skip("needs mooncake (pip install mooncake-transfer-engine-non-cuda)")
+        if MOONCAKE_MISSING is not None:
+            pytest.skip(MOONCAKE_MISSING)
         from offload_engine.testing.servers import MooncakeMaster
 
         with MooncakeMaster() as master:

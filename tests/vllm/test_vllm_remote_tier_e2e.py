@@ -37,6 +37,7 @@ if "EngineTieringSpec" not in offload_engine.connectors.vllm.__all__:
 from test_vllm_e2e import run_vllm  # tests/vllm is on sys.path (no __init__.py)
 
 from offload_engine import ConfigError, RedisStore, RedisStoreConfig
+from offload_engine.remote.mooncake_store import mooncake_missing
 from offload_engine.testing.servers import MooncakeMaster, RedisServer
 
 pytestmark = pytest.mark.vllm
@@ -139,10 +140,9 @@ def holder_command(master: str, segment_gib: str) -> list[str]:
 def mooncake_pool(tmp_path: Path) -> Iterator[str]:
     """A master and a segment holder (``offload-engine serve-store``), both on 127.0.0.1;
     yields the master's address. The holder must stop cleanly on SIGINT."""
-    try:
-        import mooncake.store  # noqa: F401
-    except (ImportError, OSError):
-        pytest.skip("needs mooncake (pip install mooncake-transfer-engine-non-cuda)")
+    missing = mooncake_missing()  # the package, or a system library it links against
+    if missing is not None:
+        pytest.skip(missing)
     try:
         master = MooncakeMaster()
     except ConfigError as exc:
