@@ -4,9 +4,9 @@
 #
 #   bash benchmarks/device/vllm_gpu.sh WHEELS [--check] [--check-compiled MODE...] [--bench MODE...]
 #
-# Run it from the repository root on a CUDA host. WHEELS holds every part's files of
-#   python3 tools/../shared/tools/offline_wheelhouse.py --preset vllm-0.32-cuda --out DIR
-# (DIR/parts/p*/ and DIR/install.sh; the files of all parts in one folder, with install.sh).
+# Run it from the repository root on a CUDA host. WHEELS is one folder holding install.sh and
+# the files of every part that the workplace's wheelhouse tool lays out on a machine with a
+# registry (offline_wheelhouse.py --preset vllm-0.32-cuda --out DIR: DIR/parts/p*/, DIR/install.sh).
 # vLLM, torch 2.13 and what they need go to /tmp/vllm-site (once per machine), this project
 # to /tmp/oe-site; the image's own packages stay as they are.
 #
