@@ -44,7 +44,7 @@ from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
+from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError, TransferError
 from offload_engine.host import GroupMapping, HostTier, KVLayout, LastMapping, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
@@ -336,10 +336,18 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self.config.close_timeout,
             f"of {self.name} still waiting on device work (the device may be hung)",
         )
+        # device memory goes now, not whenever the collector breaks the handler's cycles
         self._staging = None
+        del self._tables
         self._native_sets.clear()  # they hold the staging buffers and stream handles
         self._resources.clear()
-        self._pool = []
+        pool, self._pool = self._pool, []
+        for sm, dmas in pool:
+            for stream in (sm, *dmas):
+                try:
+                    self.runtime.release_stream(stream)
+                except TransferError as exc:  # the handler is closed either way
+                    log.warning("%s could not release a stream: %s", self.name, exc)
 
     # ------------------------------------------------------------ submit
 

@@ -21,6 +21,7 @@ CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_LOCATION_TYPE_HOST = 2
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 CUDA_ERROR_NOT_READY = 600
+CU_STREAM_NON_BLOCKING = 0x1
 
 
 class MemLocation(ctypes.Structure):
@@ -97,9 +98,17 @@ class Driver:
         self.memcpy_htod.argtypes = (ctypes.c_uint64, _P, _Z, _P)
         self.event_query = held.cuEventQuery
         self.event_query.argtypes = (_P,)
+        plain = ctypes.CDLL("libcuda.so.1")
         # a 2D copy of many rows takes the driver tens of microseconds: released
-        self.memcpy2d = ctypes.CDLL("libcuda.so.1").cuMemcpy2DAsync_v2
+        self.memcpy2d = plain.cuMemcpy2DAsync_v2
         self.memcpy2d.argtypes = (_P, _P)
+        # a handler's own streams (see CudaRuntime.new_stream), made and destroyed once
+        self.stream_create = plain.cuStreamCreateWithPriority
+        self.stream_create.argtypes = (ctypes.POINTER(_P), ctypes.c_uint, ctypes.c_int)
+        self.stream_synchronize = plain.cuStreamSynchronize
+        self.stream_synchronize.argtypes = (_P,)
+        self.stream_destroy = plain.cuStreamDestroy_v2
+        self.stream_destroy.argtypes = (_P,)
         self.batch_address = 0  # the batched copy's entry point, for the native launch
         try:
             from cuda.bindings import driver as drv

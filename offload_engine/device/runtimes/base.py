@@ -124,6 +124,10 @@ class DeviceRuntime(abc.ABC):
         """A new non-default stream (never the legacy default stream). A negative
         ``priority`` asks for a higher one where the device has priorities (NPU: ignored)."""
 
+    def release_stream(self, stream: Any) -> None:  # noqa: B027 - optional hook
+        """Give back a stream from :meth:`new_stream` once no work is left on it (a
+        handler's close). Runtimes whose streams come from a shared pool keep them."""
+
     @abc.abstractmethod
     def current_stream(self) -> Any:
         """The calling thread's current stream on this device (the compute stream)."""

@@ -45,6 +45,7 @@ from offload_engine.device.runtimes._cuda_driver import (
     CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
     CU_MEMORYTYPE_DEVICE,
     CU_MEMORYTYPE_HOST,
+    CU_STREAM_NON_BLOCKING,
     CUDA_ERROR_NOT_READY,
     CUDA_HOST_REGISTER_PORTABLE_MAPPED,
     Driver,
@@ -193,7 +194,32 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         self._local.bound = True
 
     def new_stream(self, priority: int = 0) -> torch.cuda.Stream:
-        return torch.cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
+        """A stream made by the driver for the caller alone (see :meth:`release_stream`).
+        ``torch.cuda.Stream()`` hands out a pool of 32 streams per priority in turn to
+        everyone in the process: a pooled stream can be the one a model steps on, and
+        copies on it then run in line with the step."""
+        create = getattr(self._driver, "stream_create", None)
+        if create is None:  # a test's stand-in driver
+            return torch.cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
+        self._bind_thread()
+        handle = ctypes.c_void_p()
+        rc = create(ctypes.byref(handle), CU_STREAM_NON_BLOCKING, priority)
+        if rc:
+            raise RuntimeUnavailableError(
+                f"cuStreamCreateWithPriority failed: {self._driver.error_name(rc)}"
+            )
+        return torch.cuda.ExternalStream(handle.value, device=self.device)  # type: ignore[no-untyped-call]
+
+    def release_stream(self, stream: Any) -> None:
+        destroy = getattr(self._driver, "stream_destroy", None)
+        if destroy is None or not isinstance(stream, torch.cuda.ExternalStream):
+            return
+        self._bind_thread()
+        handle = stream.cuda_stream
+        # nothing should be left on it; waiting makes sure no cached block of torch's
+        # allocator last used on it is handed to a new stream with the same handle early
+        self._check(self._driver.stream_synchronize(handle), "cuStreamSynchronize")
+        self._check(destroy(handle), "cuStreamDestroy")
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
