@@ -65,12 +65,16 @@ POLICY = AutoPolicy(
         (32 * KIB, 32 * 64 + 1, 0, True, STAGED),
         (32 * KIB, 64 * 64, 0, True, STAGED),
         (32 * KIB, 512 * 64, 0, True, STAGED),  # 32,768 descriptors
-        # a saturated link: medium jobs take dma, large ones still stage
-        (32 * KIB, 64 * 64, 128 * MIB - 1, True, STAGED),
-        (32 * KIB, 64 * 64, 128 * MIB, True, DMA),
-        (32 * KIB, 128 * 64, 1 << 30, True, DMA),  # exactly dma_backlog_descriptors
-        (32 * KIB, 128 * 64 + 1, 1 << 30, True, STAGED),
-        (32 * KIB, 512 * 64, 1 << 30, True, STAGED),
+        # a saturated link: medium jobs of regions dma moves at the link's rate take
+        # dma, large ones still stage
+        (128 * KIB, 64 * 64, 128 * MIB - 1, True, STAGED),
+        (128 * KIB, 64 * 64, 128 * MIB, True, DMA),
+        (128 * KIB, 128 * 64, 1 << 30, True, DMA),  # exactly dma_backlog_descriptors
+        (128 * KIB, 128 * 64 + 1, 1 << 30, True, STAGED),
+        (128 * KIB, 512 * 64, 1 << 30, True, STAGED),
+        # ... but smaller regions stage: dma would move them below the link's rate
+        (128 * KIB - 1, 64 * 64, 1 << 30, True, STAGED),
+        (32 * KIB, 64 * 64, 1 << 30, True, STAGED),
         # no staging memory or no planner: dma whatever the job
         (32 * KIB, 512 * 64, 0, False, DMA),
         (1, 10**9, 0, False, DMA),
@@ -90,30 +94,36 @@ def test_the_rule(
 
 
 def test_a_backlog_allowance_below_the_idle_one_changes_nothing() -> None:
-    policy = AutoPolicy(512 * KIB, 2048, 0, 16)
+    policy = AutoPolicy(512 * KIB, 2048, 0, 16, 0)
     for descriptors, want in ((2048, DMA), (2049, STAGED)):
         got = choose_strategy(
             policy, min_region_bytes=KIB, descriptors=descriptors, backlog_bytes=1 << 40
         )
         assert got is want
-    assert "<= 2048 while >= 0 B are in flight" in policy.describe()
+    assert "<= 2048 while >= 0 B are in flight and every region is >= 0 B" in policy.describe()
 
 
 def test_the_rule_in_words() -> None:
     assert AutoPolicy.of(DeviceHandlerConfig()).describe() == (
         "dma when every region is >= 512 KiB or a job needs <= 256 descriptors "
-        "(<= 512 while >= 128 MiB are in flight), else staged"
+        "(<= 512 while >= 128 MiB are in flight and every region is >= 128 KiB), else staged"
     )
     assert POLICY.describe() == (
         "dma when every region is >= 512 KiB or a job needs <= 2048 descriptors "
-        "(<= 8192 while >= 128 MiB are in flight), else staged"
+        "(<= 8192 while >= 128 MiB are in flight and every region is >= 128 KiB), else staged"
     )
     assert "1000 B" in AutoPolicy(1000, 1, 3 * (1 << 30), 1).describe()
     assert "3 GiB" in AutoPolicy(1000, 1, 3 * (1 << 30), 1).describe()
 
 
 @pytest.mark.parametrize(
-    "key", ["dma_max_descriptors", "dma_backlog_bytes", "dma_backlog_descriptors"]
+    "key",
+    [
+        "dma_max_descriptors",
+        "dma_backlog_bytes",
+        "dma_backlog_descriptors",
+        "dma_backlog_min_region_bytes",
+    ],
 )
 @pytest.mark.parametrize("bad", [-1, 1.5, "8", None, True])
 def test_the_thresholds_are_validated(key: str, bad: object) -> None:
@@ -122,8 +132,13 @@ def test_the_thresholds_are_validated(key: str, bad: object) -> None:
 
 
 def test_zero_thresholds_are_valid() -> None:
-    cfg = DeviceHandlerConfig(dma_max_descriptors=0, dma_backlog_bytes=0, dma_backlog_descriptors=0)
-    assert AutoPolicy.of(cfg) == AutoPolicy(512 * KIB, 0, 0, 0)
+    cfg = DeviceHandlerConfig(
+        dma_max_descriptors=0,
+        dma_backlog_bytes=0,
+        dma_backlog_descriptors=0,
+        dma_backlog_min_region_bytes=0,
+    )
+    assert AutoPolicy.of(cfg) == AutoPolicy(512 * KIB, 0, 0, 0, 0)
 
 
 # ---------------------------------------------------------------- the handler
@@ -284,6 +299,7 @@ def test_a_backlog_on_the_link_makes_a_medium_job_take_dma(fake: FakeRuntime) ->
         dma_max_descriptors=2 * per_block,
         dma_backlog_bytes=4 * layout.slot_bytes,
         dma_backlog_descriptors=8 * per_block,
+        dma_backlog_min_region_bytes=0,  # the test layout's regions are small
     )
     store, _ = make_device_handlers(fake, layout, tier, cfg)
     gate = threading.Event()

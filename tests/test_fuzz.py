@@ -474,6 +474,7 @@ CONFIG_FIELDS = [
     "dma_max_descriptors",
     "dma_backlog_bytes",
     "dma_backlog_descriptors",
+    "dma_backlog_min_region_bytes",
     "streams",
     "max_inflight",
     "close_timeout",

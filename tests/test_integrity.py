@@ -397,6 +397,7 @@ def switching_auto(handler: str) -> Tally:
         dma_max_descriptors=8,
         dma_backlog_descriptors=64,
         dma_backlog_bytes=2 * 3 * layout.slot_bytes,
+        dma_backlog_min_region_bytes=0,
     )
     try:
         tally = round_trips(rig, seed=5)

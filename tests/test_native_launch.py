@@ -246,6 +246,7 @@ def handlers(
         max_inflight=4,
         dma_max_descriptors=auto_max,
         dma_backlog_descriptors=auto_max,
+        dma_backlog_min_region_bytes=0,
     )
     store, load = make_device_handlers(runtime, layout, tier, cfg)
     assert (store._native is not None) is native

@@ -18,8 +18,9 @@ passes (any order; they run in the order below):
   --suite        the GPU test suite (bit-exact round trips of every layout x strategy)
   --demo         offload-engine demo --device cuda --quick (every load compared byte for byte),
                  and examples/layerwise_forward.py on cuda
-  --bandwidth    GB/s per job size against the same-run contiguous ceiling
-                 (staged, 16-token blocks, 8/32/512 blocks per job, random and allocator slots)
+  --bandwidth    GB/s per job size against the same-run contiguous ceiling (16-token blocks,
+                 8/32/512 blocks per job, random and allocator slots): staged and dma forced,
+                 then auto, in a process that has closed those engines
   --gemm         512-block jobs under a long GEMM, against the contiguous copy under that GEMM
   --cpu          CPU per job: submit in the caller's thread, launch in the launcher thread
   --step         a decode-like model step's slowdown while it stores and loads N = 4/16/32 blocks
@@ -162,7 +163,7 @@ if [ -n "${WANT[demo]:-}" ]; then
 fi
 if [ -n "${WANT[bandwidth]:-}" ]; then
     extra=(); [ -n "$MAX_INFLIGHT" ] && extra=(--max-inflight "$MAX_INFLIGHT")
-    bench_rounds bandwidth --passes bandwidth --strategies staged --tokens 16 --per-job 8,32,512 \
+    bench_rounds bandwidth --passes bandwidth --strategies staged,dma,auto --tokens 16 --per-job 8,32,512 \
         --slots random,allocator "${extra[@]}"
 fi
 if [ -n "${WANT[gemm]:-}" ]; then

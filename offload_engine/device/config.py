@@ -39,7 +39,8 @@ class DeviceHandlerConfig:
     ``dma`` when every region of a block is at least ``dma_min_chunk_bytes``,
     or the job needs at most ``dma_max_descriptors`` copy descriptors (block
     regions, before merging), or at most ``dma_backlog_descriptors`` while at
-    least ``dma_backlog_bytes`` are launched and unfinished on the handler;
+    least ``dma_backlog_bytes`` are launched and unfinished on the handler and
+    every region is at least ``dma_backlog_min_region_bytes``;
     else ``staged``, where there is staging memory. The staged strategy's pieces are
     planned by the native library (built with the system C compiler on first
     use): without it ``AUTO`` picks ``dma`` and ``STAGED`` is refused.
@@ -80,6 +81,7 @@ class DeviceHandlerConfig:
     dma_max_descriptors: int = 256
     dma_backlog_bytes: int = 128 << 20
     dma_backlog_descriptors: int = 512
+    dma_backlog_min_region_bytes: int = 128 << 10
     streams: int | None = None
     max_inflight: int = 16
     close_timeout: float = 30.0
@@ -104,6 +106,7 @@ class DeviceHandlerConfig:
             "dma_max_descriptors",
             "dma_backlog_bytes",
             "dma_backlog_descriptors",
+            "dma_backlog_min_region_bytes",
             "inline_launch_blocks",
         ):
             value = getattr(self, key)
