@@ -10,14 +10,71 @@ on trio. Both wake a sleeping loop through its self-pipe; nothing polls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from offload_engine.errors import EngineBrokenError
+
+#: the signals an application handles itself: shutdown, interrupt, reload, its own
+_NAMES = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGCHLD")
+APPLICATION_SIGNALS = frozenset(getattr(signal, n) for n in _NAMES if hasattr(signal, n))
+
+
+def block_application_signals() -> None:
+    """Block :data:`APPLICATION_SIGNALS` in the calling thread: every thread the
+    engine starts calls it first. A process-directed signal goes to one thread that
+    does not block it, and Python runs its handler only in the main thread, when that
+    thread next runs Python code; if the signal lands in an engine thread while the
+    main thread sleeps in a lock (vLLM's engine core, idle, waiting for its input
+    queue), the handler never runs and the process ignores its SIGTERM."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, APPLICATION_SIGNALS)
+
+
+#: bytes of a C ``struct sigaction`` and more (glibc's is 152 on x86-64 and arm64)
+_SIGACTION_BYTES = 256
+
+
+def _libc_sigaction() -> Callable[..., int] | None:
+    try:
+        call: Callable[..., int] = ctypes.CDLL(None, use_errno=True).sigaction
+    except (OSError, AttributeError, TypeError):  # no C library to ask (Windows)
+        return None
+    return call
+
+
+@contextlib.contextmanager
+def keep_signal_actions() -> Iterator[None]:
+    """Put back the actions (handler and flags) of :data:`APPLICATION_SIGNALS` that
+    the block changed. Native code that a runtime loads as it starts can leave them
+    changed: under vLLM on an H200, SIGTERM's action came back from the CUDA
+    runtime's start with C ``signal()``'s BSD flags, ``SA_RESTART`` among them. With
+    that flag a thread asleep in a wait resumes the wait after the signal, and Python
+    runs its handler only once the main thread runs Python again, which an idle
+    server's main thread, waiting on its input queue (vLLM's engine core), never
+    does: the process ignored its SIGTERM until it was killed."""
+    sigaction = _libc_sigaction()
+    saved: dict[int, ctypes.Array[ctypes.c_char]] = {}
+    if sigaction is not None:
+        for sig in APPLICATION_SIGNALS:
+            action = ctypes.create_string_buffer(_SIGACTION_BYTES)
+            if sigaction(int(sig), None, action) == 0:
+                saved[int(sig)] = action
+    try:
+        yield
+    finally:
+        if sigaction is not None:
+            for sig, action in saved.items():
+                now = ctypes.create_string_buffer(_SIGACTION_BYTES)
+                if sigaction(sig, None, now) == 0 and now.raw != action.raw:
+                    sigaction(sig, action, None)
 
 
 class LoopBridge:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+from offload_engine._loop import block_application_signals
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.dma import enqueue_dma
 from offload_engine.device.kernel import enqueue_kernel
@@ -143,6 +144,7 @@ def watch(h: DeviceCopyHandler, delta: int) -> None:
 
 
 def launch_loop(h: DeviceCopyHandler) -> None:
+    block_application_signals()
     # the SM stream is this thread's current stream throughout, so a kernel
     # launch (which goes on the current stream) needs no stream switch per job
     with h.runtime.launcher_context(h._pool[0][0]):
@@ -157,6 +159,7 @@ def launch_loop(h: DeviceCopyHandler) -> None:
 
 
 def watch_loop(h: DeviceCopyHandler) -> None:
+    block_application_signals()
     try:
         while True:
             item: Any = h._watch_q.get()

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from offload_engine._loop import block_application_signals
 from offload_engine.disk._record import PAGE
 
 log = logging.getLogger("offload_engine.disk")
@@ -51,6 +52,7 @@ class Pool:
         self.queue.put(work)
 
     def _run(self) -> None:
+        block_application_signals()
         # page-aligned; freed with the thread (an error's traceback may still view it)
         scratch = mmap.mmap(-1, self.scratch_bytes)
         while True:

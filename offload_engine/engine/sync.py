@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import anyio
 
-from offload_engine._loop import LoopBridge
+from offload_engine._loop import LoopBridge, block_application_signals
 from offload_engine.engine.completions import check_wait_timeout
 from offload_engine.engine.handler import TransferHandler
 from offload_engine.engine.manager import OffloadingQueueManager
@@ -55,6 +55,7 @@ class _LoopThread:
             raise self._startup_error
 
     def _run(self) -> None:
+        block_application_signals()
         try:
             anyio.run(self._main, backend=self._backend)
         except BaseException as exc:  # noqa: BLE001 - reported to the owner thread

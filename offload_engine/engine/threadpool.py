@@ -21,7 +21,7 @@ import threading
 from typing import TypeVar
 
 from offload_engine._checks import check_int, check_seconds
-from offload_engine._loop import ThreadSignal, join_threads
+from offload_engine._loop import ThreadSignal, block_application_signals, join_threads
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
 
 P = TypeVar("P")
@@ -74,6 +74,7 @@ class ThreadPoolHandler(TransferHandler[P], abc.ABC):
         return thread in self._threads
 
     def _work(self) -> None:
+        block_application_signals()
         get = self._queue.get
         try:
             while True:

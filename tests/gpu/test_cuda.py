@@ -549,6 +549,50 @@ def test_an_engine_copies_on_streams_of_its_own(
         tier.release()
 
 
+#: a process with a SIGTERM handler builds a CUDA runtime and an engine, moves blocks,
+#: then waits on a queue for its handler as vLLM's idle engine core does
+SIGTERM_AFTER_AN_ENGINE = """
+import os, queue, signal, threading
+import torch
+from offload_engine import KVLayout, SyncOffloadingEngine, TransferSpec, cpu_blocks, gpu_blocks
+from offload_engine.device import make_device_handlers, pinned_host_tier
+from offload_engine.device.runtimes.cuda import CudaRuntime
+
+handled = queue.Queue()
+signal.signal(signal.SIGTERM, lambda *_: handled.put("handled"))
+runtime = CudaRuntime()
+layers = [torch.zeros(2, 64, 16, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+layout = KVLayout.flash_attention(layers)
+tier = pinned_host_tier(runtime, layout, 64)
+engine = SyncOffloadingEngine(list(make_device_handlers(runtime, layout, tier)))
+jobs = [TransferSpec(gpu_blocks(range(n)), cpu_blocks(range(n))) for n in (1, 8, 40)]
+assert all(r.success for r in engine.wait([engine.submit(j) for j in jobs]))
+threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()
+print(handled.get())
+engine.close()
+tier.release()
+"""
+
+
+def test_a_process_that_built_an_engine_still_hears_its_sigterm() -> None:
+    """Under vLLM on an H200 the engine core ignored its SIGTERM and was killed after the
+    shutdown's grace, so the connector's close and its final counters never ran: the
+    CUDA runtime's start had left SIGTERM's action with ``SA_RESTART`` (tests/test_signals.py)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-c", SIGTERM_AFTER_AN_ENGINE],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "handled", done.stderr[-3000:]
+
+
 def test_the_launch_gap_pass_measures_every_variant(cuda: object) -> None:
     from offload_engine.bench.gaps import GapPlan, format_gap_rows, run_gap_pass
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from offload_engine._loop import keep_signal_actions
 from offload_engine.device.runtimes._cuda_copy import DriverBlockCopy
 from offload_engine.device.runtimes._cuda_driver import (
     CALL_DESCRIPTORS,
@@ -123,22 +124,23 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         )
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        driver = Driver()
-        connections = connections_note()
-        if connections is not None:
-            driver.notes.append(connections)
-            _warn_once(connections)
-        kernel: Callable[[BlockCopy], None] | None = None
-        if use_triton:
-            try:
-                from offload_engine.device.runtimes._triton_copy import launch_block_copy
-            except ImportError as exc:
-                driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
-            else:
-                kernel = launch_block_copy
-        # the same copy as a CUDA C kernel launched straight through the driver (a few
-        # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
-        direct = direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
+        with keep_signal_actions():  # the native code loaded here leaves them as they were
+            driver = Driver()
+            connections = connections_note()
+            if connections is not None:
+                driver.notes.append(connections)
+                _warn_once(connections)
+            kernel: Callable[[BlockCopy], None] | None = None
+            if use_triton:
+                try:
+                    from offload_engine.device.runtimes._triton_copy import launch_block_copy
+                except ImportError as exc:
+                    driver.notes.append(f"triton unavailable ({exc}): block copies use torch ops")
+                else:
+                    kernel = launch_block_copy
+            # the same copy as a CUDA C kernel launched straight through the driver (a few
+            # microseconds instead of Triton's 100+ of Python); Triton stays the fallback
+            direct = direct_copy(self.device.index or 0, driver.notes) if use_nvrtc else None
         self._init_calls(driver, kernel, direct, max_batch=max_batch, batched=batched)
         # the calling thread's current stream as a raw handle, without torch.cuda's
         # device-index parsing (the call Triton's launcher makes); None if torch lacks it
