@@ -107,7 +107,8 @@ fi
 SUITE=(tests/gpu tests/test_device_handler.py tests/test_integrity.py tests/test_layout.py
        tests/test_launch_in_submitter.py tests/test_tier_over.py tests/test_hardening.py
        tests/test_npu_handler.py tests/test_polled_completion.py tests/test_native_launch.py
-       tests/test_tier_checks.py tests/test_cuda_connections.py tests/test_layerwise_engine.py)
+       tests/test_tier_checks.py tests/test_cuda_connections.py tests/test_layerwise_engine.py
+       tests/test_signals.py)
 
 # run LOG TREE CMD...: from TREE's root, with TREE's package first on the path, run CMD under the
 # time limit; its output is appended to LOG and shown.
