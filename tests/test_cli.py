@@ -82,7 +82,8 @@ def test_info_states_the_auto_strategys_rule(
     out = " ".join(capsys.readouterr().out.split())
     assert (
         "device strategy auto (the default), per job: dma when every region is >= 512 KiB or "
-        "a job needs <= 256 descriptors (<= 512 while >= 128 MiB are in flight), else staged"
+        "a job needs <= 256 descriptors (<= 512 while >= 128 MiB are in flight and every region "
+        "is >= 128 KiB), else staged"
     ) in out
 
 
