@@ -20,13 +20,12 @@ come back through ``async`` loads, and go out through layer-wise stores.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_e2e import run_vllm  # tests/vllm/ is on sys.path
+from test_vllm_e2e import engine_counters, run_vllm  # tests/vllm/ is on sys.path
 from tiny_model import build_tiny_mamba_hybrid, build_tiny_mla, build_tiny_sliding
 
 pytest.importorskip("vllm.v1.kv_offload.base")
@@ -108,12 +107,8 @@ def _served_from_the_tier(
     assert hits > 0, "the reference's second round found no prefix"
     assert _hits(run) == (0, hits)
     assert run["rounds"] == reference["rounds"]
-    stats = json.loads(stats_path.read_text())
-    engine, adapter = stats["engine"], stats["adapter"]
-    assert engine["bytes_loaded"] > 0 and adapter["loads_submitted"] > 0
-    assert all(h["failed"] == 0 for h in engine["handlers"])
-    assert adapter["failures_delivered"] == 0 and adapter["live_jobs"] == 0
-    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
+    engine, adapter = engine_counters(stats_path, run)
+    assert adapter["loads_submitted"] > 0
     return engine, adapter
 
 

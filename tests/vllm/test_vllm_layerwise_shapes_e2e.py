@@ -23,7 +23,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_vllm_e2e import LAYERWISE, PREEMPTING, SLOW_STORES, run_vllm  # tests/vllm/ on sys.path
+from test_vllm_e2e import (  # tests/vllm/ on sys.path
+    LAYERWISE,
+    PREEMPTING,
+    SLOW_STORES,
+    engine_counters,
+    run_vllm,
+)
 
 pytest.importorskip("vllm.v1.kv_offload.base")
 
@@ -89,17 +95,9 @@ def check_served(plain: dict[str, Any], run: dict[str, Any], stats_path: Path) -
         # the answers above were checked; the counters die with an engine core that
         # outlived vLLM's 30 s shutdown grace (seen once in about 24 runs on 2 cores)
         pytest.xfail("vLLM force-killed its engine core at shutdown before the stats write")
-    stats = json.loads(stats_path.read_text())
-    engine, adapter = stats["engine"], stats["adapter"]
-    assert engine["state"] == "closed"
-    assert engine["loads_succeeded"] > 0 and engine["stores_succeeded"] > 0
-    assert all(h["failed"] == 0 for h in engine["handlers"])
-    assert adapter["submits_refused"] == 0 and adapter["failures_delivered"] == 0
-    assert adapter["live_jobs"] == 0
-    submitted = adapter["stores_submitted"] + adapter["loads_submitted"]
-    assert adapter["results_delivered"] + adapter["undelivered_at_shutdown"] == submitted
-    assert run["metrics"]["vllm:kv_offload_load_bytes"] == engine["bytes_loaded"]
-    return adapter  # type: ignore[no-any-return]
+    engine, adapter = engine_counters(stats_path, run)
+    assert engine["stores_succeeded"] > 0
+    return adapter
 
 
 @pytest.mark.parametrize("case", list(CASES))
