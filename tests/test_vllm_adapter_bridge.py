@@ -220,9 +220,9 @@ def test_shutdown_closes_releases_and_writes_stats(tmp_path: Path) -> None:
 def test_stats_are_written_while_serving_so_a_killed_worker_leaves_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from offload_engine.connectors.vllm import bridge as bridge_module
+    from offload_engine.connectors.vllm import stats_file
 
-    monkeypatch.setattr(bridge_module, "STATS_INTERVAL_S", 0.0)  # every get_finished
+    monkeypatch.setattr(stats_file, "STATS_INTERVAL_S", 0.0)  # every get_finished
     path = tmp_path / "stats.json"
     bridge = make_bridge(fake_canonical_kv_caches(num_blocks=8), 4, stats_path=str(path))
     try:
@@ -247,9 +247,9 @@ def test_stats_are_written_while_serving_so_a_killed_worker_leaves_them(
 def test_a_stats_file_that_cannot_be_written_is_logged_once_and_serving_goes_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from offload_engine.connectors.vllm import bridge as bridge_module
+    from offload_engine.connectors.vllm import stats_file
 
-    monkeypatch.setattr(bridge_module, "STATS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(stats_file, "STATS_INTERVAL_S", 0.0)
     path = tmp_path / "missing" / "stats.json"
     bridge = make_bridge(fake_canonical_kv_caches(num_blocks=8), 4, stats_path=str(path))
     caplog.set_level(logging.WARNING)

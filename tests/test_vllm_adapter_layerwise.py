@@ -18,6 +18,7 @@ from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.layerwise import (
     LayerPlan,
     LayerwiseLoads,
+    TransferJob,
     forward_order,
 )
 from offload_engine.device import make_device_handlers, pinned_host_tier
@@ -113,7 +114,7 @@ def test_each_layer_wait_orders_that_layer_before_the_compute_stream(
     loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 2), timeout=10)
     seen: dict[int, dict[tuple[int, int], bytes]] = {}
     done = threading.Event()
-    loads.start([(7, [3, 4], [5, 6], (2,), (0,))])
+    loads.start([TransferJob(7, [5, 6], (2,), (0,), tier_ids=[3, 4])])
     for i, name in enumerate(names(LAYERS)):
         loads.wait_for_layer(name)
 
@@ -145,7 +146,7 @@ def test_a_refused_part_reports_its_loads_blocks_as_load_errors(
     plan = LayerPlan.build(layout, addresses(layout), 3)
     loads = LayerwiseLoads(bridge, plan, timeout=10)
     # tier block 99 is out of range: every part is refused at submit
-    loads.start([(4, [99], [2], (1,), (0,))])
+    loads.start([TransferJob(4, [2], (1,), (0,), tier_ids=[99])])
     for name in names(LAYERS):
         loads.wait_for_layer(name)  # does not raise: the failure is reported
     loads.finish_step()
@@ -167,7 +168,7 @@ def test_blocks_refused_at_open_fail_every_wait_and_the_load_once(
     plan = LayerPlan.build(layout, addresses(layout), 2)
     loads = LayerwiseLoads(bridge, plan, timeout=10)
     # two cache ids for a group of one: refused when the load is opened
-    loads.start([(4, [1], [2, 3], (1,), (0,))])
+    loads.start([TransferJob(4, [2, 3], (1,), (0,), tier_ids=[1])])
     for name in names(LAYERS):
         loads.wait_for_layer(name)  # does not raise: the failure is reported
     loads.finish_step()
@@ -189,7 +190,7 @@ def test_a_part_that_fails_on_the_device_is_reported_once(
     assert layout is not None
     loads = LayerwiseLoads(bridge, LayerPlan.build(layout, addresses(layout), 3), timeout=10)
     fake.fail_next("copy")  # the first part's copies fail on the device, after launch
-    loads.start([(9, [0, 1], [4, 5], (2,), (0,))])
+    loads.start([TransferJob(9, [4, 5], (2,), (0,), tier_ids=[0, 1])])
     for name in names(LAYERS):
         loads.wait_for_layer(name)  # the copy may or may not have failed by now
     loads.finish_step()

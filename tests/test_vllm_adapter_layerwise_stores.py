@@ -32,7 +32,12 @@ from offload_engine import (
 )
 from offload_engine.connectors.vllm import bridge as bridge_module
 from offload_engine.connectors.vllm.bridge import EngineBridge
-from offload_engine.connectors.vllm.layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores
+from offload_engine.connectors.vllm.layerwise import (
+    LayerPlan,
+    LayerwiseLoads,
+    LayerwiseStores,
+    TransferJob,
+)
 from offload_engine.device import DeviceHandlerConfig, make_device_handlers, pinned_host_tier
 from offload_engine.testing import LAYOUT_KINDS, FakeRuntime, build_layout
 from tests.test_vllm_adapter_layerwise import LAYERS, addresses, bridge, fake, names, region
@@ -79,7 +84,12 @@ def test_each_part_goes_out_after_its_layers_and_stores_their_computed_bytes(
     calls = recorded_parts(bridge, monkeypatch)
     go = threading.Event()
     fake.enqueue(fake.compute, lambda: go.wait(10))  # compute runs only once go is set
-    stores.start([(1, [0, 1], (2,), (0,), [3, 4]), (2, [2], (1,), (0,), [5])])
+    stores.start(
+        [
+            TransferJob(1, [0, 1], (2,), (0,), tier_ids=[3, 4]),
+            TransferJob(2, [2], (1,), (0,), tier_ids=[5]),
+        ]
+    )
     assert stores.open and calls == []
     out_after: list[int] = []
     for i, name in enumerate(names(LAYERS)):
@@ -121,7 +131,7 @@ def test_finish_step_submits_the_parts_no_layer_reached(
     want = {t: region(layout, t, 0).clone() for t in range(LAYERS)}
     stores = LayerwiseStores(bridge, plan_of(layout, 4))  # parts (0..3), (4, 5)
     calls = recorded_parts(bridge, monkeypatch)
-    stores.start([(3, [0], (1,), (0,), [2])])
+    stores.start([TransferJob(3, [0], (1,), (0,), tier_ids=[2])])
     stores.saved(names(LAYERS)[0])
     stores.saved("model.lm_head")  # not in the plan: left to finish_step
     assert calls == []
@@ -144,7 +154,12 @@ def test_a_refused_part_fails_its_stores_result(fake: FakeRuntime, bridge: Engin
     plan = plan_of(layout, 2)
     stores = LayerwiseStores(bridge, plan)
     # job 4's tier block 99 is past the tier: each of its parts is refused at submit
-    stores.start([(4, [0], (1,), (0,), [99]), (5, [1], (1,), (0,), [1])])
+    stores.start(
+        [
+            TransferJob(4, [0], (1,), (0,), tier_ids=[99]),
+            TransferJob(5, [1], (1,), (0,), tier_ids=[1]),
+        ]
+    )
     for name in names(2):
         stores.saved(name)
     assert bridge.get_finished() == []  # job 4 has parts to come: no result yet
@@ -166,7 +181,7 @@ def test_a_part_that_fails_on_the_device_fails_its_stores_result(
     layout = bridge.layout
     assert layout is not None
     stores = LayerwiseStores(bridge, plan_of(layout, 3))
-    stores.start([(6, [0, 1], (2,), (0,), [0, 1])])
+    stores.start([TransferJob(6, [0, 1], (2,), (0,), tier_ids=[0, 1])])
     fake.fail_next("copy")  # the first part's copies fail on the device, after launch
     for name in names(LAYERS):
         stores.saved(name)
@@ -229,7 +244,12 @@ def test_a_jobs_blocks_are_converted_once_for_all_its_parts(
     conversions = counted_conversions(monkeypatch)
     stores = LayerwiseStores(bridge, plan)
     calls = recorded_parts(bridge, monkeypatch)
-    stores.start([(1, [0, 1], (2,), (0,), [3, 4]), (2, [2], (1,), (0,), [5])])
+    stores.start(
+        [
+            TransferJob(1, [0, 1], (2,), (0,), tier_ids=[3, 4]),
+            TransferJob(2, [2], (1,), (0,), tier_ids=[5]),
+        ]
+    )
     assert conversions == {"cache": 2, "tier": 2}  # at open, once per store
     for name in names(LAYERS):
         stores.saved(name)
@@ -237,7 +257,7 @@ def test_a_jobs_blocks_are_converted_once_for_all_its_parts(
     assert len(calls) == 2 * LAYERS
     assert conversions == {"cache": 2, "tier": 2}  # no part converted them again
     loads = LayerwiseLoads(bridge, plan, timeout=10)
-    loads.start([(3, [3, 4], [6, 7], (2,), (0,))])
+    loads.start([TransferJob(3, [6, 7], (2,), (0,), tier_ids=[3, 4])])
     for name in names(LAYERS):
         loads.wait_for_layer(name)
     loads.finish_step()
@@ -302,7 +322,12 @@ def test_layerwise_stores_of_blocks_refused_at_open_still_finish(
     layout = bridge.layout
     assert layout is not None
     stores = LayerwiseStores(bridge, plan_of(layout, 2))
-    stores.start([(4, [0, -1], (2,), (0,), [1]), (5, [1], (1,), (0,), [2])])
+    stores.start(
+        [
+            TransferJob(4, [0, -1], (2,), (0,), tier_ids=[1]),
+            TransferJob(5, [1], (1,), (0,), tier_ids=[2]),
+        ]
+    )
     for name in names(LAYERS):
         stores.saved(name)
     stores.finish_step()
@@ -326,7 +351,7 @@ def test_a_one_part_plan_stores_the_whole_block_once_every_layer_is_saved(
         assert plan.parts == 1
         stores = LayerwiseStores(bridge, plan)
         calls = recorded_parts(bridge, monkeypatch)
-        stores.start([(8, [1], (1,), (0,), [2])])
+        stores.start([TransferJob(8, [1], (1,), (0,), tier_ids=[2])])
         for name in names(3):
             assert calls == []
             stores.saved(name)
@@ -380,7 +405,7 @@ def layerwise_store_race(
         names = [f"model.layers.{t}.attn" for t in range(len(layout.tensors))]
         found = {name: t.data_ptr() for name, t in zip(names, layout.tensors, strict=True)}
         stores = LayerwiseStores(bridge, LayerPlan.build(layout, found, per_part))
-        stores.start([(1, src, sizes, first, list(range(n * groups)))])
+        stores.start([TransferJob(1, src, sizes, first, tier_ids=list(range(n * groups)))])
         hold()
         for t, name in enumerate(names):
             on_stream(partial(compute, t))

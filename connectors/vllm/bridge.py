@@ -23,11 +23,8 @@ bridge, as the chaos run through the bridge does.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -52,6 +49,8 @@ from offload_engine import (
 )
 
 from .config import EngineOffloadingConfig
+from .parts import FIRST_PART_ID, PartedJob
+from .stats_file import StatsFile
 
 logger = logging.getLogger(__name__)
 
@@ -102,41 +101,12 @@ def _job_id(job_id: object) -> int:
     return int(job_id)
 
 
-#: Seconds between the stats file's snapshots while serving (see :meth:`EngineBridge.get_finished`).
-STATS_INTERVAL_S = 2.0
-
-#: Engine ids of the parts of a job sent in parts count up from here, far above vLLM's
-#: job ids (a counter from 0 per scheduler), so the two never meet.
-_FIRST_PART_ID = 1 << 62
-
-
-@dataclasses.dataclass
-class _Layered:
-    """A job sent to the engine in parts (a layer-wise load or store): its blocks,
-    converted once when it was opened (or why they were refused), how many parts it
-    has, how many were handed in and came back, and what came back so far."""
-
-    direction: Direction
-    parts: int
-    blocks: tuple[CacheBlocks, TierBlocks] | OffloadError  # or why they were refused
-    submitted: int = 0  # parts handed to submit_part
-    done: int = 0  # parts whose result came back or that were refused
-    pending: set[int] = dataclasses.field(default_factory=set)  # parts in the engine
-    nbytes: int = 0
-    seconds: float = 0.0
-    latency: float = 0.0
-    error: BaseException | None = None
-
-
 class EngineBridge:
     """Owns a :class:`SyncOffloadingEngine` and translates vLLM's job calls for it.
 
-    With ``stats_path`` the counters are written there at shutdown (``"final":
-    true``) and, while serving, at most every ``stats_interval`` seconds from
-    :meth:`get_finished` (``"final": false``): a worker that vLLM kills before its
-    shutdown runs (the OpenAI server's Ctrl-C past its shutdown timeout) leaves a
-    snapshot at most that old (``stats_interval`` defaults to
-    :data:`STATS_INTERVAL_S`). Each write replaces the file atomically.
+    With ``stats_path`` the counters are written there (:class:`.stats_file.StatsFile`)
+    at shutdown and, while serving, at most every ``stats_interval`` seconds from
+    :meth:`get_finished` (default :data:`.stats_file.STATS_INTERVAL_S`).
     """
 
     def __init__(
@@ -158,11 +128,10 @@ class EngineBridge:
         self.config = config
         self._cache_medium = cache_medium
         self._tier = tier
-        self._stats_path = stats_path
-        self._stats_interval = STATS_INTERVAL_S if stats_interval is None else stats_interval
-        self._stats_due = time.monotonic() + self._stats_interval
-        self._stats_failed = False  # a snapshot could not be written (logged once)
         self._log = log or logger
+        self._stats_file = (
+            None if stats_path is None else StatsFile(stats_path, self._log, stats_interval)
+        )
         # guards _live, _stash, _waiting and _counts; threads in wait() for ids that
         # another thread is waiting on sleep on it
         self._cond = threading.Condition(threading.Lock())
@@ -183,9 +152,9 @@ class EngineBridge:
         self.counters: dict[str, int] = {}
         self._shut_down = False
         # jobs sent in parts: each job's state, and the job each engine part belongs to
-        self._layered: dict[int, _Layered] = {}
+        self._layered: dict[int, PartedJob] = {}
         self._part_of: dict[int, int] = {}
-        self._next_part = _FIRST_PART_ID
+        self._next_part = FIRST_PART_ID
 
     @property
     def engine(self) -> SyncOffloadingEngine:
@@ -290,7 +259,7 @@ class EngineBridge:
         with self._cond:
             if job_id in self._layered or job_id in self._live:
                 raise InvalidTransferError(f"job {job_id} is already out")
-            self._layered[job_id] = _Layered(direction, parts, blocks)
+            self._layered[job_id] = PartedJob(direction, parts, blocks)
             self._counts[f"{direction.value}s_submitted"] += 1
         if not isinstance(blocks, OffloadError):
             return None
@@ -427,8 +396,8 @@ class EngineBridge:
 
     def get_finished(self) -> list[TransferResult]:
         """Results not yet handed out: those ``wait`` collected, then the engine's new ones."""
-        if self._stats_path is not None and time.monotonic() >= self._stats_due:
-            self._snapshot_stats(self._stats_path)
+        if self._stats_file is not None and self._stats_file.due() and not self._shut_down:
+            self._stats_file.snapshot(self.stats)
         with self._cond:
             fresh = self._engine.get_finished()
             if not self._stash and not fresh:
@@ -478,21 +447,10 @@ class EngineBridge:
     def _fold(self, parent: int, part: TransferResult) -> TransferResult | None:
         """Add a part's result (or refusal) to its job; the job's result once every
         announced part is in. Called with the lock held."""
-        state = self._layered[parent]
-        state.pending.discard(part.job_id)
-        state.done += 1
-        state.nbytes += part.bytes_moved
-        state.seconds = max(state.seconds, part.seconds)
-        state.latency = max(state.latency, part.latency)
-        if not part.success and state.error is None:
-            state.error = part.error
-        if state.done < state.parts:
-            return None
-        del self._layered[parent]
-        ok = state.error is None
-        return TransferResult(
-            parent, ok, state.nbytes if ok else 0, state.seconds, state.error, state.latency
-        )
+        whole = self._layered[parent].add(parent, part)
+        if whole is not None:
+            del self._layered[parent]
+        return whole
 
     def wait(self, job_ids: Iterable[int]) -> None:
         """Block until the live ones among ``job_ids`` are done; their results are
@@ -601,32 +559,5 @@ class EngineBridge:
                 type(r.error).__name__,
                 r.error,
             )
-        if self._stats_path is not None:
-            self._write_stats(self._stats_path, undelivered=len(undelivered))
-
-    def _snapshot_stats(self, path: str) -> None:
-        """The periodic write: never raises into vLLM's step (a failure is logged once)."""
-        self._stats_due = time.monotonic() + self._stats_interval
-        if self._shut_down:
-            return
-        try:
-            self._write_stats(path, undelivered=None)
-        except OSError as exc:
-            if not self._stats_failed:
-                self._stats_failed = True
-                self._log.warning("offload-engine could not write stats to %s: %s", path, exc)
-
-    def _write_stats(self, path: str, *, undelivered: int | None) -> None:
-        """Write the counters to ``path`` atomically; ``undelivered`` is given at shutdown."""
-        data = self.stats()
-        if undelivered is not None:
-            data["adapter"]["undelivered_at_shutdown"] = undelivered
-        data["final"] = undelivered is not None
-        data["pid"] = os.getpid()
-        data["written_at"] = time.time()
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2, sort_keys=True)
-        os.replace(tmp, path)
-        if undelivered is not None:
-            self._log.info("offload-engine stats written to %s", path)
+        if self._stats_file is not None:
+            self._stats_file.final(self.stats(), len(undelivered))

@@ -17,7 +17,7 @@ what                                   0.32.0                       0.33.0
 The offloading scheduler's books (``_req_status`` with each request's
 ``transfer_jobs``, ``_jobs``, and the step's ``_current_batch_load_jobs``) are
 private in both; ``EngineConnector``'s layer-wise loads read and adjust them
-through :func:`scheduler_books` only (see :mod:`.in_step`). 0.33.0 marks a load
+through :func:`scheduler_books` only (see :mod:`.scheduling`). 0.33.0 marks a load
 that ends inside its step itself (``is_sync_load``, under its own
 ``sync_load_budget_bytes`` key); the adapter keeps its own books there too, so one
 code path serves both.

@@ -55,8 +55,8 @@ from offload_engine import ConfigError
 
 from .compat import scheduler_books
 from .config import ENGINE_CONNECTOR_KEY, parse_extra_config
-from .in_step import InStepLoads
-from .layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores, StoreJob
+from .layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores, TransferJob
+from .scheduling import LayerwiseScheduling
 from .spec import EngineOffloadingSpec
 from .tiering import EngineTieringSpec
 from .worker import EngineOffloadingWorker
@@ -123,29 +123,16 @@ def _refuse_layerwise_mamba(kv_cache_config: Any) -> None:
         )
 
 
+def _transfer_job(job_id: int, *, cache: Any, tier: Any) -> TransferJob:
+    """vLLM's job from its two specs: ``cache`` a ``GPULoadStoreSpec`` (block ids, group
+    sizes, block indices), ``tier`` a spec of chunk ids (``CPULoadStoreSpec``)."""
+    return TransferJob(
+        job_id, cache.block_ids, cache.group_sizes, cache.block_indices, tier.block_ids
+    )
+
+
 def _layer_addresses(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
     return {name: int(t.data_ptr()) for name, t in kv_caches.items()}
-
-
-class _Fresh:
-    """A cache block as the scheduler sees it before vLLM caches it: no hash yet."""
-
-    __slots__ = ("block_hash", "block_id", "is_null")
-
-    def __init__(self, block: Any) -> None:
-        self.block_id = block.block_id
-        self.is_null = block.is_null
-        self.block_hash = None
-
-
-def _fresh_past(blocks: KVCacheBlocks, local_tokens: int, group_configs: Any) -> KVCacheBlocks:
-    """``blocks`` with every block of an offloaded group past ``local_tokens`` unhashed."""
-    groups = list(blocks.blocks)
-    for config in group_configs:
-        first = local_tokens // config.tokens_per_block
-        own = groups[config.group_idx]
-        groups[config.group_idx] = [*own[:first], *(_Fresh(b) for b in own[first:])]  # type: ignore[list-item]
-    return dataclasses.replace(blocks, blocks=tuple(groups))
 
 
 class EngineConnector(OffloadingConnector):
@@ -168,10 +155,8 @@ class EngineConnector(OffloadingConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         self._loads: LayerwiseLoads | None = None
         self._stores: LayerwiseStores | None = None
-        # request id -> its locally computed tokens, from a layer-wise hit to its allocation
-        self._local_tokens: dict[str, int] = {}
-        # layer-wise loads, from their step to the workers' report (see in_step.py)
-        self._in_step = InStepLoads()
+        # the scheduler side's per-request state for layer-wise loads
+        self._scheduling = LayerwiseScheduling()
 
     # ------------------------------------------------------------ scheduler side
 
@@ -182,19 +167,19 @@ class EngineConnector(OffloadingConnector):
         if self._layerwise and hit:
             # the hit is in host memory (vLLM's tiering answers None until a promotion
             # from a lower tier is done): load it inside this step's forward pass
-            self._local_tokens[request.request_id] = num_computed_tokens
+            self._scheduling.hit(request.request_id, num_computed_tokens)
             return hit, False
         return hit, load_async
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        local = self._local_tokens.pop(request.request_id, None)
-        if local is not None and num_external_tokens:
-            # vLLM caches a synchronously loaded request's blocks at allocation, so the
-            # scheduler's search for the load's first block (the first fresh, unhashed
-            # one past the local prefix) would find none: show it them as fresh
-            blocks = _fresh_past(blocks, local, self.scheduler.config.kv_group_configs)
+        blocks = self._scheduling.allocated(
+            request.request_id,
+            blocks,
+            num_external_tokens,
+            self.scheduler.config.kv_group_configs,
+        )
         super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
@@ -203,19 +188,17 @@ class EngineConnector(OffloadingConnector):
         # every load of a layer-wise connector ends inside its step: the stores the
         # scheduler builds beside it (this step's new blocks, later prefill chunks)
         # must not find it pending, or vLLM's scheduler asserts
-        states, jobs, loads = scheduler_books(self.scheduler)
-        self._in_step.scheduled(loads)
-        with self._in_step.hidden(states, jobs):
+        with self._scheduling.building(*scheduler_books(self.scheduler)):
             return super().build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
-        self._local_tokens.pop(request.request_id, None)  # a hit never allocated
+        self._scheduling.finished(request.request_id)
         return super().request_finished(request, block_ids)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, Any]:
-        self._local_tokens.pop(request.request_id, None)
+        self._scheduling.finished(request.request_id)
         return super().request_finished_all_groups(request, block_ids)
 
     # ------------------------------------------------------------ worker side
@@ -239,8 +222,7 @@ class EngineConnector(OffloadingConnector):
             self._stores = LayerwiseStores(bridge, plan)
         if self._layerwise:
             self._loads = LayerwiseLoads(bridge, plan, timeout=self._config.job_timeout_s)
-            worker.layerwise = self._loads
-            worker.record_load = self._record_load
+            worker.serve_layerwise(self._loads, self._record_load)
 
     def _record_load(self, nbytes: int, seconds: float) -> None:
         # vLLM's worker gathers the step's transfer stats here (a fresh object each step)
@@ -260,13 +242,7 @@ class EngineConnector(OffloadingConnector):
             dataclasses.replace(metadata, load_jobs={})
         )
         loads.start(
-            (
-                job_id,
-                entry.src_spec.block_ids,  # type: ignore[attr-defined]
-                entry.dst_spec.block_ids,  # type: ignore[attr-defined]
-                entry.dst_spec.group_sizes,  # type: ignore[attr-defined]
-                entry.dst_spec.block_indices,  # type: ignore[attr-defined]
-            )
+            _transfer_job(job_id, cache=entry.dst_spec, tier=entry.src_spec)
             for job_id, entry in metadata.load_jobs.items()
         )
 
@@ -301,16 +277,13 @@ class EngineConnector(OffloadingConnector):
         if not isinstance(metadata, OffloadingConnectorMetadata):
             raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
         worker = self.connector_worker
-        jobs: list[StoreJob] = []
+        jobs: list[TransferJob] = []
         for job_id, entry in metadata.store_jobs.items():
             if not worker._is_store_writer:  # type: ignore[union-attr]
                 # vLLM's gate: a non-writer rank's jobs count as done, nothing is moved
                 worker._connector_worker_meta.mark_completed(job_id)  # type: ignore[union-attr]
                 continue
-            src, dst = entry.src_spec, entry.dst_spec
-            jobs.append(
-                (job_id, src.block_ids, src.group_sizes, src.block_indices, dst.block_ids)  # type: ignore[attr-defined]
-            )
+            jobs.append(_transfer_job(job_id, cache=entry.src_spec, tier=entry.dst_spec))
         stores.start(jobs)
         return stores
 

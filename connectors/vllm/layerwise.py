@@ -40,6 +40,20 @@ logger = logging.getLogger(__name__)
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
 
+@dataclass(frozen=True)
+class TransferJob:
+    """One of vLLM's transfer jobs as the layer-wise paths take it: its blocks in the
+    KV cache (block ids, with vLLM's block count per KV group and each group's first
+    block index) and its chunks in the tier. A load moves the tier's chunks into the
+    cache blocks, a store the other way."""
+
+    job_id: int
+    cache_ids: IdsLike
+    group_sizes: Sequence[int]
+    block_indices: Sequence[int]
+    tier_ids: IdsLike
+
+
 def forward_order(layer_names: Iterable[str]) -> list[str]:
     """Layer names in the order a forward pass reaches them: by the first ``.N.`` index
     in the name (``model.layers.3.self_attn.attn``), names without one last, ties
@@ -123,22 +137,24 @@ class LayerwiseLoads:
         # load's result must not report them twice: by then the blocks may be another's)
         self._reported: set[int] = set()
 
-    def start(
-        self,
-        loads: Iterable[tuple[int, IdsLike, IdsLike, Sequence[int], Sequence[int]]],
-    ) -> None:
-        """Submit the step's loads, each as ``(job id, tier ids, cache ids, group sizes,
-        first block indices)``, part by part in layer order across all of them."""
+    def start(self, loads: Iterable[TransferJob]) -> None:
+        """Submit the step's loads (tier -> cache), part by part in layer order across
+        all of them."""
         self.finish_step()
         loads = list(loads)
         step = _Step([[] for _ in range(self.plan.parts)])
-        for job_id, tier_ids, cache_ids, sizes, indices in loads:
-            self._blocks[job_id] = [int(b) for b in cache_ids]
+        for job in loads:
+            self._blocks[job.job_id] = [int(b) for b in job.cache_ids]
             fences = self.bridge.submit_load_layers(
-                job_id, tier_ids, cache_ids, sizes, indices, self.plan.tensor_sets
+                job.job_id,
+                job.tier_ids,
+                job.cache_ids,
+                job.group_sizes,
+                job.block_indices,
+                self.plan.tensor_sets,
             )
             for part, fence in enumerate(fences):
-                step.fences[part].append((job_id, fence))
+                step.fences[part].append((job.job_id, fence))
         self._step = step if loads else None
 
     def wait_for_layer(self, layer_name: str) -> None:
@@ -194,11 +210,6 @@ class LayerwiseLoads:
         self._invalid.update(blocks)
 
 
-#: A store as :meth:`LayerwiseStores.start` takes it: (job id, cache ids, group sizes,
-#: first block indices, tier ids).
-StoreJob = tuple[int, IdsLike, Sequence[int], Sequence[int], IdsLike]
-
-
 class LayerwiseStores:
     """A worker's layer-wise stores over its :class:`EngineBridge`: per step, the
     stores of the blocks this step's forward pass computes, part by part."""
@@ -223,7 +234,7 @@ class LayerwiseStores:
         """Whether a step's stores are started and not finished yet."""
         return self._jobs is not None
 
-    def start(self, jobs: Iterable[StoreJob]) -> None:
+    def start(self, jobs: Iterable[TransferJob]) -> None:
         """This step's stores: each announced to the bridge, with its blocks, as one job
         of ``plan.parts`` parts; nothing is submitted until its layers are computed. A
         store whose blocks the bridge refuses is logged there and ends as one failed
@@ -232,17 +243,17 @@ class LayerwiseStores:
         self._jobs = []
         self._saved = [set() for _ in range(self.plan.parts)]
         self._sent = [False] * self.plan.parts
-        for job_id, cache_ids, sizes, indices, tier_ids in jobs:
+        for job in jobs:
             self.bridge.open_parts(
-                job_id,
+                job.job_id,
                 Direction.STORE,
                 self.plan.parts,
-                cache_ids=cache_ids,
-                group_sizes=sizes,
-                block_indices=indices,
-                tier_ids=tier_ids,
+                cache_ids=job.cache_ids,
+                group_sizes=job.group_sizes,
+                block_indices=job.block_indices,
+                tier_ids=job.tier_ids,
             )
-            self._jobs.append(job_id)
+            self._jobs.append(job.job_id)
 
     def saved(self, layer_name: str) -> None:
         """``layer_name`` is computed (its KV written): submit its part if that was the

@@ -30,10 +30,17 @@ class EngineOffloadingWorker(OffloadingWorker):
 
     def __init__(self, bridge: EngineBridge) -> None:
         self.bridge = bridge
-        #: set by EngineConnector under ``load_mode: layerwise``: the step's layer-wise
-        #: loads, and where their bytes and seconds are counted as loads for vLLM
-        self.layerwise: LayerwiseLoads | None = None
-        self.record_load: Callable[[int, float], None] | None = None
+        self._layerwise: LayerwiseLoads | None = None
+        self._record_load: Callable[[int, float], None] | None = None
+
+    def serve_layerwise(
+        self, loads: LayerwiseLoads, record_load: Callable[[int, float], None]
+    ) -> None:
+        """Under ``load_mode: layerwise``: ``loads`` submits the step's loads itself (vLLM
+        never hands them to this worker), and :meth:`get_finished` reports their results
+        through it, counting their bytes and seconds with ``record_load``."""
+        self._layerwise = loads
+        self._record_load = record_load
 
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
@@ -66,7 +73,7 @@ class EngineOffloadingWorker(OffloadingWorker):
         )
 
     def get_finished(self) -> list[VllmTransferResult]:
-        layerwise = self.layerwise
+        layerwise = self._layerwise
         out = []
         for r in self.bridge.get_finished():
             if layerwise is not None and layerwise.owns(r.job_id):
@@ -75,8 +82,8 @@ class EngineOffloadingWorker(OffloadingWorker):
                 # Its bytes count as a load here: vLLM would count a job it did not
                 # submit as a load as a store.
                 layerwise.finished(r.job_id, r.success, r.error)
-                if r.success and self.record_load is not None:
-                    self.record_load(r.bytes_moved, r.seconds)
+                if r.success and self._record_load is not None:
+                    self._record_load(r.bytes_moved, r.seconds)
                 out.append(
                     VllmTransferResult(
                         job_id=r.job_id, success=True, transfer_size=None, transfer_time=None

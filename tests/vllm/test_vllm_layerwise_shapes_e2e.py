@@ -5,7 +5,7 @@ vLLM's small cache, so a hit in the tier) with 48 new words after it: the step t
 loads the hit also computes new tokens that fill a block, so vLLM's scheduler
 builds a store for the request beside its load. vLLM 0.32's scheduler asserts that
 no load is pending when it builds a store; a layer-wise load ends inside that very
-step, and the connector keeps the books square (``connectors/vllm/in_step.py``).
+step, and the connector keeps the books square (``connectors/vllm/scheduling.py``).
 The shapes add what servers do on top: prefill chunks of 64 tokens (the 148-token
 prompts take three steps), async scheduling (vLLM's default on CUDA; the next step
 is scheduled before the last one's report), batches that mix hits and misses,

@@ -321,7 +321,7 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
 
 def test_the_scheduler_keeps_the_books_that_in_step_loads_square(src: Path) -> None:
     """Layer-wise loads adjust the scheduler's private books (``compat.scheduler_books``,
-    ``in_step.py``): each is there, a request's pending jobs are a set named
+    ``scheduling.py``): each is there, a request's pending jobs are a set named
     ``transfer_jobs``, the store rule reads them, and the workers' report removes a job
     from its request's set and drops a finished request's state once it is empty."""
     base = "vllm.distributed.kv_transfer.kv_connector.v1.offloading"
