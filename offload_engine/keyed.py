@@ -253,7 +253,7 @@ def map_keyed(spec: TransferSpec, tier: HostTier, *, medium: Medium, who: str) -
         raise LayoutError(f"{who}: the host tier has been released")
     # this runs in the submitting thread for every job: plain lists and attributes
     # (numpy's reductions and Python-level __len__ cost most of a cold submit of a
-    # few ids; numpy's max wins above about 64, as in layout.map_blocks)
+    # few ids; numpy's max wins above about 64, as in mapping.map_blocks)
     ids = host.block_ids
     listed = ids.tolist()
     keys = keyed.keys

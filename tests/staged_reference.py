@@ -24,7 +24,8 @@ from offload_engine.device.plan import DevicePlan, after_last_effect
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.errors import ConfigError
-from offload_engine.host.layout import GroupMapping, KVLayout, merge_runs
+from offload_engine.host.layout import KVLayout, merge_runs
+from offload_engine.host.mapping import GroupMapping
 
 #: the largest pitch a 2D copy takes (MAX_PITCH in _native_launch.c)
 MAX_PITCH = 0x7FFFFFFF

@@ -14,7 +14,8 @@ from offload_engine import (
     cpu_blocks,
     gpu_blocks,
 )
-from offload_engine.host.layout import byte_view, map_blocks, tensor_byte_span
+from offload_engine.host.layout import byte_view, tensor_byte_span
+from offload_engine.host.mapping import map_blocks
 from offload_engine.testing import build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
 

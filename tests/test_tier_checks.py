@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from offload_engine import KVLayout, TransferSpec, cpu_blocks, gpu_blocks
 from offload_engine.device.runtimes import _native
 from offload_engine.errors import InvalidBlockIdsError, OffloadError
-from offload_engine.host import tier as tier_module
-from offload_engine.host.layout import check_destinations, map_blocks
-from offload_engine.host.tier import HostTier, LastMapping, map_transfer
+from offload_engine.host import mapping as mapping_module
+from offload_engine.host.mapping import LastMapping, check_destinations, map_blocks, map_transfer
+from offload_engine.host.tier import HostTier
 from offload_engine.vocabulary import Direction
 
 NC, NT = 300, 200  # cache blocks, tier blocks
@@ -137,13 +137,13 @@ def test_the_parts_of_one_load_pair_their_blocks_once(
     a bad job on new objects is still refused, whatever came before."""
     layout, tier = pools
     calls: list[int] = []
-    whole = tier_module._map_whole
+    whole = mapping_module._map_whole
 
     def counted(*args: object) -> object:
         calls.append(1)
         return whole(*args)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(tier_module, "_map_whole", counted)
+    monkeypatch.setattr(mapping_module, "_map_whole", counted)
     last = LastMapping()
     src, dst = cpu_blocks(range(70)), gpu_blocks(range(100, 170))
     jobs = [

@@ -6,7 +6,6 @@ never from its modules: what they use of it is re-exported below.
 
 from offload_engine.host.handler import HostCopyHandler
 from offload_engine.host.layout import (
-    GroupMapping,
     KVLayout,
     Region,
     RegionTables,
@@ -14,7 +13,8 @@ from offload_engine.host.layout import (
     chunk_descriptors,
     merge_runs,
 )
-from offload_engine.host.tier import HostTier, LastMapping, TierTransfer, map_transfer
+from offload_engine.host.mapping import GroupMapping, LastMapping, TierTransfer, map_transfer
+from offload_engine.host.tier import HostTier
 
 __all__ = [
     "GroupMapping",

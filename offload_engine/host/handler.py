@@ -19,8 +19,9 @@ import torch
 from offload_engine.engine.handler import LaunchedJob
 from offload_engine.engine.threadpool import ThreadPoolHandler
 from offload_engine.errors import LayoutError
-from offload_engine.host.layout import GroupMapping, KVLayout
-from offload_engine.host.tier import HostTier, LastMapping, map_transfer
+from offload_engine.host.layout import KVLayout
+from offload_engine.host.mapping import GroupMapping, LastMapping, map_transfer
+from offload_engine.host.tier import HostTier
 from offload_engine.vocabulary import (
     Direction,
     Medium,

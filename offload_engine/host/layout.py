@@ -1,4 +1,4 @@
-"""KV-cache layouts, the host tier's block format, and block-id arithmetic.
+"""KV-cache layouts and the host tier's block format.
 
 Model
 -----
@@ -17,10 +17,7 @@ The **host tier** stores each cache block contiguously across layers: one
 A tier block holds ``factor`` consecutive slots (the block-size factor). With
 several KV groups a slot is as large as the largest group's regions.
 
-Block-id arithmetic follows vLLM's ``blocks_per_chunk`` rule: a job moving
-``n`` cache blocks of a group whose first block has logical index ``i`` starts
-``i % factor`` slots into its first tier block and spans
-``ceil((n + i % factor) / factor)`` tier blocks. Stores and loads alike.
+A job's mapping of cache blocks to tier slots is :mod:`offload_engine.host.mapping`'s.
 """
 
 from __future__ import annotations
@@ -34,12 +31,10 @@ import torch
 
 from offload_engine._checks import check_int
 from offload_engine.errors import (
-    BlockCountMismatchError,
-    InvalidBlockIdsError,
     InvalidTransferError,
     LayoutError,
 )
-from offload_engine.vocabulary import BlockIds, CacheBlocks, Direction, TierBlocks
+from offload_engine.vocabulary import BlockIds, Direction
 
 U64 = npt.NDArray[np.uint64]
 
@@ -476,140 +471,3 @@ class KVLayout:
             f"<KVLayout {self.name} blocks={self.num_blocks} groups={len(self.groups)} "
             f"regions={regions} slot_bytes={self.slot_bytes} device={self.device}>"
         )
-
-
-@dataclass(frozen=True)
-class GroupMapping:
-    """Cache block ids and the tier slots they pair with, for one KV group."""
-
-    group: int
-    cache_ids: BlockIds
-    slots: BlockIds
-
-
-def expand_tier_slots(tier_ids: BlockIds, factor: int, skip: int, count: int) -> BlockIds:
-    """The ``count`` slots that start ``skip`` slots into ``tier_ids[0]``."""
-    if factor == 1:
-        return tier_ids[:count]
-    slots = (tier_ids[:, None] * factor + np.arange(factor, dtype=np.int64)[None, :]).ravel()
-    return slots[skip : skip + count]
-
-
-def _first_repeat(ids: BlockIds) -> int | None:
-    if ids.size < 2:
-        return None
-    if ids.size <= 64 and len(set(ids.tolist())) == ids.size:
-        return None  # the common case, and a set is cheaper than a sort at this size
-    ordered = np.sort(ids)
-    same = np.flatnonzero(ordered[1:] == ordered[:-1])
-    return int(ordered[same[0]]) if same.size else None
-
-
-def check_destinations(
-    mapping: Sequence[GroupMapping],
-    *,
-    direction: Direction,
-    aliases: Sequence[int],
-    factor: int = 1,
-) -> None:
-    """Refuse a job that writes one destination twice, with :class:`InvalidBlockIdsError`.
-
-    Two writes to one place in one job have no defined order (workers or a device may
-    run them at once and tear the block), so they are refused at submit. A store writes
-    tier slots, which every KV group shares; a load writes cache blocks, which groups
-    that share a tensor (``aliases``, :attr:`KVLayout.group_aliases`) share too. Sources
-    may repeat: reading a block twice is harmless.
-    """
-    if direction is Direction.STORE:
-        parts = [m.slots for m in mapping]
-        if sum(p.size for p in parts) < 2:
-            return
-        slot = _first_repeat(np.concatenate(parts) if len(parts) > 1 else parts[0])
-        if slot is not None:
-            where = f"tier block {slot // factor}"
-            if factor > 1:
-                where += f" (slot {slot % factor})"
-            raise InvalidBlockIdsError(
-                f"the store writes {where} twice; destinations must be distinct within a job"
-            )
-        return
-    by_class: dict[int, list[BlockIds]] = {}
-    for m in mapping:
-        by_class.setdefault(aliases[m.group], []).append(m.cache_ids)
-    for parts in by_class.values():
-        block = _first_repeat(np.concatenate(parts) if len(parts) > 1 else parts[0])
-        if block is not None:
-            raise InvalidBlockIdsError(
-                f"the load writes cache block {block} twice; destinations must be distinct "
-                "within a job (KV groups that share a tensor share their blocks)"
-            )
-
-
-def map_blocks(
-    cache: CacheBlocks,
-    tier: TierBlocks,
-    *,
-    factor: int,
-    num_cache_blocks: int,
-    num_tier_blocks: int,
-    num_groups: int,
-) -> list[GroupMapping]:
-    """Pair each cache block of ``cache`` with its tier slot, per group.
-
-    Raises :class:`BlockCountMismatchError` when the tier ids do not cover the
-    cache ids exactly, and :class:`InvalidBlockIdsError` for ids outside either
-    pool. Vectorised: no per-block Python loop.
-    """
-    if len(cache.group_sizes) != num_groups:
-        raise BlockCountMismatchError(
-            f"the cache spec has {len(cache.group_sizes)} KV groups, the layout {num_groups}"
-        )
-    cache_ids, tier_ids = cache.block_ids, tier.block_ids
-    n = cache_ids.size
-    if factor == 1 and num_groups == 1 and 0 < n == tier_ids.size:
-        # the common job (one group, one slot per tier block): two range checks and no
-        # slicing; below 64 ids a Python max is cheaper than numpy's
-        small = n <= 64
-        top_cache = max(cache_ids.tolist()) if small else int(cache_ids.max())
-        top_tier = max(tier_ids.tolist()) if small else int(tier_ids.max())
-        if top_cache < num_cache_blocks and top_tier < num_tier_blocks:
-            return [GroupMapping(0, cache_ids, tier_ids)]
-    if cache_ids.size and int(cache_ids.max()) >= num_cache_blocks:
-        raise InvalidBlockIdsError(
-            f"cache block id {int(cache_ids.max())} is out of range (the cache has "
-            f"{num_cache_blocks} blocks)"
-        )
-    if tier_ids.size and int(tier_ids.max()) >= num_tier_blocks:
-        raise InvalidBlockIdsError(
-            f"tier block id {int(tier_ids.max())} is out of range (the tier has "
-            f"{num_tier_blocks} blocks)"
-        )
-    out: list[GroupMapping] = []
-    c0 = t0 = 0
-    for g, (n, index) in enumerate(zip(cache.group_sizes, cache.block_indices, strict=True)):
-        skip = index % factor
-        m = -(-(n + skip) // factor) if n else 0
-        if t0 + m > tier_ids.size:
-            break
-        if n:
-            out.append(
-                GroupMapping(
-                    g,
-                    cache_ids[c0 : c0 + n],
-                    expand_tier_slots(tier_ids[t0 : t0 + m], factor, skip, n),
-                )
-            )
-        c0 += n
-        t0 += m
-    else:
-        if t0 == tier_ids.size:
-            return out
-    expected = sum(
-        -(-(n + i % factor) // factor) if n else 0
-        for n, i in zip(cache.group_sizes, cache.block_indices, strict=True)
-    )
-    raise BlockCountMismatchError(
-        f"{len(cache_ids)} cache blocks (groups {cache.group_sizes}, first indices "
-        f"{cache.block_indices}) need {expected} tier blocks at factor {factor}, "
-        f"got {tier_ids.size}"
-    )

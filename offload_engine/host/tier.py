@@ -12,23 +12,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
 from offload_engine._checks import check_int
-from offload_engine.errors import ConfigError, InvalidTransferError, LayoutError
+from offload_engine.errors import ConfigError, LayoutError
 from offload_engine.host.layout import (
-    GroupMapping,
     KVLayout,
-    check_destinations,
-    map_blocks,
     slot_byte_offsets,
 )
-from offload_engine.vocabulary import BlockIds, CacheBlocks, Direction, TierBlocks, TransferSpec
+from offload_engine.vocabulary import BlockIds
 
 
 def _physical_memory() -> int:
@@ -294,173 +289,3 @@ class HostTier:
             f"<HostTier blocks={self.num_blocks} factor={self.factor} "
             f"slot_bytes={self.slot_bytes}{gaps} {state}>"
         )
-
-
-@dataclass(frozen=True)
-class TierTransfer:
-    """A job between a KV layout and a host tier, mapped at submit."""
-
-    direction: Direction
-    groups: list[GroupMapping]
-    nbytes: int
-    #: with ``TransferSpec.tensors``: per KV group, the indices of the regions moved
-    #: (:meth:`KVLayout.regions_in`); None moves every region
-    regions: tuple[tuple[int, ...], ...] | None = None
-
-
-#: ``check(cache_ids, tier_ids, num_cache_blocks, num_tier_blocks, store)``: whether
-#: the common job passes (:class:`offload_engine.device.runtimes._native.PairCheck`)
-PairChecker: TypeAlias = Callable[[BlockIds, BlockIds, int, int, bool], bool]
-
-#: up to this many ids the common job's checks run on Python lists
-_LIST_CHECK_IDS = 64
-
-
-def _common_job_passes(
-    cache_ids: BlockIds,
-    tier_ids: BlockIds,
-    num_cache: int,
-    num_tier: int,
-    store: bool,
-    check: PairChecker | None,
-) -> bool:
-    """Whether a job of one KV group at factor 1 (``cache_ids[i]`` pairs with
-    ``tier_ids[i]``, equal lengths) has every id in range and distinct destinations.
-    ``False`` also means "not decided here": the general path then checks again and
-    raises what it finds. Small jobs are checked on lists, larger ones by ``check``
-    (one foreign call) where given; a numpy call costs tens of microseconds in a
-    thread that has been idle, so the general path's five are avoided."""
-    n = cache_ids.shape[0]
-    if n <= _LIST_CHECK_IDS:
-        cache: list[int] = cache_ids.tolist()
-        blocks: list[int] = tier_ids.tolist()
-        dst = blocks if store else cache
-        return max(cache) < num_cache and max(blocks) < num_tier and len(set(dst)) == n
-    if check is None:
-        return False
-    return check(cache_ids, tier_ids, num_cache, num_tier, store)
-
-
-class LastMapping:
-    """The last whole-block pairing :func:`map_transfer` made for one handler, by the
-    identity of its spec's two sides. The parts of a layer-wise load (one spec per
-    group of layers over the same :class:`CacheBlocks` and :class:`TierBlocks`, whose
-    ids are read-only) then check and pair their blocks once. Any thread: one tuple
-    is read or replaced at a time."""
-
-    __slots__ = ("_last",)
-
-    def __init__(self) -> None:
-        self._last: tuple[CacheBlocks, TierBlocks, TierTransfer] | None = None
-
-    def get(self, cache: CacheBlocks, blocks: TierBlocks) -> TierTransfer | None:
-        last = self._last
-        if last is not None and last[0] is cache and last[1] is blocks:
-            return last[2]
-        return None
-
-    def put(self, cache: CacheBlocks, blocks: TierBlocks, job: TierTransfer) -> None:
-        self._last = (cache, blocks, job)
-
-
-def map_transfer(
-    spec: TransferSpec,
-    layout: KVLayout,
-    tier: HostTier,
-    *,
-    who: str,
-    expect: Direction | None = None,
-    check: PairChecker | None = None,
-    last: LastMapping | None = None,
-) -> TierTransfer:
-    """Check that ``spec`` moves blocks between the KV cache and the tier (the
-    ``expect``-ed way, if given), and pair every cache block with its tier slot.
-    A job that writes one destination twice is refused (:func:`check_destinations`).
-    ``check`` checks the common job of more than 64 blocks in one call (the native
-    library's); without it, numpy does. With ``last``, a spec over the very block
-    objects of the previous one reuses its pairing.
-
-    Raises :class:`InvalidTransferError`, :class:`BlockCountMismatchError`,
-    :class:`InvalidBlockIdsError` or, for a released tier, :class:`LayoutError`.
-    """
-    direction = spec.direction
-    if direction is Direction.COPY or (expect is not None and direction is not expect):
-        want = f"a {expect.value}" if expect is not None else "a store or a load"
-        raise InvalidTransferError(
-            f"{who} needs {want} between a KV cache and a tier, got "
-            f"{type(spec.src).__name__} -> {type(spec.dst).__name__}"
-        )
-    cache, blocks = (spec.src, spec.dst) if direction is Direction.STORE else (spec.dst, spec.src)
-    if not isinstance(cache, CacheBlocks) or not isinstance(blocks, TierBlocks):
-        raise InvalidTransferError(f"{who} needs CacheBlocks and TierBlocks, got {spec!r}")
-    if tier.released:
-        raise LayoutError(f"{who}: the host tier has been released")
-    job = None if last is None else last.get(cache, blocks)
-    if job is None:
-        job = _map_whole(spec, cache, blocks, layout, tier, check)
-        if last is not None:
-            last.put(cache, blocks, job)
-    if spec.tensors is None:
-        return job
-    return _select_tensors(job, layout, spec.tensors)
-
-
-def _select_tensors(job: TierTransfer, layout: KVLayout, tensors: tuple[int, ...]) -> TierTransfer:
-    """``job`` narrowed to the regions in ``tensors``; groups with none are dropped."""
-    regions = layout.regions_in(tensors)
-    if job.groups and not any(regions[m.group] for m in job.groups):
-        raise InvalidTransferError(
-            f"TransferSpec.tensors {tensors} holds no region of the job's KV groups "
-            f"in layout {layout.name}"
-        )
-    groups = [m for m in job.groups if regions[m.group]]
-    nbytes = sum(
-        int(m.cache_ids.size) * sum(layout.groups[m.group][i].size for i in regions[m.group])
-        for m in groups
-    )
-    return TierTransfer(job.direction, groups, nbytes, regions)
-
-
-def _map_whole(
-    spec: TransferSpec,
-    cache: CacheBlocks,
-    blocks: TierBlocks,
-    layout: KVLayout,
-    tier: HostTier,
-    check: PairChecker | None,
-) -> TierTransfer:
-    direction = spec.direction
-    cache_ids, tier_ids = cache.block_ids, blocks.block_ids
-    n = cache_ids.shape[0]
-    if (
-        tier.factor == 1
-        and len(cache.group_sizes) == 1 == len(layout.groups)
-        and 0 < n == tier_ids.shape[0]
-        and _common_job_passes(
-            cache_ids,
-            tier_ids,
-            layout.num_blocks,
-            tier.num_blocks,
-            direction is Direction.STORE,
-            check,
-        )
-    ):
-        return TierTransfer(
-            direction, [GroupMapping(0, cache_ids, tier_ids)], n * layout.group_bytes[0]
-        )
-    groups = map_blocks(
-        cache,
-        blocks,
-        factor=tier.factor,
-        num_cache_blocks=layout.num_blocks,
-        num_tier_blocks=tier.num_blocks,
-        num_groups=len(layout.groups),
-    )
-    check_destinations(
-        groups,
-        direction=direction,
-        aliases=layout.group_aliases,
-        factor=tier.factor,
-    )
-    nbytes = sum(int(m.cache_ids.size) * layout.group_bytes[m.group] for m in groups)
-    return TierTransfer(direction, groups, nbytes)
