@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from offload_engine.device.kernel import upload_ids
-from offload_engine.device.plan import DevicePlan, after_last_effect
+from offload_engine.device.plan import DevicePlan
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.errors import ConfigError
@@ -31,13 +31,13 @@ from offload_engine.host.mapping import GroupMapping
 MAX_PITCH = 0x7FFFFFFF
 
 if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
+    from offload_engine.device.context import JobOrder, LaunchContext
 
 
-def tier_order(h: DeviceCopyHandler, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
+def tier_order(ctx: LaunchContext, m: GroupMapping, tier_base: np.uint64) -> tuple[Any, Any]:
     """The group's cache ids and tier row addresses, sorted by tier address
     (stable: blocks bound for one slot keep their order)."""
-    rows = tier_base + h.tier.slot_offsets(m.slots)
+    rows = tier_base + ctx.tier.slot_offsets(m.slots)
     if rows.shape[0] < 2 or bool((rows[1:] > rows[:-1]).all()):
         return m.cache_ids, rows
     order = np.argsort(rows, kind="stable")
@@ -110,24 +110,24 @@ def copy2d_runs(tier_rows: Any, size: int) -> tuple[list[tuple[int, int, int]], 
 
 
 def _piece_descriptors(
-    h: DeviceCopyHandler, g: _Group, k: int, lo: int, hi: int, b: int, staging: StagingBuffers
+    ctx: LaunchContext, g: _Group, k: int, lo: int, hi: int, b: int, staging: StagingBuffers
 ) -> tuple[Any, Any, Any]:
     """A piece's DMA descriptors (dst, src, sizes)."""
     if g.runs is None:  # a single piece, or no two neighbours continue
         tier = g.tier_rows[lo:hi]
         rows = staging.row_addresses[b][: hi - lo]
-        sizes = h._used_sizes[g.mapping.group][: hi - lo]
+        sizes = np.full(hi - lo, ctx.layout.group_bytes[g.mapping.group], dtype=np.uint64)
         if int(g.mapping.cache_ids.shape[0]) <= staging.rows:
             tier, rows, sizes = merge_runs(tier, rows, sizes)  # symmetric in its two sides
     else:  # one per run of consecutive tier slots within the piece
         run_tier, run_rows, run_bytes, cuts = g.runs
         c0, c1 = cuts[k], cuts[k + 1]
         tier, rows, sizes = run_tier[c0:c1], run_rows[b][c0:c1], run_bytes[c0:c1]
-    return (tier, rows, sizes) if h._store else (rows, tier, sizes)
+    return (tier, rows, sizes) if ctx.store else (rows, tier, sizes)
 
 
 def _piece(
-    h: DeviceCopyHandler,
+    ctx: LaunchContext,
     staging: StagingBuffers,
     g: _Group,
     k: int,
@@ -137,41 +137,41 @@ def _piece(
 ) -> None:
     """Enqueue one piece: [wait for its buffer] first half, record, wait, second
     half, record; a store gathers (SM) then DMAs, a load the reverse."""
-    ops = h._ops
+    ops = ctx.ops
     n = int(g.mapping.cache_ids.shape[0])
     hi = min(lo + staging.rows, n)
     b = staging.take()
     first, second = streams
     full, end = events
     group = g.mapping.group
-    size = h.layout.group_bytes[group]
+    size = ctx.layout.group_bytes[group]
     runs: list[tuple[int, int, int]] = []
-    if size < h.layout.slot_bytes:  # rows with gaps between them: runs go as 2D copies
+    if size < ctx.layout.slot_bytes:  # rows with gaps between them: runs go as 2D copies
         runs, single = copy2d_runs(g.tier_rows[lo:hi], size)
         keep = np.array(single, dtype=np.int64)
         tier = g.tier_rows[lo:hi][keep]
         rows = staging.row_addresses[b][: hi - lo][keep]
         sizes = np.full(len(single), size, dtype=np.uint64)
-        dst, src = (tier, rows) if h._store else (rows, tier)
+        dst, src = (tier, rows) if ctx.store else (rows, tier)
     else:
-        dst, src, sizes = _piece_descriptors(h, g, k, lo, hi, b, staging)
+        dst, src, sizes = _piece_descriptors(ctx, g, k, lo, hi, b, staging)
     piece_ids = g.ids if lo == 0 and hi == n else g.ids[lo:hi]
-    copy = h._tables.block_copy(
+    copy = ctx.tables.block_copy(
         g.mapping.group, piece_ids, None, hi - lo, staging.addresses[b], staging.views[b]
     )
-    sm_stream, dma_stream = (first, second) if h._store else (second, first)
+    sm_stream, dma_stream = (first, second) if ctx.store else (second, first)
     if staging.free[b] is not None:
         ops.wait_event(first, staging.free[b])
     for half in (0, 1):
-        if (half == 0) == h._store:
+        if (half == 0) == ctx.store:
             ops.copy_blocks(sm_stream, copy)
         else:
-            ops.memcpy_batch(dma_stream, dst, src, sizes, h.direction)
-            pitch = h.layout.slot_bytes
+            ops.memcpy_batch(dma_stream, dst, src, sizes, ctx.direction)
+            pitch = ctx.layout.slot_bytes
             for row, height, stride in runs:
                 t, r = int(g.tier_rows[lo + row]), int(staging.row_addresses[b][row])
-                d, s, pitches = (t, r, (stride, pitch)) if h._store else (r, t, (pitch, stride))
-                ops.memcpy_2d(dma_stream, d, s, size, height, pitches, h.direction)
+                d, s, pitches = (t, r, (stride, pitch)) if ctx.store else (r, t, (pitch, stride))
+                ops.memcpy_2d(dma_stream, d, s, size, height, pitches, ctx.direction)
         if half == 0:
             ops.record(full, first)
             ops.wait_event(second, full)
@@ -180,52 +180,52 @@ def _piece(
 
 
 def enqueue_staged_reference(
-    h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]
+    ctx: LaunchContext, order: JobOrder, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]
 ) -> None:
-    """Put a staged job's pieces on the streams, call by call on ``h._ops``."""
-    staging = h._staging
+    """Put a staged job's pieces on the streams, call by call on ``ctx.ops``."""
+    staging = ctx.staging
     if staging is None:  # pragma: no cover - guarded at construction
         raise ConfigError("no staging memory")
-    store = h._store
-    h._ops.wait_event(sm, plan.ready)
-    after_last_effect(h, dmas if store else (sm,))
-    tier_base = np.uint64(h._tier_base)
-    order = [tier_order(h, m, tier_base) for m in plan.groups]
+    store = ctx.store
+    ctx.ops.wait_event(sm, plan.ready)
+    order.after_last_effect(ctx.ops, dmas if store else (sm,))
+    tier_base = np.uint64(ctx.tier_base)
+    in_tier_order = [tier_order(ctx, m, tier_base) for m in plan.groups]
     # every group's ids in one upload, before any piece
-    ids = upload_ids(h, plan, sm, [cache_ids for cache_ids, _ in order])
+    ids = upload_ids(ctx, plan, sm, [cache_ids for cache_ids, _ in in_tier_order])
     rows_per = staging.rows
     groups = []
-    for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, order, strict=True):
+    for m, group_ids, (_, tier_rows) in zip(plan.groups, ids, in_tier_order, strict=True):
         # a group of one piece merges that piece (fewer numpy calls than planning)
         several = int(m.cache_ids.shape[0]) > rows_per
-        runs = plan_runs(h.layout, m.group, tier_rows, staging) if several else None
+        runs = plan_runs(ctx.layout, m.group, tier_rows, staging) if several else None
         groups.append(_Group(m, group_ids, tier_rows, runs))
     pieces = sum(-(-int(m.cache_ids.shape[0]) // rows_per) for m in plan.groups)
     # two events per piece (its first half done, its second half done; an empty
     # job records one), taken from the pool at once
-    events = h._resources.events(max(2 * pieces, 1))
+    events = ctx.resources.events(max(2 * pieces, 1))
     plan.events.extend(events)
     last: dict[int, Any] = {}  # last event per DMA stream (stores end on both)
     at = 0
     for g in groups:
         for k, lo in enumerate(range(0, int(g.mapping.cache_ids.shape[0]), rows_per)):
-            h._pieces += 1
-            dma = dmas[h._pieces % 2]
+            order.pieces += 1
+            dma = dmas[order.pieces % 2]
             streams = (sm, dma) if store else (dma, sm)
-            _piece(h, staging, g, k, lo, streams, (events[at], events[at + 1]))
-            last[h._pieces % 2] = events[at + 1]
+            _piece(ctx, staging, g, k, lo, streams, (events[at], events[at + 1]))
+            last[order.pieces % 2] = events[at + 1]
             at += 2
     plan.checks += events[:at]
     if pieces == 0:  # an empty job still takes its place in the order
         stream = dmas[0] if store else sm
-        h._ops.record(events[0], stream)
+        ctx.ops.record(events[0], stream)
         plan.checks.append(events[0])
-        h._last_effect = [(events[0], stream)]
+        order.last_effect = [(events[0], stream)]
     elif store and len(last) == 2:
         # the next job's DMA streams wait for both ends (no join needed)
-        h._last_effect = [(last[0], dmas[0]), (last[1], dmas[1])]
+        order.last_effect = [(last[0], dmas[0]), (last[1], dmas[1])]
     else:
-        h._last_effect = [(events[at - 1], dmas[h._pieces % 2] if store else sm)]
+        order.last_effect = [(events[at - 1], dmas[order.pieces % 2] if store else sm)]
 
 
 def use_reference(monkeypatch: Any) -> None:

@@ -279,7 +279,7 @@ def test_a_hung_copy_times_out_and_close_does_not_hang(fake: FakeRuntime) -> Non
     job = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])), timeout=0.2)
     [r] = engine.wait([job], timeout=10)
     assert isinstance(r.error, JobTimeoutError)
-    threads = list(store._threads)  # close empties the handler's list when it gives up
+    threads = list(store._launcher.threads)  # close empties the list when it gives up
     with pytest.raises(EngineBrokenError, match="hung"):
         engine.close(timeout=1)
     fake.release_hangs()  # lets the watcher thread go, so the fixture finds no thread

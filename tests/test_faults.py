@@ -526,7 +526,7 @@ def test_a_hung_device_copy_times_out_and_close_does_not_hang(
         if hung_stores
         else TransferSpec(cpu_blocks([0]), gpu_blocks([30]))
     )
-    threads = [*store._threads, *load._threads]
+    threads = [*store._launcher.threads, *load._launcher.threads]
     t0 = time.monotonic()
     with pytest.raises(EngineBrokenError, match="hung"):
         engine.close(timeout=0.1)

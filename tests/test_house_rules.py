@@ -221,19 +221,12 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
 
 
 def _project_imports(tree: ast.Module, modules: set[str], package: str = "") -> set[str]:
-    """The project modules ``tree`` imports anywhere (also inside functions, which
-    only postpones a cycle), except under ``if TYPE_CHECKING``. ``package`` is the
-    importing module's package, for relative imports."""
-    skipped = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-        for inner in ast.walk(node)
-    }
+    """The project modules ``tree`` imports anywhere: also inside functions, which
+    only postpones a cycle, and under ``if TYPE_CHECKING``, which hides one from the
+    interpreter but not from a reader. ``package`` is the importing module's package,
+    for relative imports."""
     out: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             out.update(a.name for a in node.names if a.name in modules)
         elif isinstance(node, ast.ImportFrom):
@@ -336,7 +329,15 @@ def test_the_cycle_check_finds_a_cycle(tmp_path: pathlib.Path) -> None:
     (pkg / "d.py").write_text(
         "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a\n"
     )
-    assert import_cycles(sorted(pkg.glob("*.py")), tmp_path) == [["pkg.a", "pkg.b", "pkg.c"]]
+    # an import for the type checker alone still closes a cycle
+    (pkg / "e.py").write_text("from pkg import f\n")
+    (pkg / "f.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.e import X\n"
+    )
+    assert import_cycles(sorted(pkg.glob("*.py")), tmp_path) == [
+        ["pkg.a", "pkg.b", "pkg.c"],
+        ["pkg.e", "pkg.f"],
+    ]
 
 
 def test_the_package_cycle_check_finds_a_loop_no_module_closes(tmp_path: pathlib.Path) -> None:

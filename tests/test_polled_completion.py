@@ -102,7 +102,7 @@ class Pair:
 
         def spied_start(context: Any) -> None:
             start(context)
-            handler._watch_q = _SpyQueue(handler._watch_q, self.watched)  # type: ignore[assignment]
+            handler._launcher.watch_q = _SpyQueue(handler._launcher.watch_q, self.watched)  # type: ignore[assignment]
 
         handler.start = spied_start  # type: ignore[method-assign]
 

@@ -157,8 +157,8 @@ def main() -> int:
                 if prof is not None:
                     pstats.Stats(prof).sort_stats("tottime").print_stats(14)
     for h in (store, load):
-        h._launch_q.put(STOP)
-        for t in h._threads:
+        h._launcher._launch_q.put(STOP)
+        for t in h._launcher.threads:
             t.join()
     tier.release()
     return 0

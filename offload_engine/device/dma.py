@@ -8,35 +8,36 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from offload_engine.device.plan import DevicePlan, after_last_effect, mark
+from offload_engine.device.plan import DevicePlan
 from offload_engine.host import chunk_descriptors
 
 if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
+    from offload_engine.device.context import JobOrder, LaunchContext
 
 
-def enqueue_dma(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> None:
-    ops = h._ops
+def enqueue_dma(ctx: LaunchContext, order: JobOrder, plan: DevicePlan, stream: Any) -> None:
+    ops = ctx.ops
     ops.wait_event(stream, plan.ready)
-    after_last_effect(h, (stream,))
-    tier = h.tier
+    order.after_last_effect(ops, (stream,))
+    tier = ctx.tier
     regions = plan.regions
-    native = h._native
+    native = ctx.native
+    direction = ctx.direction
     for m in plan.groups:
-        tables = h.layout.region_tables(m.group, None if regions is None else regions[m.group])
+        tables = ctx.layout.region_tables(m.group, None if regions is None else regions[m.group])
         if native is not None:
             # the same descriptors, made by the native library in one call
-            native.memcpy_chunks(stream, tables, m.cache_ids, m.slots, h._geometry, h.direction)
+            native.memcpy_chunks(stream, tables, m.cache_ids, m.slots, ctx.geometry, direction)
             continue
         dst, src, sizes = chunk_descriptors(
             tables,
             m.cache_ids,
             m.slots,
-            tier_base=h._tier_base,
+            tier_base=ctx.tier_base,
             slot_bytes=tier.slot_bytes,
-            direction=h.direction,
+            direction=direction,
             factor=tier.factor,
             block_stride=tier.block_stride,
         )
-        ops.memcpy_batch(stream, dst, src, sizes, h.direction)
-    h._last_effect = [(mark(h, plan, stream), stream)]
+        ops.memcpy_batch(stream, dst, src, sizes, direction)
+    order.last_effect = [(ctx.mark(plan, stream), stream)]

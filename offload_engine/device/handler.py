@@ -23,20 +23,15 @@ the stream sets and what keeps a small job's launch cheap.
 
 from __future__ import annotations
 
-import collections
 import logging
-import queue
 import threading
 from typing import Any
 
 import numpy as np
 
-from offload_engine._loop import ThreadSignal, join_threads
 from offload_engine.device.config import CopyStrategy, DeviceHandlerConfig
-from offload_engine.device.launch import STOP, enqueue, launch_loop, watch_loop
-from offload_engine.device.launch import launch as launch_job
-from offload_engine.device.launch import poll as poll_jobs
-from offload_engine.device.launch import watch as watch_jobs
+from offload_engine.device.context import JobOrder, LaunchContext, SlotScratch
+from offload_engine.device.launch import Launcher, enqueue
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers, stream_sets
@@ -192,11 +187,6 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._submitter_launch = config.submitter_launch and self._inline_units > 0
         self.launch_in_submitter = self._inline_units > 0
         self.polled_completion = config.polled_completion
-        # polled completion: launched jobs nobody reported yet, in launch order,
-        # and how many callers wait (while any do, jobs go to the watcher instead)
-        self._polled: collections.deque[LaunchedJob[DevicePlan]] = collections.deque()
-        self._watchers = 0
-        self._poll_lock = threading.Lock()
         self._stage_rows = _staging_rows(runtime, layout, tier, config)
         self._native, self.native_note = self._native_program()
         # what prepare needs per job, fixed here (it runs in the caller's thread, often
@@ -221,11 +211,16 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._ops: Any = runtime if self._native is None else self._native
         self._check = None if self._native is None else self._native.check_pairs
         self._last_mapping = LastMapping()  # a layer-wise load's parts pair their blocks once
-        self._native_sets: dict[Any, Any] = {}  # the planner's facts per stream set
-        # a staged job's tier slots, for the native planner (which makes them addresses)
-        self._slots = np.empty(1024, dtype=np.int64)
-        self._slots_at = self._slots.ctypes.data
         self._resources = JobResources(runtime, keep_id_buffers=config.max_inflight)
+        # looked up per job, so a subclass's (or a test's) _enqueue and _recycle are used
+        self._launcher = Launcher(
+            runtime,
+            enqueue=lambda plan: self._enqueue(plan),  # noqa: PLW0108
+            recycle=lambda plan: self._recycle(plan),  # noqa: PLW0108
+            inline_units=self._inline_units,
+            polled_completion=config.polled_completion,
+            name=f"offload-engine-{runtime.name}-{direction.value}",
+        )
         self._started = False
 
     def _native_program(self) -> tuple[LaunchProgram | None, str | None]:
@@ -267,55 +262,46 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def start(self, context: HandlerContext) -> None:
         rt = self.runtime
         self._pool = stream_sets(rt, self._stream_sets())
-        self._seq = 0
-        self._pieces = 0  # staged pieces so far; their DMAs alternate between two streams
-        # the events after which the previous job's writes (its effect) are done,
-        # each with the stream it was recorded on (a wait on that stream is implied)
-        self._last_effect: list[tuple[Any, Any]] = []
         rows = self._stage_rows
         slot_bytes = self.layout.slot_bytes
         buffers = self.config.staging_buffers
-        self._staging = StagingBuffers(rt, buffers, rows, slot_bytes) if rows else None
         setup = self._pool[0][0]
         self._tables = RegionTables(rt, self.layout, self.direction, setup)
-        self._tier_base = self.tier.span.data_ptr()
-        # where tier slot s starts, as the native dma descriptors take it
         tier = self.tier
-        self._geometry = (self._tier_base, tier.slot_bytes, tier.factor, tier.block_stride)
-        # each group's bytes per staging row, as a descriptor size column
-        self._used_sizes = [
-            np.full(max(rows, 1), b, dtype=np.uint64) for b in self.layout.group_bytes
-        ]
-        # the tier's slot rows (strided by the slot pitch), for the kernel strategy;
-        # None where the slots are not evenly spaced, which refuses that strategy
-        self._tier_view = self.tier.slot_rows()
+        tier_base = tier.span.data_ptr()
+        self._ctx = LaunchContext(
+            runtime=rt,
+            ops=self._ops,
+            layout=self.layout,
+            tier=tier,
+            direction=self.direction,
+            store=self._store,
+            tables=self._tables,
+            resources=self._resources,
+            tier_base=tier_base,
+            # where tier slot s starts, as the native dma descriptors take it
+            geometry=(tier_base, tier.slot_bytes, tier.factor, tier.block_stride),
+            # the tier's slot rows (strided by the slot pitch), for the kernel strategy;
+            # None where the slots are not evenly spaced, which refuses that strategy
+            tier_view=tier.slot_rows(),
+            pool=self._pool,
+            staging=StagingBuffers(rt, buffers, rows, slot_bytes) if rows else None,
+            planner=self._planner,
+            native=self._native,
+            native_sets={},
+            slots=SlotScratch(),
+        )
+        self._order = JobOrder()
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
         # a small job uses three or four events, and max_inflight jobs are in flight
         self._resources.add_events(4 * self.max_inflight)
-        self._start_threads(context)
+        self._launcher.start(self._pool[0][0], context.call_soon)
         self._started = True
 
-    def _start_threads(self, context: HandlerContext) -> None:
-        # launcher: enqueues each job's device work (driver calls release the GIL, so
-        # the store and load handlers' launchers run in parallel, off the event loop);
-        # watcher: sleeps on each job's events in order and reports the outcome
-        self._launch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._pending = 0  # jobs handed to the launcher thread and not yet enqueued
-        self._pending_lock = threading.Lock()
-        self._watch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._threads_done = ThreadSignal(context.call_soon)
-        name = f"offload-engine-{self.runtime.name}-{self.direction.value}"
-        self._threads = [
-            threading.Thread(target=launch_loop, args=(self,), name=f"{name}-launch", daemon=True),
-            threading.Thread(target=watch_loop, args=(self,), name=f"{name}-watch", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
     def owns_thread(self, thread: threading.Thread) -> bool:
-        return thread in getattr(self, "_threads", ())
+        return self._launcher.owns_thread(thread)
 
     def _stream_sets(self) -> int:
         if self.config.streams is not None:
@@ -328,18 +314,14 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if not self._started:
             return
         self._started = False
-        self.watch(1)  # jobs never polled (abandoned at close) are awaited by the watcher
-        self._launch_q.put(STOP)  # the launcher passes it on to the watcher
-        await join_threads(
-            self._threads,
-            self._threads_done,
+        await self._launcher.stop(
             self.config.close_timeout,
             f"of {self.name} still waiting on device work (the device may be hung)",
         )
         # device memory goes now, not whenever the collector breaks the handler's cycles
-        self._staging = None
-        del self._tables
-        self._native_sets.clear()  # they hold the staging buffers and stream handles
+        ctx = self._ctx
+        del self._ctx, self._tables
+        ctx.native_sets.clear()  # they hold the staging buffers and stream handles
         self._resources.clear()
         pool, self._pool = self._pool, []
         for sm, dmas in pool:
@@ -429,7 +411,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if plan.strategy is CopyStrategy.AUTO:
             self._choose(plan)
         self._launched_bytes += plan.nbytes
-        launch_job(self, job)
+        self._launcher.launch(job)
 
     def _choose(self, plan: DevicePlan) -> None:
         """The ``auto`` policy's strategy for ``plan``, against the bytes launched
@@ -446,15 +428,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def poll(self) -> None:
         """Report the leading run of finished jobs (event queries, no waiting)."""
-        poll_jobs(self)
+        self._launcher.poll()
 
     def watch(self, delta: int) -> None:
         """While someone waits, the watcher thread reports each job as it finishes."""
-        watch_jobs(self, delta)
+        self._launcher.watch(delta)
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams (jobs take effect in submission order)."""
-        enqueue(self, plan)
+        enqueue(self._ctx, self._order, plan)
 
     def _recycle(self, plan: DevicePlan) -> None:
         """Hand a finished job's events and id buffer back to the pools."""

@@ -9,29 +9,29 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload_engine.device.plan import DevicePlan, after_last_effect, mark
+from offload_engine.device.plan import DevicePlan
 from offload_engine.errors import ConfigError
 
 if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
+    from offload_engine.device.context import JobOrder, LaunchContext
 
 
 def upload_ids(
-    h: DeviceCopyHandler, plan: DevicePlan, stream: Any, arrays: list[Any]
+    ctx: LaunchContext, plan: DevicePlan, stream: Any, arrays: list[Any]
 ) -> list[torch.Tensor]:
     """Put the job's id arrays on the device with one upload, from a buffer the
     handler reuses once the job is done (no allocation per job)."""
     total = sum(int(a.shape[0]) for a in arrays)
-    buffer = h._resources.id_buffer(plan, total)
+    buffer = ctx.resources.id_buffer(plan, total)
     host = buffer.host
     if len(arrays) == 1:
         host[:total] = arrays[0]
-        return [h._ops.upload_ids(stream, buffer, total)]
+        return [ctx.ops.upload_ids(stream, buffer, total)]
     at = 0
     for a in arrays:
         host[at : at + a.shape[0]] = a
         at += int(a.shape[0])
-    device = h._ops.upload_ids(stream, buffer, total)
+    device = ctx.ops.upload_ids(stream, buffer, total)
     out = []
     at = 0
     for a in arrays:
@@ -40,19 +40,19 @@ def upload_ids(
     return out
 
 
-def enqueue_kernel(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> None:
-    h._ops.wait_event(stream, plan.ready)
-    after_last_effect(h, (stream,))
+def enqueue_kernel(ctx: LaunchContext, order: JobOrder, plan: DevicePlan, stream: Any) -> None:
+    ctx.ops.wait_event(stream, plan.ready)
+    order.after_last_effect(ctx.ops, (stream,))
     if plan.groups:
-        tier_view = h._tier_view
+        tier_view = ctx.tier_view
         if tier_view is None:  # pragma: no cover - refused at construction
             raise ConfigError("the kernel strategy needs evenly spaced tier slots")
         arrays = [a for m in plan.groups for a in (m.cache_ids, m.slots)]
-        ids = upload_ids(h, plan, stream, arrays)
+        ids = upload_ids(ctx, plan, stream, arrays)
         for k, m in enumerate(plan.groups):
             n = int(m.cache_ids.shape[0])
-            copy = h._tables.block_copy(
-                m.group, ids[2 * k], ids[2 * k + 1], n, h._tier_base, tier_view
+            copy = ctx.tables.block_copy(
+                m.group, ids[2 * k], ids[2 * k + 1], n, ctx.tier_base, tier_view
             )
-            h._ops.copy_blocks(stream, copy)
-    h._last_effect = [(mark(h, plan, stream), stream)]
+            ctx.ops.copy_blocks(stream, copy)
+    order.last_effect = [(ctx.mark(plan, stream), stream)]

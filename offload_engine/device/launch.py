@@ -13,16 +13,23 @@ would delay its first copy by about a millisecond. With
 (the engine's ``get_finished``) checks with event queries, and the watcher
 reports only while someone waits.
 
-A job's calls go to ``h._ops``: the runtime, or with the native launch a
-program that records them and issues them in one native call.
+A job's calls go to the launch context's ``ops``: the runtime, or with the native
+launch a program that records them and issues them in one native call.
+:class:`Launcher` owns the queues, locks and threads; it is given what to call
+(``enqueue`` a job's work, ``recycle`` its resources once it is reported) and
+knows nothing else of the handler.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
+import queue
+import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from offload_engine._loop import block_application_signals
+from offload_engine._loop import ThreadSignal, block_application_signals, join_threads
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.dma import enqueue_dma
 from offload_engine.device.kernel import enqueue_kernel
@@ -33,59 +40,197 @@ from offload_engine.engine.handler import LaunchedJob
 from offload_engine.errors import ConfigError
 
 if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
+    from offload_engine.device.context import JobOrder, LaunchContext
+    from offload_engine.device.runtimes.base import DeviceRuntime
 
 #: put on the launcher's queue at close; the launcher passes it on to the watcher
 STOP = object()
 
-
-def launch(h: DeviceCopyHandler, job: LaunchedJob[DevicePlan]) -> None:
-    # Launch calls never overlap and only they add to ``_pending``, so a zero read
-    # here stays zero.
-    plan = job.prepared
-    if h._pending == 0 and (
-        0 < plan.units <= h._inline_units or (plan.fence is not None and h._inline_units)
-    ):
-        launch_one(h, job)
-        return
-    with h._pending_lock:
-        h._pending += 1
-    h._launch_q.put(job)
+Job = LaunchedJob[DevicePlan]
 
 
-def launch_one(h: DeviceCopyHandler, job: LaunchedJob[DevicePlan]) -> None:
-    try:
-        h._enqueue(job.prepared)
-    except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-        job.fail(exc)
-        h._recycle(job.prepared)
-        return
-    if h.polled_completion:
-        with h._poll_lock:
-            if not h._watchers:
-                h._polled.append(job)
-                return
-    h._watch_q.put(job)
+class Launcher:
+    """One handler's launches and completions (see the module's docstring).
+
+    ``enqueue(plan)`` puts a job's work on the streams (jobs take effect in the order
+    it is called); ``recycle(plan)`` hands a reported job's events and id buffer back.
+    ``inline_units``: a job of at most this many units launches on the thread that
+    hands it over while the launcher has nothing pending (0: never).
+    """
+
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        *,
+        enqueue: Callable[[DevicePlan], None],
+        recycle: Callable[[DevicePlan], None],
+        inline_units: int,
+        polled_completion: bool,
+        name: str,
+    ) -> None:
+        self.runtime = runtime
+        self._enqueue = enqueue
+        self._recycle = recycle
+        self._inline_units = inline_units
+        self.polled_completion = polled_completion
+        self.name = name
+        # polled completion: launched jobs nobody reported yet, in launch order,
+        # and how many callers wait (while any do, jobs go to the watcher instead)
+        self._polled: collections.deque[Job] = collections.deque()
+        self._watchers = 0
+        self._poll_lock = threading.Lock()
+        self._launch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.watch_q: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._pending = 0  # jobs handed to the launcher thread and not yet enqueued
+        self._pending_lock = threading.Lock()
+        self._done: ThreadSignal | None = None
+        #: the launcher and watcher threads, from start until stop joined them
+        self.threads: list[threading.Thread] = []
+
+    def start(self, launch_stream: Any, call_soon: Callable[..., object]) -> None:
+        """Start the threads. The launcher: enqueues each job's device work with
+        ``launch_stream`` its current stream (driver calls release the GIL, so two
+        handlers' launchers run in parallel, off the event loop); the watcher: sleeps
+        on each job's events in order and reports the outcome."""
+        self._done = ThreadSignal(call_soon)
+        self.threads = [
+            threading.Thread(
+                target=self._launch_loop,
+                args=(launch_stream,),
+                name=f"{self.name}-launch",
+                daemon=True,
+            ),
+            threading.Thread(target=self._watch_loop, name=f"{self.name}-watch", daemon=True),
+        ]
+        for t in self.threads:
+            t.start()
+
+    async def stop(self, timeout: float, stuck: str) -> None:
+        """Let the launched jobs be reported, then end the threads (see
+        :func:`~offload_engine._loop.join_threads` for ``timeout`` and ``stuck``)."""
+        self.watch(1)  # jobs never polled (abandoned at close) are awaited by the watcher
+        self._launch_q.put(STOP)  # the launcher passes it on to the watcher
+        await join_threads(self.threads, self._done, timeout, stuck)
+
+    def owns_thread(self, thread: threading.Thread) -> bool:
+        return thread in self.threads
+
+    def launch(self, job: Job) -> None:
+        # Launch calls never overlap and only they add to ``_pending``, so a zero read
+        # here stays zero.
+        plan = job.prepared
+        if self._pending == 0 and (
+            0 < plan.units <= self._inline_units or (plan.fence is not None and self._inline_units)
+        ):
+            self._launch_one(job)
+            return
+        with self._pending_lock:
+            self._pending += 1
+        self._launch_q.put(job)
+
+    def _launch_one(self, job: Job) -> None:
+        try:
+            self._enqueue(job.prepared)
+        except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+            job.fail(exc)
+            self._recycle(job.prepared)
+            return
+        if self.polled_completion:
+            with self._poll_lock:
+                if not self._watchers:
+                    self._polled.append(job)
+                    return
+        self.watch_q.put(job)
+
+    def poll(self) -> None:
+        """Report the leading run of finished jobs (event queries, no waiting)."""
+        if not self._polled:
+            return
+        done: list[tuple[Job, BaseException | None]] = []
+        query = self.runtime.query
+        with self._poll_lock:
+            polled = self._polled
+            while polled:
+                job = polled[0]
+                error: BaseException | None = None
+                try:
+                    if not all(query(event) for event in job.prepared.checks):
+                        break
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    error = exc
+                polled.popleft()
+                done.append((job, error))
+        # reported outside the lock (a report takes the engine's lock); the engine
+        # delivers an ordered handler's results in launch order whoever reports
+        for job, error in done:
+            if error is None:
+                plan = job.prepared
+                job.succeed(plan.nbytes, strategy=plan.strategy.value)
+            else:
+                job.fail(error)
+            self._recycle(job.prepared)
+
+    def watch(self, delta: int) -> None:
+        """While someone waits, the watcher thread reports each job as it finishes."""
+        with self._poll_lock:
+            self._watchers += delta
+            if self._watchers > 0:
+                while self._polled:
+                    self.watch_q.put(self._polled.popleft())
+
+    def _launch_loop(self, launch_stream: Any) -> None:
+        block_application_signals()
+        # the SM stream is this thread's current stream throughout, so a kernel
+        # launch (which goes on the current stream) needs no stream switch per job
+        with self.runtime.launcher_context(launch_stream):
+            while True:
+                item: Any = self._launch_q.get()
+                if item is STOP:
+                    self.watch_q.put(STOP)
+                    return
+                self._launch_one(item)
+                with self._pending_lock:
+                    self._pending -= 1
+
+    def _watch_loop(self) -> None:
+        block_application_signals()
+        try:
+            while True:
+                item: Any = self.watch_q.get()
+                if item is STOP:
+                    return
+                job: Job = item
+                plan = job.prepared
+                try:
+                    for event in plan.checks:
+                        self.runtime.synchronize(event)
+                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                    job.fail(exc)
+                else:
+                    job.succeed(plan.nbytes, strategy=plan.strategy.value)
+                self._recycle(plan)
+        finally:
+            if self._done is not None:
+                self._done.set()
 
 
-def enqueue(h: DeviceCopyHandler, plan: DevicePlan) -> None:
+def enqueue(ctx: LaunchContext, order: JobOrder, plan: DevicePlan) -> None:
     """Put one job's work on the next stream set. With the native launch, the calls
     are recorded and then issued by one native call."""
-    native = h._native
+    native = ctx.native
     if native is not None:
         native.begin()
-    sm, dmas = h._pool[h._seq % len(h._pool)]
-    h._seq += 1
+    sm, dmas = order.next_set(ctx.pool)
     if plan.strategy is CopyStrategy.DMA:
-        enqueue_dma(h, plan, dmas[0])
+        enqueue_dma(ctx, order, plan, dmas[0])
     elif plan.strategy is CopyStrategy.KERNEL:
-        enqueue_kernel(h, plan, sm)
-    elif h._staging is None:  # pragma: no cover - guarded at construction
+        enqueue_kernel(ctx, order, plan, sm)
+    elif ctx.staging is None:  # pragma: no cover - guarded at construction
         raise ConfigError("no staging memory")
     elif native is not None:
-        enqueue_staged_native(h, plan, sm, dmas, h._staging, native)
+        enqueue_staged_native(ctx, order, plan, sm, dmas, ctx.staging, native)
     else:
-        enqueue_staged(h, plan, sm, dmas)
+        enqueue_staged(ctx, order, plan, sm, dmas)
     if native is not None:
         native.run()
     fence = plan.fence
@@ -94,8 +239,8 @@ def enqueue(h: DeviceCopyHandler, plan: DevicePlan) -> None:
         # job is done (the fence then waits no more) one may be recorded again for a
         # later job, and a stream wait that slips in just then waits for that job too,
         # which delays but never reorders
-        events = [event for event, _ in h._last_effect]
-        fence.launched(functools.partial(_current_stream_waits, h.runtime, events))
+        events = [event for event, _ in order.last_effect]
+        fence.launched(functools.partial(_current_stream_waits, ctx.runtime, events))
 
 
 def _current_stream_waits(rt: Any, events: list[Any]) -> None:
@@ -103,77 +248,3 @@ def _current_stream_waits(rt: Any, events: list[Any]) -> None:
     stream = rt.current_stream()
     for event in events:
         rt.wait_event(stream, event)
-
-
-def poll(h: DeviceCopyHandler) -> None:
-    """Report the leading run of finished jobs (event queries, no waiting)."""
-    if not h._polled:
-        return
-    done: list[tuple[LaunchedJob[DevicePlan], BaseException | None]] = []
-    query = h.runtime.query
-    with h._poll_lock:
-        polled = h._polled
-        while polled:
-            job = polled[0]
-            error: BaseException | None = None
-            try:
-                if not all(query(event) for event in job.prepared.checks):
-                    break
-            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                error = exc
-            polled.popleft()
-            done.append((job, error))
-    # reported outside the lock (a report takes the engine's lock); the engine
-    # delivers an ordered handler's results in launch order whoever reports
-    for job, error in done:
-        if error is None:
-            plan = job.prepared
-            job.succeed(plan.nbytes, strategy=plan.strategy.value)
-        else:
-            job.fail(error)
-        h._recycle(job.prepared)
-
-
-def watch(h: DeviceCopyHandler, delta: int) -> None:
-    """While someone waits, the watcher thread reports each job as it finishes."""
-    with h._poll_lock:
-        h._watchers += delta
-        if h._watchers > 0:
-            while h._polled:
-                h._watch_q.put(h._polled.popleft())
-
-
-def launch_loop(h: DeviceCopyHandler) -> None:
-    block_application_signals()
-    # the SM stream is this thread's current stream throughout, so a kernel
-    # launch (which goes on the current stream) needs no stream switch per job
-    with h.runtime.launcher_context(h._pool[0][0]):
-        while True:
-            item: Any = h._launch_q.get()
-            if item is STOP:
-                h._watch_q.put(STOP)
-                return
-            launch_one(h, item)
-            with h._pending_lock:
-                h._pending -= 1
-
-
-def watch_loop(h: DeviceCopyHandler) -> None:
-    block_application_signals()
-    try:
-        while True:
-            item: Any = h._watch_q.get()
-            if item is STOP:
-                return
-            job: LaunchedJob[DevicePlan] = item
-            plan = job.prepared
-            try:
-                for event in plan.checks:
-                    h.runtime.synchronize(event)
-            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                job.fail(exc)
-            else:
-                job.succeed(plan.nbytes, strategy=plan.strategy.value)
-            h._recycle(plan)
-    finally:
-        h._threads_done.set()

@@ -1,24 +1,17 @@
-"""A device job as planned at submit, and the ordering every strategy shares.
+"""A device job as planned at submit.
 
-Jobs of one handler take effect in submission order: each job's writes wait for
-the previous job's writes. The handler keeps, as ``_last_effect``, the events
-after which the previous job's writes are done (each with the stream it was
-recorded on); a strategy makes its writing streams wait on them and leaves its
-own.
+The order jobs take effect in is :class:`~offload_engine.device.context.JobOrder`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.runtimes.base import IdBuffer
 from offload_engine.fence import JobFence
 from offload_engine.host import GroupMapping
-
-if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
 
 
 @dataclass
@@ -43,21 +36,3 @@ class DevicePlan:
     # a staged job of ``regions``: per group, the index of the region table for its
     # part of each block (:meth:`RegionTables.part`); None: whole blocks
     parts: tuple[int, ...] | None = None
-
-
-def after_last_effect(h: DeviceCopyHandler, streams: tuple[Any, ...]) -> None:
-    """Make ``streams`` wait for the previous job's writes; an event recorded on the
-    stream itself needs no wait (a stream runs its work in order)."""
-    for event, on in h._last_effect:
-        for stream in streams:
-            if stream is not on:
-                h._ops.wait_event(stream, event)
-
-
-def mark(h: DeviceCopyHandler, plan: DevicePlan, stream: Any) -> Any:
-    """Record a pooled event on ``stream`` that the watcher will check."""
-    event = h._resources.event()
-    h._ops.record(event, stream)
-    plan.events.append(event)
-    plan.checks.append(event)
-    return event

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from offload_engine.device.plan import DevicePlan, after_last_effect
+from offload_engine.device.plan import DevicePlan
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import (
     BATCH_WORDS,
@@ -61,7 +61,7 @@ from offload_engine.device.runtimes.base import IdBuffer
 from offload_engine.errors import ConfigError
 
 if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
+    from offload_engine.device.context import JobOrder, LaunchContext
 
 #: the stream indices the planner is given for a Python launch
 _SM, _DMA0, _DMA1 = 1, 2, 3
@@ -72,16 +72,13 @@ _SM, _DMA0, _DMA1 = 1, 2, 3
 _LAUNCH_WORDS = LAUNCH_SLOT_BASE + 1
 
 
-def gather(h: DeviceCopyHandler, plan: DevicePlan, total: int) -> IdBuffer:
+def gather(ctx: LaunchContext, plan: DevicePlan, total: int) -> IdBuffer:
     """The job's cache ids into a reused id buffer and its tier slots into the
-    handler's slot array, group after group (the planner sorts both in place by
-    tier address); the id buffer."""
-    buffer = h._resources.id_buffer(plan, total)
+    handler's slot array (``ctx.slots``), group after group (the planner sorts both
+    in place by tier address); the id buffer."""
+    buffer = ctx.resources.id_buffer(plan, total)
     host = buffer.host
-    slots = h._slots
-    if total > slots.shape[0]:
-        slots = h._slots = np.empty(2 * total, dtype=np.int64)
-        h._slots_at = slots.ctypes.data
+    slots = ctx.slots.take(total)
     at = 0
     for m in plan.groups:
         n = int(m.cache_ids.shape[0])
@@ -92,41 +89,47 @@ def gather(h: DeviceCopyHandler, plan: DevicePlan, total: int) -> IdBuffer:
 
 
 def leave_state(
-    h: DeviceCopyHandler,
+    ctx: LaunchContext,
+    order: JobOrder,
     plan: DevicePlan,
     streams: tuple[Any, tuple[Any, Any]],
     staging: StagingBuffers,
     events: list[Any],
     pieces: int,
 ) -> None:
-    """The handler's state after a staged job of ``pieces`` pieces (at least one):
-    the staging buffers' last events and turn, the pieces' parity, the job's
-    checks and last effect."""
+    """The state after a staged job of ``pieces`` pieces (at least one): the staging
+    buffers' last events and turn, the pieces' parity, the job's checks and last
+    effect."""
     sm, dmas = streams
     nbuf = len(staging.buffers)
     first = staging.next
     staging.next = (first + pieces) % nbuf
-    h._pieces += pieces
+    order.pieces += pieces
     for i in range(max(pieces - nbuf, 0), pieces):  # each buffer's last piece
         staging.free[(first + i) % nbuf] = events[2 * i + 1]
     plan.checks += events
-    last = h._pieces % 2
-    if h._store and pieces >= 2:  # the last piece of each parity: the last two pieces
+    last = order.pieces % 2
+    if ctx.store and pieces >= 2:  # the last piece of each parity: the last two pieces
         ends = {last: events[2 * pieces - 1], 1 - last: events[2 * pieces - 3]}
-        h._last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
+        order.last_effect = [(ends[0], dmas[0]), (ends[1], dmas[1])]
     else:
-        h._last_effect = [(events[2 * pieces - 1], dmas[last] if h._store else sm)]
+        order.last_effect = [(events[2 * pieces - 1], dmas[last] if ctx.store else sm)]
 
 
 def empty_job(
-    h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any], event: Any
+    ctx: LaunchContext,
+    order: JobOrder,
+    plan: DevicePlan,
+    sm: Any,
+    dmas: tuple[Any, Any],
+    event: Any,
 ) -> None:
     """An empty job still takes its place in the order: one event on the stream its
     writes would have gone on."""
-    stream = dmas[0] if h._store else sm
-    h._ops.record(event, stream)
+    stream = dmas[0] if ctx.store else sm
+    ctx.ops.record(event, stream)
     plan.checks.append(event)
-    h._last_effect = [(event, stream)]
+    order.last_effect = [(event, stream)]
 
 
 #: a run of at least this many tier rows one stride apart (consecutive slots of a
@@ -148,15 +151,15 @@ def copy2d_words(total: int) -> int:
 ROW_ALIGN = 256
 
 
-def job_rows(h: DeviceCopyHandler, plan: DevicePlan, staging: StagingBuffers) -> tuple[int, int]:
+def job_rows(ctx: LaunchContext, plan: DevicePlan, staging: StagingBuffers) -> tuple[int, int]:
     """``(rows per staging buffer, row pitch)`` for ``plan``. A job that moves a part
     of each block (some layers) packs the parts into rows of their own size, so a
     piece holds many more blocks than slot-shaped rows would (fewer pieces, each
     DMA longer); whole blocks, or parts of different sizes, take slot-shaped rows."""
-    slot_bytes = h.layout.slot_bytes
+    slot_bytes = ctx.layout.slot_bytes
     if plan.parts is None:
         return staging.rows, slot_bytes
-    spans = {h._tables.spans[plan.parts[m.group]][1] for m in plan.groups}
+    spans = {ctx.tables.spans[plan.parts[m.group]][1] for m in plan.groups}
     if len(spans) != 1:
         return staging.rows, slot_bytes
     pitch = -(-spans.pop() // ROW_ALIGN) * ROW_ALIGN
@@ -164,7 +167,7 @@ def job_rows(h: DeviceCopyHandler, plan: DevicePlan, staging: StagingBuffers) ->
 
 
 def stream_set_header(
-    h: DeviceCopyHandler,
+    ctx: LaunchContext,
     staging: StagingBuffers,
     streams: tuple[int, int, int],
     batch_template: int,
@@ -172,17 +175,17 @@ def stream_set_header(
     """The planner's header with a stream set's facts filled in: ``streams`` is the SM
     stream and the two DMA streams, as the launch names them (driver handles for the
     native launch, stream indices for the Python one); the job's fields are set per job."""
-    tier = h.tier
+    tier = ctx.tier
     return StagedHeader(
-        store=h._store,
+        store=ctx.store,
         sm_stream=streams[0],
         dma_streams=streams[1:],
         buffers=len(staging.buffers),
         rows=staging.rows,
-        row_bytes=h.layout.slot_bytes,
+        row_bytes=ctx.layout.slot_bytes,
         batch_template=batch_template,
         buffer_addresses=staging.addresses_at,
-        tier_base=h._tier_base,
+        tier_base=ctx.tier_base,
         slot_bytes=tier.slot_bytes,
         factor=tier.factor,
         block_stride=tier.block_stride,
@@ -202,7 +205,7 @@ class _PythonSet:
     templates: list[Any]  # kept alive with their addresses
     buffer_index: dict[int, int]  # a staging buffer's address -> its index
 
-    def entry(self, h: DeviceCopyHandler, table: int) -> tuple[int, int, int]:
+    def entry(self, ctx: LaunchContext, table: int) -> tuple[int, int, int]:
         """A region table's words of the planner's tail (a part's made on first use):
         the launch template names the table in its function word."""
         while len(self.groups) <= table:
@@ -212,74 +215,76 @@ class _PythonSet:
             template[LAUNCH_STREAM] = _SM
             template[LAUNCH_NPARAMS] = _LAUNCH_WORDS - LAUNCH_PARAMS
             self.templates.append(template)
-            start, size = h._tables.spans[t]
+            start, size = ctx.tables.spans[t]
             self.groups.append((size, template.ctypes.data, start))
         return self.groups[table]
 
 
-def _python_set(h: DeviceCopyHandler, staging: StagingBuffers) -> _PythonSet:
-    found: _PythonSet | None = h._native_sets.get("python")
+def _python_set(ctx: LaunchContext, staging: StagingBuffers) -> _PythonSet:
+    found: _PythonSet | None = ctx.native_sets.get("python")
     if found is not None:
         return found
     # one descriptor per batch op call: memcpy_batch cuts its own driver calls
     batch = np.array([OP_BATCH, 0, 0, 0, 0, 0, 1, 0, 0], dtype=np.int64)
-    header = stream_set_header(h, staging, (_SM, _DMA0, _DMA1), batch.ctypes.data)
+    header = stream_set_header(ctx, staging, (_SM, _DMA0, _DMA1), batch.ctypes.data)
     header.device_ids = 0  # the launch ops' id words are then byte offsets into the job's ids
     index = {a: b for b, a in enumerate(staging.addresses)}
-    found = h._native_sets["python"] = _PythonSet(header, batch, [], [], index)
+    found = ctx.native_sets["python"] = _PythonSet(header, batch, [], [], index)
     return found
 
 
-def enqueue_staged(h: DeviceCopyHandler, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]) -> None:
+def enqueue_staged(
+    ctx: LaunchContext, order: JobOrder, plan: DevicePlan, sm: Any, dmas: tuple[Any, Any]
+) -> None:
     """Plan a staged job with the native planner and make its calls on the runtime."""
-    staging, planner = h._staging, h._planner
+    staging, planner, ops = ctx.staging, ctx.planner, ctx.ops
     if staging is None or planner is None:  # pragma: no cover - guarded at construction
         raise ConfigError("no staging memory or no staged planner")
-    h._ops.wait_event(sm, plan.ready)
-    after_last_effect(h, dmas if h._store else (sm,))
+    ops.wait_event(sm, plan.ready)
+    order.after_last_effect(ops, dmas if ctx.store else (sm,))
     sizes_n = [int(m.cache_ids.shape[0]) for m in plan.groups]
     total = sum(sizes_n)
-    rows, pitch = job_rows(h, plan, staging)
+    rows, pitch = job_rows(ctx, plan, staging)
     pieces = sum(-(-n // rows) for n in sizes_n)
-    buffer = gather(h, plan, total)
-    events = h._resources.events(max(2 * pieces, 1))
+    buffer = gather(ctx, plan, total)
+    events = ctx.resources.events(max(2 * pieces, 1))
     plan.events.extend(events)
     if pieces:
-        found = _python_set(h, staging)
+        found = _python_set(ctx, staging)
         objects = [None, *(e for e in staging.free if e is not None), *events]
         handles, k = [], 1
         for e in staging.free:
             k += e is not None
             handles.append(k - 1 if e is not None else 0)
         header = found.header
-        header.slots = h._slots_at
+        header.slots = ctx.slots.at
         header.host_ids = buffer.host.ctypes.data
         header.next_buffer = staging.next
-        header.pieces_before = h._pieces
+        header.pieces_before = order.pieces
         header.groups = len(plan.groups)
         header.rows, header.row_bytes = rows, pitch
         tail = handles
         parts = plan.parts
         for m, n in zip(plan.groups, sizes_n, strict=True):
-            tail += (n, *found.entry(h, m.group if parts is None else parts[m.group]))
+            tail += (n, *found.entry(ctx, m.group if parts is None else parts[m.group]))
         tail += range(k, k + len(events))
         planner.begin()
         # a piece: at most two waits and two records (3 words each), a batch, a launch
         piece_words = 4 * 3 + BATCH_WORDS + _LAUNCH_WORDS
         planner.build_staged(header, tail, piece_words * pieces + copy2d_words(total), 3 * total)
-    ids = h._ops.upload_ids(sm, buffer, total)
+    ids = ops.upload_ids(sm, buffer, total)
     if not pieces:
-        empty_job(h, plan, sm, dmas, events[0])
+        empty_job(ctx, order, plan, sm, dmas, events[0])
         return
     # the state first, as the native launch leaves it before its program runs (a
     # failing call then leaves both paths alike)
     index = found.buffer_index
-    leave_state(h, plan, (sm, dmas), staging, events, pieces)
-    _issue(h, planner, (sm, *dmas), objects, ids, staging.rows_of(pitch)[1], index)
+    leave_state(ctx, order, plan, (sm, dmas), staging, events, pieces)
+    _issue(ctx, planner, (sm, *dmas), objects, ids, staging.rows_of(pitch)[1], index)
 
 
 def _issue(
-    h: DeviceCopyHandler,
+    ctx: LaunchContext,
     planner: StagedPlanner,
     streams: tuple[Any, ...],
     objects: list[Any],
@@ -289,7 +294,7 @@ def _issue(
 ) -> None:
     """Make the planned ops' calls on the runtime, in order (``rows``: each staging
     buffer as the job's rows)."""
-    ops = h._ops
+    ops, direction, tables = ctx.ops, ctx.direction, ctx.tables
     words = planner.words.tolist()
     desc = planner.descriptor_array
     at, n = 0, len(words)
@@ -304,18 +309,18 @@ def _issue(
         elif code == OP_BATCH:
             _, stream, d, s, z, count = words[at : at + 6]  # (BATCH_STREAM to BATCH_COUNT)
             batch = (desc[d : d + count], desc[s : s + count], desc[z : z + count])
-            ops.memcpy_batch(streams[stream - 1], *batch, h.direction)
+            ops.memcpy_batch(streams[stream - 1], *batch, direction)
             at += BATCH_WORDS
         elif code == OP_COPY2D:
             _, stream, dst, src, width, height, dst_pitch, src_pitch = words[at : at + 8]
             pitches = (dst_pitch, src_pitch)
-            ops.memcpy_2d(streams[stream - 1], dst, src, width, height, pitches, h.direction)
+            ops.memcpy_2d(streams[stream - 1], dst, src, width, height, pitches, direction)
             at += COPY2D_WORDS
         else:  # OP_LAUNCH: the region table, the block count, the ids' offset, the buffer
             group, count = words[at + 1], words[at + LAUNCH_GRID_X]
             first, address = words[at + LAUNCH_IDS] // 8, words[at + LAUNCH_SLOT_BASE]
             piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
-            b = buffer_index[address + h._tables.spans[group][0]]  # see RegionTables.part
-            copy = h._tables.block_copy(group, piece_ids, None, count, address, rows[b])
+            b = buffer_index[address + tables.spans[group][0]]  # see RegionTables.part
+            copy = tables.block_copy(group, piece_ids, None, count, address, rows[b])
             ops.copy_blocks(streams[words[at + LAUNCH_STREAM] - 1], copy)
             at += _LAUNCH_WORDS

@@ -3,7 +3,7 @@
 with the driver's stream and event handles, and the program issues them with
 the rest of the job's calls in one native call. Python only gathers the job's
 cache ids (into the id buffer) and tier slots, fills the planner's
-:class:`StagedHeader`, and keeps the handler's state
+:class:`StagedHeader`, and keeps the jobs' state
 (:func:`~offload_engine.device.staged.leave_state`).
 
 The header's stream-set fields, the batch op template and each group's launch
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload_engine.device.plan import DevicePlan, after_last_effect
+from offload_engine.device.plan import DevicePlan
 from offload_engine.device.pools import StagingBuffers
 from offload_engine.device.runtimes._native import StagedHeader
 from offload_engine.device.staged import (
@@ -30,7 +30,7 @@ from offload_engine.device.staged import (
 )
 
 if TYPE_CHECKING:
-    from offload_engine.device.handler import DeviceCopyHandler
+    from offload_engine.device.context import JobOrder, LaunchContext
 
 #: the most words one piece's ops take besides its launch: at most two waits and
 #: two records (3 words each) and a batch
@@ -51,7 +51,7 @@ class NativeStreamSet:
     sm: Any
     staging: StagingBuffers
 
-    def entry(self, h: DeviceCopyHandler, table: int, pitch: int) -> tuple[int, int, int]:
+    def entry(self, ctx: LaunchContext, table: int, pitch: int) -> tuple[int, int, int]:
         """A region table's words of the planner's tail for staging rows of ``pitch``
         bytes, its launch template made on first use (a part's table is made after
         the stream set, and the kernel's row pitch is in the template)."""
@@ -60,36 +60,37 @@ class NativeStreamSet:
             ids = torch.zeros(1, dtype=torch.int64)  # a placeholder: each piece sets its own
             staging = self.staging
             view = staging.rows_of(pitch)[1][0]
-            template = h._tables.block_copy(table, ids, None, 1, staging.addresses[0], view)
+            template = ctx.tables.block_copy(table, ids, None, 1, staging.addresses[0], view)
             words = self.program.launch_row(template, self.sm)
             self.templates.append(words)
-            start, size = h._tables.spans[table]
+            start, size = ctx.tables.spans[table]
             found = self.groups[(table, pitch)] = (size, words.ctypes.data, start)
         return found
 
 
 def native_stream_set(
-    h: DeviceCopyHandler, program: Any, sm: Any, dmas: tuple[Any, Any], staging: StagingBuffers
+    ctx: LaunchContext, program: Any, sm: Any, dmas: tuple[Any, Any], staging: StagingBuffers
 ) -> NativeStreamSet:
     """The stream set's planner facts, made on first use."""
-    found: NativeStreamSet | None = h._native_sets.get(id(sm))
+    found: NativeStreamSet | None = ctx.native_sets.get(id(sm))
     if found is not None:
         return found
-    rt = h.runtime
-    batch = program.batch_row(h.direction)
+    rt = ctx.runtime
+    batch = program.batch_row(ctx.direction)
     streams = (rt.stream_handle(sm), rt.stream_handle(dmas[0]), rt.stream_handle(dmas[1]))
-    header = stream_set_header(h, staging, streams, batch.ctypes.data)
+    header = stream_set_header(ctx, staging, streams, batch.ctypes.data)
     found = NativeStreamSet(header, {}, 0, [batch], program, sm, staging)
-    for g in range(len(h.layout.groups)):
-        found.entry(h, g, h.layout.slot_bytes)
+    for g in range(len(ctx.layout.groups)):
+        found.entry(ctx, g, ctx.layout.slot_bytes)
     # a part's template has the same words as its group's (the same kernel)
     found.piece_words = _PIECE_WORDS + len(batch) + max(len(t) for t in found.templates[1:])
-    h._native_sets[id(sm)] = found
+    ctx.native_sets[id(sm)] = found
     return found
 
 
 def enqueue_staged_native(
-    h: DeviceCopyHandler,
+    ctx: LaunchContext,
+    order: JobOrder,
     plan: DevicePlan,
     sm: Any,
     dmas: tuple[Any, Any],
@@ -97,35 +98,35 @@ def enqueue_staged_native(
     program: Any,
 ) -> None:
     """:func:`offload_engine.device.staged.enqueue_staged`'s calls, planned natively."""
-    store = h._store
+    store = ctx.store
     program.wait_event(sm, plan.ready)
-    after_last_effect(h, dmas if store else (sm,))
+    order.after_last_effect(program, dmas if store else (sm,))
     groups = plan.groups
     sizes_n = [int(m.cache_ids.shape[0]) for m in groups]
     total = sum(sizes_n)
-    rows, pitch = job_rows(h, plan, staging)
+    rows, pitch = job_rows(ctx, plan, staging)
     pieces = sum(-(-n // rows) for n in sizes_n)
-    buffer = gather(h, plan, total)
+    buffer = gather(ctx, plan, total)
     ids_device = program.upload_ids_at(sm, buffer, total)
-    events = h._resources.events(max(2 * pieces, 1))
+    events = ctx.resources.events(max(2 * pieces, 1))
     plan.events.extend(events)
     if pieces == 0:
-        empty_job(h, plan, sm, dmas, events[0])
+        empty_job(ctx, order, plan, sm, dmas, events[0])
         return
-    found = native_stream_set(h, program, sm, dmas, staging)
+    found = native_stream_set(ctx, program, sm, dmas, staging)
     header = found.header
-    header.slots = h._slots_at
+    header.slots = ctx.slots.at
     header.host_ids = program.host_ids_at(buffer)
     header.device_ids = ids_device
     header.next_buffer = staging.next
-    header.pieces_before = h._pieces
+    header.pieces_before = order.pieces
     header.groups = len(groups)
     header.rows, header.row_bytes = rows, pitch
-    handle = h.runtime.event_handle
+    handle = ctx.runtime.event_handle
     tail = [0 if e is None else handle(e) for e in staging.free]
     parts = plan.parts
     for m, n in zip(groups, sizes_n, strict=True):
-        tail += (n, *found.entry(h, m.group if parts is None else parts[m.group], pitch))
+        tail += (n, *found.entry(ctx, m.group if parts is None else parts[m.group], pitch))
     tail += [handle(e) for e in events]
     program.build_staged(header, tail, found.piece_words * pieces + copy2d_words(total), 3 * total)
-    leave_state(h, plan, (sm, dmas), staging, events, pieces)
+    leave_state(ctx, order, plan, (sm, dmas), staging, events, pieces)
