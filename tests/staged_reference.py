@@ -109,13 +109,19 @@ def copy2d_runs(tier_rows: Any, size: int) -> tuple[list[tuple[int, int, int]], 
     return runs, single
 
 
+def _rows(staging: StagingBuffers, b: int) -> Any:
+    """Buffer ``b``'s row addresses, for slot descriptors."""
+    offsets = np.arange(staging.rows, dtype=np.uint64) * np.uint64(staging.slot_bytes)
+    return np.uint64(staging.addresses[b]) + offsets
+
+
 def _piece_descriptors(
     ctx: LaunchContext, g: _Group, k: int, lo: int, hi: int, b: int, staging: StagingBuffers
 ) -> tuple[Any, Any, Any]:
     """A piece's DMA descriptors (dst, src, sizes)."""
     if g.runs is None:  # a single piece, or no two neighbours continue
         tier = g.tier_rows[lo:hi]
-        rows = staging.row_addresses[b][: hi - lo]
+        rows = _rows(staging, b)[: hi - lo]
         sizes = np.full(hi - lo, ctx.layout.group_bytes[g.mapping.group], dtype=np.uint64)
         if int(g.mapping.cache_ids.shape[0]) <= staging.rows:
             tier, rows, sizes = merge_runs(tier, rows, sizes)  # symmetric in its two sides
@@ -140,7 +146,8 @@ def _piece(
     ops = ctx.ops
     n = int(g.mapping.cache_ids.shape[0])
     hi = min(lo + staging.rows, n)
-    b = staging.take()
+    b = staging.next
+    staging.next = (b + 1) % len(staging.buffers)
     first, second = streams
     full, end = events
     group = g.mapping.group
@@ -150,7 +157,7 @@ def _piece(
         runs, single = copy2d_runs(g.tier_rows[lo:hi], size)
         keep = np.array(single, dtype=np.int64)
         tier = g.tier_rows[lo:hi][keep]
-        rows = staging.row_addresses[b][: hi - lo][keep]
+        rows = _rows(staging, b)[: hi - lo][keep]
         sizes = np.full(len(single), size, dtype=np.uint64)
         dst, src = (tier, rows) if ctx.store else (rows, tier)
     else:
@@ -169,7 +176,7 @@ def _piece(
             ops.memcpy_batch(dma_stream, dst, src, sizes, ctx.direction)
             pitch = ctx.layout.slot_bytes
             for row, height, stride in runs:
-                t, r = int(g.tier_rows[lo + row]), int(staging.row_addresses[b][row])
+                t, r = int(g.tier_rows[lo + row]), int(_rows(staging, b)[row])
                 d, s, pitches = (t, r, (stride, pitch)) if ctx.store else (r, t, (pitch, stride))
                 ops.memcpy_2d(dma_stream, d, s, size, height, pitches, ctx.direction)
         if half == 0:

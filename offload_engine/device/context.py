@@ -20,7 +20,7 @@ from offload_engine.vocabulary import Direction
 
 if TYPE_CHECKING:
     from offload_engine.device.plan import DevicePlan
-    from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers
+    from offload_engine.device.pools import DeviceTables, JobResources, StagingBuffers
     from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
     from offload_engine.device.runtimes.base import DeviceRuntime
 
@@ -55,7 +55,7 @@ class LaunchContext:
     direction: Direction
     store: bool
     #: the layout's region tables on the device
-    tables: RegionTables
+    tables: DeviceTables
     #: pooled events and id buffers
     resources: JobResources
     #: where tier slot 0 starts, and (that, slot bytes, factor, block stride) for the

@@ -34,7 +34,7 @@ from offload_engine.device.context import JobOrder, LaunchContext, SlotScratch
 from offload_engine.device.launch import Launcher, enqueue
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.policy import AutoPolicy, choose_strategy
-from offload_engine.device.pools import JobResources, RegionTables, StagingBuffers, stream_sets
+from offload_engine.device.pools import DeviceTables, JobResources, StagingBuffers, stream_sets
 from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.device.staged import COPY2D_ROWS
@@ -266,7 +266,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         slot_bytes = self.layout.slot_bytes
         buffers = self.config.staging_buffers
         setup = self._pool[0][0]
-        self._tables = RegionTables(rt, self.layout, self.direction, setup)
+        self._tables = DeviceTables(rt, self.layout, self.direction, setup)
         tier = self.tier
         tier_base = tier.span.data_ptr()
         self._ctx = LaunchContext(

@@ -34,5 +34,5 @@ class DevicePlan:
     regions: tuple[tuple[int, ...], ...] | None = None
     fence: JobFence | None = None  # told at launch how a stream waits for this job
     # a staged job of ``regions``: per group, the index of the region table for its
-    # part of each block (:meth:`RegionTables.part`); None: whole blocks
+    # part of each block (:meth:`DeviceTables.part`); None: whole blocks
     parts: tuple[int, ...] | None = None

@@ -40,10 +40,8 @@ class StagingBuffers:
         self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
         self.free: list[Any] = [None] * count
         self.next = 0
-        # per buffer, computed once: its rows' addresses (for slot descriptors), its
-        # address and its (rows, slot_bytes) view (for block copies)
-        offsets = np.arange(rows, dtype=np.uint64) * np.uint64(slot_bytes)
-        self.row_addresses = [np.uint64(b.data_ptr()) + offsets for b in self.buffers]
+        # per buffer, computed once: its address and its (rows, slot_bytes) view
+        # (for block copies)
         self.addresses = [b.data_ptr() for b in self.buffers]
         self._address_array = np.array(self.addresses, dtype=np.int64)  # for the native planner
         self.addresses_at = self._address_array.ctypes.data
@@ -60,11 +58,6 @@ class StagingBuffers:
             views = [b[: rows * pitch].view(rows, pitch) for b in self.buffers]
             found = self._pitched[pitch] = (rows, views)
         return found
-
-    def take(self) -> int:
-        b = self.next
-        self.next = (b + 1) % len(self.buffers)
-        return b
 
 
 class JobResources:
@@ -139,7 +132,7 @@ class JobResources:
             self._id_buffers.clear()
 
 
-class RegionTables:
+class DeviceTables:
     """Each KV group's region tables on the device (uploaded once) and as torch byte
     views, from which a job's device-side block copies are made."""
 

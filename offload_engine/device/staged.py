@@ -199,7 +199,7 @@ class _PythonSet:
 
     header: StagedHeader
     batch: Any  # the batch op template
-    # per region table (RegionTables' index): bytes per block, launch template's
+    # per region table (DeviceTables' index): bytes per block, launch template's
     # address, where the bytes start in a tier slot
     groups: list[tuple[int, int, int]]
     templates: list[Any]  # kept alive with their addresses
@@ -320,7 +320,7 @@ def _issue(
             group, count = words[at + 1], words[at + LAUNCH_GRID_X]
             first, address = words[at + LAUNCH_IDS] // 8, words[at + LAUNCH_SLOT_BASE]
             piece_ids = ids[first : first + count] if count != ids.shape[0] else ids
-            b = buffer_index[address + tables.spans[group][0]]  # see RegionTables.part
+            b = buffer_index[address + tables.spans[group][0]]  # see DeviceTables.part
             copy = tables.block_copy(group, piece_ids, None, count, address, rows[b])
             ops.copy_blocks(streams[words[at + LAUNCH_STREAM] - 1], copy)
             at += _LAUNCH_WORDS
