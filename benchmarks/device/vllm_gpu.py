@@ -395,6 +395,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "link_GBps": rate / 1e9,
         "ttft": ttft,
         "decode": decode,
+        "round": args.round,
         "metrics": metrics(llm),
     }
     shut(llm)
@@ -429,7 +430,7 @@ def report(folder: Path) -> str:
                 f"{c['top5_ids_equal']!s:5} {c['max_logprob_diff']:10.2e} {c['external_hits']:6} "
                 f"{(r.get('engine_stats') or {}).get('final', '-')}"
             )
-    benches = [r for r in runs if "ttft" in r]
+    benches = [r for r in runs if "ttft" in r and r.get("round") is None]
     for eager in (True, False):
         rows = [r for r in benches if r["eager"] == eager]
         if not rows:
@@ -456,7 +457,40 @@ def report(folder: Path) -> str:
             tps = med([d["tokens_per_s"] for d in r["decode"]])
             itl = med([d["itl_ms"] for d in r["decode"]])
             lines.append(f"  {r['mode']:14} {tps:9.0f} {itl:7.2f}")
+    lines += decode_rounds([r for r in runs if r.get("round") is not None])
     return "\n".join(lines)
+
+
+def decode_rounds(runs: list[dict[str, Any]]) -> list[str]:
+    """The decode rounds' table: per mode, the median tokens/s over every round's
+    repeats, and its ratio to plain vLLM's median in each round (the modes of a
+    round ran one after another in one machine's minutes)."""
+    lines: list[str] = []
+    for eager in (True, False):
+        rows = [r for r in runs if r["eager"] == eager]
+        plain = {r["round"]: r for r in rows if r["mode"] == "plain"}
+        if not rows or not plain:
+            continue
+        lines.append(
+            f"decode rounds ({'eager' if eager else 'compiled + CUDA graphs'}): tokens/s median, "
+            "ITL ms median, per-round ratio to plain"
+        )
+        for mode in dict.fromkeys(r["mode"] for r in rows):
+            mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["round"])
+            tps = [d["tokens_per_s"] for r in mine for d in r["decode"]]
+            itl = [d["itl_ms"] for r in mine for d in r["decode"]]
+            ratios = [
+                med([d["tokens_per_s"] for d in r["decode"]])
+                / med([d["tokens_per_s"] for d in plain[r["round"]]["decode"]])
+                for r in mine
+                if r["round"] in plain
+            ]
+            lines.append(
+                f"  {mode:14} {med(tps):9.0f} {med(itl):7.2f}  "
+                + " ".join(f"{x:.3f}" for x in ratios)
+                + f"  (median {med(ratios):.3f})"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -475,7 +509,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--mode", choices=list(MODES), required=True)
     b.add_argument("--out", required=True)
     b.add_argument("--eager", action="store_true")
-    b.add_argument("--heads", type=int, nargs="+", default=[2048, 8192, 32768])
+    b.add_argument(
+        "--heads", type=int, nargs="*", default=[2048, 8192, 32768], help="none: decode only"
+    )
+    b.add_argument("--round", type=int, help="a decode round's number (vllm_gpu.sh --decode)")
     b.add_argument("--suffixes", type=int, nargs="+", default=[64, 512])
     b.add_argument("--prompts", type=int, default=4)
     b.add_argument("--decode-tokens", type=int, default=128)

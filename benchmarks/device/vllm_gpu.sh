@@ -15,6 +15,10 @@
 #   --check-compiled M..  the same with vLLM's default compilation and CUDA graphs, for modes M
 #   --bench M..           time to first token and decode, eager, one mode after another
 #   --bench-compiled M..  the same with compilation and CUDA graphs
+#   --decode M..          decode only, eager, plain vLLM and modes M in turn, the order reversed
+#                         every other round (--rounds N, default 3; --first-round R numbers them
+#                         from R, so rounds can be split over several calls)
+#   --decode-compiled M.. the same with compilation and CUDA graphs
 #   --out DIR             results (default: $OUT, else ./vllm-gpu-out); a table is printed last
 #
 # Modes: plain vllm-cpu-spec engine-spec tiering-disk async-step async-lw lw-step lw-lw
@@ -28,6 +32,10 @@ CHECK=0
 CHECK_COMPILED=()
 BENCH=()
 BENCH_COMPILED=()
+DECODE=()
+DECODE_COMPILED=()
+ROUNDS=3
+FIRST_ROUND=1
 list=""
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -35,6 +43,10 @@ while [ $# -gt 0 ]; do
         --check-compiled) list=CHECK_COMPILED ;;
         --bench) list=BENCH ;;
         --bench-compiled) list=BENCH_COMPILED ;;
+        --decode) list=DECODE ;;
+        --decode-compiled) list=DECODE_COMPILED ;;
+        --rounds) ROUNDS=$2; shift ;;
+        --first-round) FIRST_ROUND=$2; shift ;;
         --out) OUTDIR=$2; shift ;;
         --*) echo "vllm_gpu.sh: unknown option $1" >&2; exit 2 ;;
         *)
@@ -94,10 +106,29 @@ benches() {  # $1: eager|compiled, then modes
     done
 }
 
+decodes() {  # $1: eager|compiled, then modes (plain is added first)
+    local how=$1; shift
+    local flag=""; [ "$how" = eager ] && flag=--eager
+    local modes=(plain "$@") r order m
+    for ((r = FIRST_ROUND; r < FIRST_ROUND + ROUNDS; r++)); do
+        order=("${modes[@]}")
+        if [ $((r % 2)) = 0 ]; then
+            order=(); for ((m = ${#modes[@]} - 1; m >= 0; m--)); do order+=("${modes[$m]}"); done
+        fi
+        for m in "${order[@]}"; do
+            python3 "$DRIVER" bench --mode "$m" $flag --heads --decode-repeats 3 --round "$r" \
+                --out "$OUTDIR/decode-$how-r$r-$m.json" >"$OUTDIR/decode-$how-r$r-$m.log" 2>&1 \
+                || { echo "decode $how $m round $r failed:"; tail -25 "$OUTDIR/decode-$how-r$r-$m.log"; }
+        done
+    done
+}
+
 ALL="plain vllm-cpu-spec engine-spec tiering-disk async-step async-lw lw-step lw-lw"
 # shellcheck disable=SC2086
 [ "$CHECK" = 1 ] && checks eager $ALL
 [ ${#CHECK_COMPILED[@]} -gt 0 ] && checks compiled plain "${CHECK_COMPILED[@]}"
 [ ${#BENCH[@]} -gt 0 ] && benches eager "${BENCH[@]}"
 [ ${#BENCH_COMPILED[@]} -gt 0 ] && benches compiled "${BENCH_COMPILED[@]}"
+[ ${#DECODE[@]} -gt 0 ] && decodes eager "${DECODE[@]}"
+[ ${#DECODE_COMPILED[@]} -gt 0 ] && decodes compiled "${DECODE_COMPILED[@]}"
 python3 "$DRIVER" report "$OUTDIR"
