@@ -12,7 +12,8 @@ Each command runs one vLLM engine in this process and writes a JSON result::
 runs these (several checks at once on one GPU). The modes (``MODES``): plain vLLM, vLLM's
 ``OffloadingConnector`` with its ``CPUOffloadingSpec``, with ``EngineOffloadingSpec``
 and with ``EngineTieringSpec`` + ``EngineDiskTier``, and ``EngineConnector`` with each
-``load_mode`` x ``store_mode``.
+``load_mode`` x ``store_mode``; and LMCache's ``LMCacheConnectorV1`` (``lmcache``, where
+LMCache is installed: its CPU tier of the same size, 256-token chunks).
 
 **check**: a Llama-shaped model with random weights drawn as Hugging Face draws them
 (greedy ids that depend on every KV byte, unlike vLLM's dummy weights), 16-token
@@ -66,6 +67,8 @@ MODES: dict[str, tuple[str, dict[str, Any]] | None] = {
     "async-lw": ("EngineConnector", {"load_mode": "async", "store_mode": "layerwise"}),
     "lw-step": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "step"}),
     "lw-lw": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "layerwise"}),
+    # LMCache's own connector in vLLM, its CPU tier sized by environment variables
+    "lmcache": ("LMCacheConnectorV1", {}),
 }
 
 BLOCK = 16
@@ -80,6 +83,13 @@ def transfer_config(mode: str, cpu_bytes: int, workdir: Path) -> dict[str, Any] 
     if entry is None:
         return None
     connector, extra = entry
+    if connector == "LMCacheConnectorV1":
+        os.environ.update(
+            LMCACHE_CHUNK_SIZE="256",
+            LMCACHE_LOCAL_CPU="True",
+            LMCACHE_MAX_LOCAL_CPU_SIZE=str(cpu_bytes / (1 << 30)),
+        )
+        return {"kv_connector": connector, "kv_role": "kv_both"}
     extra = dict(extra, cpu_bytes_to_use=cpu_bytes)
     if mode == "tiering-disk":
         (workdir / "disk-tier").mkdir(parents=True, exist_ok=True)
@@ -179,7 +189,7 @@ def start(model: str, mode: str, eager: bool, workdir: Path, **kw: Any) -> Any:
     from vllm import LLM
 
     config = transfer_config(mode, kw.pop("cpu_bytes"), workdir)
-    if config is not None and mode != "vllm-cpu-spec":
+    if config is not None and mode not in ("vllm-cpu-spec", "lmcache"):
         config["kv_connector_extra_config"]["stats_path"] = str(workdir / f"{mode}-stats.json")
     blocks = kw["num_gpu_blocks_override"]
     return LLM(

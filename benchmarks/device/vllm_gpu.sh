@@ -12,6 +12,10 @@
 #
 #   --check               every mode eager, several engines at once on the GPU (each a small
 #                         KV cache), against plain vLLM: ids and top-5 logprobs after a hit
+#   --check-eager M..     the same for modes M only (lmcache is not among every mode)
+#   --extra-wheels DIR    another wheel folder of the same tool to install into the same
+#                         place once (for lmcache: --installed a freeze of the image with
+#                         this preset's wheels, REQ lmcache==0.5.6)
 #   --check-compiled M..  the same with vLLM's default compilation and CUDA graphs, for modes M
 #   --bench M..           time to first token and decode, eager, one mode after another
 #   --bench-compiled M..  the same with compilation and CUDA graphs
@@ -21,7 +25,7 @@
 #   --decode-compiled M.. the same with compilation and CUDA graphs
 #   --out DIR             results (default: $OUT, else ./vllm-gpu-out); a table is printed last
 #
-# Modes: plain vllm-cpu-spec engine-spec tiering-disk async-step async-lw lw-step lw-lw
+# Modes: plain vllm-cpu-spec engine-spec tiering-disk async-step async-lw lw-step lw-lw lmcache
 set -uo pipefail
 
 WHEELS=${1:?usage: vllm_gpu.sh WHEELS [--check] [--check-compiled MODE...] [--bench MODE...]}
@@ -30,6 +34,8 @@ ROOT=$(pwd)
 OUTDIR=${OUT:-$ROOT/vllm-gpu-out}
 CHECK=0
 CHECK_COMPILED=()
+CHECK_EAGER=()
+EXTRA=""
 BENCH=()
 BENCH_COMPILED=()
 DECODE=()
@@ -41,6 +47,8 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --check) CHECK=1; list="" ;;
         --check-compiled) list=CHECK_COMPILED ;;
+        --check-eager) list=CHECK_EAGER ;;
+        --extra-wheels) EXTRA=$2; shift ;;
         --bench) list=BENCH ;;
         --bench-compiled) list=BENCH_COMPILED ;;
         --decode) list=DECODE ;;
@@ -63,6 +71,9 @@ if [ ! -d "$SITE/vllm" ]; then
     # the image's torchvision and torchaudio are built for its own torch
     python3 -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1
     bash "$WHEELS/install.sh" "$WHEELS" "$SITE" || exit 1
+fi
+if [ -n "$EXTRA" ] && [ ! -f "$SITE/.extra-installed" ]; then
+    bash "$EXTRA/install.sh" "$EXTRA" "$SITE" && touch "$SITE/.extra-installed" || exit 1
 fi
 if [ ! -d /tmp/oe-site/offload_engine ]; then
     python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/oe-site "$ROOT" \
@@ -126,6 +137,7 @@ decodes() {  # $1: eager|compiled, then modes (plain is added first)
 ALL="plain vllm-cpu-spec engine-spec tiering-disk async-step async-lw lw-step lw-lw"
 # shellcheck disable=SC2086
 [ "$CHECK" = 1 ] && checks eager $ALL
+[ ${#CHECK_EAGER[@]} -gt 0 ] && checks eager plain "${CHECK_EAGER[@]}"
 [ ${#CHECK_COMPILED[@]} -gt 0 ] && checks compiled plain "${CHECK_COMPILED[@]}"
 [ ${#BENCH[@]} -gt 0 ] && benches eager "${BENCH[@]}"
 [ ${#BENCH_COMPILED[@]} -gt 0 ] && benches compiled "${BENCH_COMPILED[@]}"
