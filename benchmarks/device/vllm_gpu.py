@@ -64,6 +64,17 @@ MODES: dict[str, tuple[str, dict[str, Any]] | None] = {
         {"spec_name": "EngineTieringSpec", "spec_module_path": MODULE},
     ),
     "async-step": ("EngineConnector", {"load_mode": "async", "store_mode": "step"}),
+    # the same, its small jobs launched by vLLM's thread and found done by its poll
+    # (no engine thread woken per job)
+    "async-polled": (
+        "EngineConnector",
+        {
+            "load_mode": "async",
+            "store_mode": "step",
+            "submitter_launch": True,
+            "polled_completion": True,
+        },
+    ),
     "async-lw": ("EngineConnector", {"load_mode": "async", "store_mode": "layerwise"}),
     "lw-step": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "step"}),
     "lw-lw": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "layerwise"}),
