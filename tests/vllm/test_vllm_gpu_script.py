@@ -87,3 +87,37 @@ def test_the_verdict_fails_on_other_ids_other_logprobs_or_no_hits() -> None:
     assert not compare(ref, _check([[1, 2]], [{"1": -0.5, "5": -1.0}], 64))["ok"]
     assert not compare(ref, _check([[1, 2]], [{"1": -0.3, "3": -1.0}], 64))["ok"]
     assert not compare(ref, _check([[1, 2]], [{"1": -0.5, "3": -1.0}], 0))["ok"]
+
+
+def _decode_run(mode: str, round_: int, tokens_per_s: list[float]) -> dict[str, Any]:
+    return {
+        "mode": mode,
+        "eager": True,
+        "round": round_,
+        "ttft": [],
+        "decode": [
+            {"tokens_per_s": 1.0, "itl_ms": 9.0, "vllm_tokens_per_s": t, "vllm_itl_ms": 1e3 / t}
+            for t in tokens_per_s
+        ],
+    }
+
+
+def test_the_decode_rounds_compare_each_mode_with_plain_vllm_of_its_round(
+    tmp_path: Path,
+) -> None:
+    """Per round, a mode's median over plain vLLM's median in that round (vLLM's own
+    decode clock), whatever the order the rounds ran in."""
+    runs = [
+        _decode_run("plain", 1, [1000, 1100, 900]),
+        _decode_run("async-step", 1, [950, 800, 900]),
+        _decode_run("plain", 2, [2000, 2000, 2000]),
+        _decode_run("async-step", 2, [1960, 1900, 2100]),
+    ]
+    for r in runs:
+        name = f"decode-eager-r{r['round']}-{r['mode']}.json"
+        (tmp_path / name).write_text(json.dumps(r))
+    report = run("report", str(tmp_path))
+    [row] = [line for line in report.splitlines() if line.strip().startswith("async-step")]
+    assert "0.900 0.980" in row and "(median 0.940)" in row, report
+    [plain] = [line for line in report.splitlines() if line.strip().startswith("plain")]
+    assert "1.000 1.000" in plain, report
