@@ -188,12 +188,15 @@ def metrics(llm: Any) -> dict[str, Any]:
     return out
 
 
-def histogram(llm: Any, name: str) -> tuple[float, int]:
-    """A vLLM histogram's (sum, count) so far, (0, 0) where it has none."""
-    for m in llm.get_metrics():
-        if m.name == name and hasattr(m, "sum"):
-            return float(m.sum), int(m.count)
-    return 0.0, 0
+#: vLLM's own decode clocks, which leave the prefill out: the gap between a
+#: request's tokens, and its decode phase (first token to last)
+DECODE_CLOCKS = ("vllm:inter_token_latency_seconds", "vllm:request_decode_time_seconds")
+
+
+def decode_clocks(llm: Any) -> tuple[tuple[float, int], ...]:
+    """Each of :data:`DECODE_CLOCKS`' (sum, count) so far, (0, 0) where vLLM has none."""
+    found = {m.name: (float(m.sum), int(m.count)) for m in llm.get_metrics() if hasattr(m, "sum")}
+    return tuple(found.get(name, (0.0, 0)) for name in DECODE_CLOCKS)
 
 
 def start(model: str, mode: str, eager: bool, workdir: Path, **kw: Any) -> Any:
@@ -417,15 +420,11 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     for _ in range(args.decode_repeats):
         batch = [prompt(ids(rng, 1024, vocab)) for _ in range(32)]
         t1 = timed(llm, [prompt(ids(rng, 1024, vocab)) for _ in range(32)], one)
-        itl0 = histogram(llm, "vllm:inter_token_latency_seconds")
-        dec0 = histogram(llm, "vllm:request_decode_time_seconds")
+        itl0, dec0 = decode_clocks(llm)
         tn = timed(llm, batch, many)
-        itl1 = histogram(llm, "vllm:inter_token_latency_seconds")
-        dec1 = histogram(llm, "vllm:request_decode_time_seconds")
+        itl1, dec1 = decode_clocks(llm)
         steps = args.decode_tokens - 1
         row = {"tokens_per_s": 32 * steps / (tn - t1), "itl_ms": 1e3 * (tn - t1) / steps}
-        # vLLM's own clocks, without the prefill: the mean gap between a request's
-        # tokens, and its decode phase (first token to last)
         if itl1[1] > itl0[1] and dec1[1] > dec0[1]:
             row["vllm_itl_ms"] = 1e3 * (itl1[0] - itl0[0]) / (itl1[1] - itl0[1])
             mean_decode = (dec1[0] - dec0[0]) / (dec1[1] - dec0[1])
@@ -517,13 +516,13 @@ def decode_rounds(runs: list[dict[str, Any]]) -> list[str]:
             f"decode rounds ({'eager' if eager else 'compiled + CUDA graphs'}): tokens/s median, "
             "ITL ms median (vLLM's clocks where it has them), per-round ratio to plain"
         )
+        key = (
+            "vllm_tokens_per_s"
+            if all("vllm_tokens_per_s" in d for r in rows for d in r["decode"])
+            else "tokens_per_s"
+        )
         for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = sorted((r for r in rows if r["mode"] == mode), key=lambda r: r["round"])
-            key = (
-                "vllm_tokens_per_s"
-                if all("vllm_tokens_per_s" in d for r in rows for d in r["decode"])
-                else "tokens_per_s"
-            )
             tps = [d[key] for r in mine for d in r["decode"]]
             itl = [d.get("vllm_itl_ms", d["itl_ms"]) for r in mine for d in r["decode"]]
             ratios = [
