@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -265,6 +266,36 @@ def test_a_failed_gather_kernel_fails_its_job(fake: FakeRuntime) -> None:
         good = engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))
         r_bad, r_good = engine.wait([bad, good])
     assert not r_bad.success and r_good.success
+    tier.release()
+
+
+@pytest.mark.parametrize("polled", [False, True], ids=["watcher", "polled"])
+def test_a_failed_job_is_reported_once_the_rest_of_its_work_has_ended(
+    fake: FakeRuntime, polled: bool
+) -> None:
+    # a staged store: its gather kernel fails, its DMA (which waits for the
+    # gather) hangs; the failure is reported only after the DMA ends, since the
+    # job's id buffer and events go back to the pools with the report
+    layout = build_layout("flash-attention", fake.empty, num_blocks=8)
+    tier = pinned_host_tier(fake, layout, 4)
+    store, _ = make_device_handlers(
+        fake, layout, tier, config(CopyStrategy.STAGED, layout, polled_completion=polled)
+    )
+    with SyncOffloadingEngine([store]) as engine:
+        fake.fail_next("kernel")
+        fake.hang_next("copy")
+        job = engine.submit(TransferSpec(gpu_blocks([1]), cpu_blocks([1])))
+        try:
+            time.sleep(0.3)
+            assert engine.get_finished() == []  # the hung DMA is still running
+        finally:
+            fake.release_hangs()
+        [r] = engine.wait([job], timeout=10)
+        assert not r.success and isinstance(r.error, TransferError)
+        assert "injected kernel failure" in str(r.error.__cause__)
+        [after] = engine.wait([engine.submit(TransferSpec(gpu_blocks([2]), cpu_blocks([2])))])
+        assert after.success
+    assert tier.memory[2].numpy().tobytes() == cache_block_bytes(layout, 2)
     tier.release()
 
 

@@ -147,17 +147,13 @@ class Launcher:
         if not self._polled:
             return
         done: list[tuple[Job, BaseException | None]] = []
-        query = self.runtime.query
         with self._poll_lock:
             polled = self._polled
             while polled:
                 job = polled[0]
-                error: BaseException | None = None
-                try:
-                    if not all(query(event) for event in job.prepared.checks):
-                        break
-                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                    error = exc
+                settled, error = self._settled(job.prepared.checks)
+                if not settled:
+                    break
                 polled.popleft()
                 done.append((job, error))
         # reported outside the lock (a report takes the engine's lock); the engine
@@ -169,6 +165,21 @@ class Launcher:
             else:
                 job.fail(error)
             self._recycle(job.prepared)
+
+    def _settled(self, checks: list[Any]) -> tuple[bool, BaseException | None]:
+        """Whether every check event is reached, failed ones included, and the first
+        failure. A failed job is reported only once the rest of its work has ended
+        too: its id buffer and events go back to the pools then, and a caller that
+        reuses its destinations finds no copy of it still writing there."""
+        query = self.runtime.query
+        error: BaseException | None = None
+        for event in checks:
+            try:
+                if not query(event):
+                    return False, None
+            except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                error = error or exc
+        return True, error
 
     def watch(self, delta: int) -> None:
         """While someone waits, the watcher thread reports each job as it finishes."""
@@ -201,13 +212,17 @@ class Launcher:
                     return
                 job: Job = item
                 plan = job.prepared
-                try:
-                    for event in plan.checks:
+                # every check is waited for, past a failed one (see _settled)
+                error: BaseException | None = None
+                for event in plan.checks:
+                    try:
                         self.runtime.synchronize(event)
-                except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
-                    job.fail(exc)
-                else:
+                    except Exception as exc:  # noqa: BLE001 - becomes the job's failed result
+                        error = error or exc
+                if error is None:
                     job.succeed(plan.nbytes, strategy=plan.strategy.value)
+                else:
+                    job.fail(error)
                 self._recycle(plan)
         finally:
             if self._done is not None:
