@@ -478,6 +478,8 @@ CONFIG_FIELDS = [
     "streams",
     "max_inflight",
     "close_timeout",
+    "peers",
+    "peer_staging_bytes",
 ]
 
 

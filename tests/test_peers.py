@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from offload_engine import ConfigError, DeviceHandlerConfig
 from offload_engine.device import peers
 from offload_engine.device.peers import (
     LEDGER_BYTES,
@@ -471,3 +472,56 @@ def wait_for_zombie(pid: int) -> None:
             return
         time.sleep(0.001)
     raise TimeoutError(f"process {pid} did not end")
+
+
+# ------------------------------------------------------------------ DeviceHandlerConfig
+
+
+def test_peers_default_to_the_own_link_only() -> None:
+    config = DeviceHandlerConfig()
+    assert config.peers is None
+    assert config.peer_staging_bytes == 64 << 20
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"peers": (1, 2, 3)},
+        {"peers": (0,)},
+        {"peers": (MAX_DEVICES - 1,)},
+        {"peers": "auto"},
+        {"peers": "auto", "peer_staging_bytes": 1},
+        {"peers": ()},
+        {"peers": (), "peer_staging_bytes": 0},
+        {"peers": None, "peer_staging_bytes": 0},
+    ],
+)
+def test_valid_peer_configs(kw: dict[str, object]) -> None:
+    config = DeviceHandlerConfig(**kw)  # type: ignore[arg-type]
+    assert {k: getattr(config, k) for k in kw} == kw
+    hash(config)
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"peers": (1, -1)}, r"peers\[1\] \(a device index\) must be an int in \[0, 15\], got -1"),
+        ({"peers": (MAX_DEVICES,)}, r"peers\[0\]"),
+        ({"peers": (1, 2, 1, 2, 3)}, r"peers must name each device once, .* \(\[1, 2\]\)"),
+        ({"peers": (1.0,)}, r"peers\[0\]"),
+        ({"peers": (True,)}, r"peers\[0\]"),
+        ({"peers": ("1",)}, r"peers\[0\]"),
+        ({"peers": [1, 2]}, "peers must be None, 'auto' or a tuple of device indices"),
+        ({"peers": 1}, "peers must be None, 'auto' or a tuple"),
+        ({"peers": "all"}, "peers must be None, 'auto' or a tuple"),
+        ({"peers": {1, 2}}, "peers must be None"),
+        ({"peers": (1,), "peer_staging_bytes": 0}, "peer_staging_bytes must be a positive int"),
+        ({"peers": "auto", "peer_staging_bytes": -5}, "peer_staging_bytes"),
+        ({"peer_staging_bytes": -1}, "peer_staging_bytes must be an int >= 0"),
+        ({"peers": (1,), "peer_staging_bytes": 1.5}, "peer_staging_bytes"),
+        ({"peer_staging_bytes": None}, "peer_staging_bytes"),
+    ],
+)
+def test_bad_peer_configs_name_the_field(kw: dict[str, object], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        DeviceHandlerConfig(**kw)  # type: ignore[arg-type]
