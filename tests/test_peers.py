@@ -394,12 +394,29 @@ def test_a_forked_child_may_read_but_not_announce(path: str) -> None:
 # two processes (spawned: a child shares nothing with its parent but the file)
 
 
-def own_a_device(path: str, device: int, marked: Event, clear: Event, cleared: Event) -> None:
+WHOLE_READS = 1000
+
+
+def burst_entry(i: int) -> tuple[int, float]:
+    """The i-th of a burst of announcements: its bytes name its share, so a reader can
+    tell a torn entry (one write's bytes with another's share) from a whole one."""
+    return i + 1, (i % 64) / 64
+
+
+def own_a_device(
+    path: str, device: int, marked: Event, clear: Event, cleared: Event, enough: Event
+) -> None:
     with PeerLedger(path) as ledger:
         ledger.announce(device, 256 << 20)
         marked.set()
         if not clear.wait(60):
             raise TimeoutError("the parent never asked to clear")
+        for i in range(10**8):  # until the parent has read enough
+            inflight, share = burst_entry(i)
+            ledger.announce(device + 1, inflight, share=share)
+            if i % 256 == 0 and enough.is_set():
+                break
+        ledger.announce(device + 1, 0)
         ledger.announce(device, 0)
         cleared.set()
 
@@ -413,8 +430,8 @@ def own_and_hang(path: str, device: int, marked: Event, never: Event) -> None:
 
 def test_another_process_sees_an_announcement_and_its_end(path: str) -> None:
     spawn = multiprocessing.get_context("spawn")
-    marked, clear, cleared = spawn.Event(), spawn.Event(), spawn.Event()
-    child = spawn.Process(target=own_a_device, args=(path, 2, marked, clear, cleared))
+    marked, clear, cleared, enough = (spawn.Event() for _ in range(4))
+    child = spawn.Process(target=own_a_device, args=(path, 2, marked, clear, cleared, enough))
     with PeerLedger(path) as borrower:
         child.start()
         try:
@@ -424,10 +441,20 @@ def test_another_process_sees_an_announcement_and_its_end(path: str) -> None:
             assert seen.pid == child.pid and seen.age < 0.5
             assert not borrower.busy(1)
             clear.set()
+            # while the child rewrites an entry as fast as it can, every read is whole
+            whole = 0
+            deadline = time.monotonic() + 60
+            while whole < WHOLE_READS and time.monotonic() < deadline:
+                for a in borrower.announcements(3):
+                    assert burst_entry(a.inflight_bytes - 1) == (a.inflight_bytes, a.share)
+                    whole += 1
+            enough.set()
+            assert whole == WHOLE_READS
             assert cleared.wait(60)
             assert not borrower.busy(2) and borrower.free_share(2) == 1.0
         finally:
             clear.set()
+            enough.set()
             child.join(60)
         assert child.exitcode == 0
         assert struct.unpack_from("<I", borrower._map, peers._IN_USE_AT)[0] == 1
