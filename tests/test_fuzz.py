@@ -480,6 +480,7 @@ CONFIG_FIELDS = [
     "close_timeout",
     "peers",
     "peer_staging_bytes",
+    "peer_min_blocks",
 ]
 
 

@@ -17,6 +17,9 @@ NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
 #: ``DeviceHandlerConfig.peer_staging_bytes`` unless given: device memory on each
 #: borrowed peer
 PEER_STAGING_BYTES_DEFAULT = 64 << 20
+#: ``DeviceHandlerConfig.peer_min_blocks`` unless given: smaller jobs stay on the own
+#: link (a step's few blocks gain nothing from a second link's extra copies and events)
+PEER_MIN_BLOCKS_DEFAULT = 64
 _PEERS_ARE = "peers must be None, 'auto' or a tuple of device indices"
 
 
@@ -83,8 +86,11 @@ class DeviceHandlerConfig:
     device indices, ``"auto"`` (every peer the runtime reaches), or ``None`` or
     ``()`` (the own link only). ``peer_staging_bytes``: the device memory taken on
     each borrowed peer for the buffers its part of a job passes through (at least
-    1 byte where ``peers`` names any). Both are validated here but not yet used by
-    the handler; see :mod:`offload_engine.device.peers`.
+    one tier slot per staging buffer where ``peers`` names any; the handler checks
+    that against its layout). ``peer_min_blocks``: a staged job of at least this
+    many blocks is split over the own link and the borrowed ones; smaller jobs,
+    and jobs of other strategies, stay on the own link. So far only the fake
+    runtime offers peers; see :mod:`offload_engine.device.multipath`.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -104,6 +110,7 @@ class DeviceHandlerConfig:
     native_launch: bool | Literal["auto"] = NATIVE_LAUNCH_DEFAULT
     peers: tuple[int, ...] | Literal["auto"] | None = None
     peer_staging_bytes: int = PEER_STAGING_BYTES_DEFAULT
+    peer_min_blocks: int = PEER_MIN_BLOCKS_DEFAULT
 
     def __post_init__(self) -> None:
         if not (isinstance(self.native_launch, bool) or self.native_launch == "auto"):
@@ -135,6 +142,7 @@ class DeviceHandlerConfig:
         check_seconds(self.close_timeout, "close_timeout")
         borrows = self._check_peers()
         check_int(self.peer_staging_bytes, "peer_staging_bytes", minimum=1 if borrows else 0)
+        check_int(self.peer_min_blocks, "peer_min_blocks")
 
     def _check_peers(self) -> bool:
         """Refuse a ``peers`` that is not None, ``"auto"`` or a tuple of distinct

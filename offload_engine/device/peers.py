@@ -15,7 +15,8 @@ worker per GPU), so they announce their own traffic in a small file in shared me
 that every process of the user maps (:class:`PeerLedger`), and a borrower reads it
 before it splits a job.
 
-Nothing here touches a device: the handler does not use these paths yet.
+Nothing here touches a device: :mod:`offload_engine.device.multipath` splits a
+handler's jobs with these.
 """
 
 from __future__ import annotations

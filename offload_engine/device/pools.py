@@ -32,12 +32,25 @@ class StagingBuffers:
     """``count`` device buffers of ``rows`` tier-slot-shaped rows, used in turn.
 
     ``free[b]`` is the event after which buffer ``b`` may be refilled (the end
-    of the last piece that used it), or ``None`` before its first use.
+    of the last piece that used it), or ``None`` before its first use. With
+    ``device`` the buffers live in that peer device's memory (a borrowed link's).
     """
 
-    def __init__(self, runtime: DeviceRuntime, count: int, rows: int, slot_bytes: int) -> None:
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        count: int,
+        rows: int,
+        slot_bytes: int,
+        *,
+        device: int | None = None,
+    ) -> None:
         self.rows = rows
-        self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
+        nbytes = rows * slot_bytes
+        if device is None:
+            self.buffers = [runtime.alloc_device(nbytes) for _ in range(count)]
+        else:
+            self.buffers = [runtime.alloc_device_on(device, nbytes) for _ in range(count)]
         self.free: list[Any] = [None] * count
         self.next = 0
         # per buffer, computed once: its address and its (rows, slot_bytes) view
@@ -71,7 +84,7 @@ class JobResources:
 
     def __init__(self, runtime: DeviceRuntime, keep_id_buffers: int) -> None:
         self._runtime = runtime
-        self._keep = keep_id_buffers
+        self.keep = keep_id_buffers
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []
         self._lock = threading.Lock()
@@ -123,9 +136,12 @@ class JobResources:
         with self._lock:
             self.finished_bytes += plan.nbytes
             self._events.extend(plan.events)
-            if plan.ids is not None and len(self._id_buffers) <= self._keep:
+            if plan.ids is not None and len(self._id_buffers) <= self.keep:
                 self._id_buffers.append(plan.ids)
         plan.ids = None
+        parts, plan.peer_parts = plan.peer_parts, []
+        for pools, part in parts:  # a split job's peer parts, to their paths' pools
+            pools.recycle(part)
 
     def clear(self) -> None:
         with self._lock:

@@ -24,7 +24,8 @@ must move between pinned host memory and the memory of its stream's device, and
 a block copy's slot rows must lie in memory its stream's device reaches. Faults
 can be aimed at one device (``fail_next(device=...)``,
 :meth:`~FakeRuntime.fail_allocations_on`); every copy is recorded with its
-stream's device (:class:`BatchCall`, :class:`KernelCall`).
+stream's device (:class:`BatchCall`, :class:`KernelCall`), and every stream wait
+with the record it waits for (``wait_calls``).
 """
 
 from __future__ import annotations
@@ -262,6 +263,8 @@ class FakeRuntime(DeviceRuntime):
         self.batch_calls: list[BatchCall] = []
         self.block_copies = 0
         self.kernel_calls: list[KernelCall] = []
+        #: every stream wait: (the stream's name, id of the event, the record waited for)
+        self.wait_calls: list[tuple[str, int, int]] = []
         self.pin_calls: list[tuple[int, int]] = []
         self.unpin_calls: list[int] = []
         self.closed = False
@@ -349,6 +352,7 @@ class FakeRuntime(DeviceRuntime):
 
     def wait_event(self, stream: Any, event: Any) -> None:
         generation = event.recorded
+        self.wait_calls.append((stream.name, id(event), generation))
         if generation:
             stream.enqueue(lambda: event.wait_for(generation))
 
