@@ -32,6 +32,8 @@ from offload_engine.device import (
     pinned_host_tier,
 )
 from offload_engine.device.peers import PeerLedger
+from offload_engine.device.plan import DevicePlan
+from offload_engine.device.pools import JobResources, PathResources
 from offload_engine.testing import FakeDeviceError, FakeRuntime, build_layout, cache_block_bytes
 from offload_engine.vocabulary import Direction
 
@@ -85,11 +87,22 @@ def test_a_fake_dma_moves_only_its_streams_devices_memory(four: FakeRuntime) -> 
         four.memcpy_batch(four.new_stream(), dst, src, one, Direction.STORE)
     stream = four.new_stream_on(1)
     four.memcpy_batch(stream, dst, src, one, Direction.STORE)
-    event = four.new_event()
+    event = four.new_event_on(1)
     four.record(event, stream)
     four.synchronize(event)
     assert bytes(host.numpy()) == bytes([7]) * 64 and four.batch_calls[-1].device == 1
+    own = four.new_stream()
+    four.wait_event(own, event)  # any stream may wait on any device's event
+    done = four.new_event()
+    four.record(done, own)
+    four.synchronize(done)
     release()
+    lone = FakeRuntime(devices=2, peer_access=())
+    try:
+        with pytest.raises(RuntimeUnavailableError, match="no peer access"):
+            lone.new_event_on(1)
+    finally:
+        lone.close()
 
 
 def test_fake_faults_aimed_at_a_device(four: FakeRuntime) -> None:
@@ -104,6 +117,29 @@ def test_fake_faults_aimed_at_a_device(four: FakeRuntime) -> None:
     four.hang_next("copy", device=1)
     assert four._faults("copy", 0) == (None, False)
     assert four._faults("copy", 1)[1]
+
+
+def test_a_paths_events_come_from_the_device_of_the_stream_they_are_recorded_on(
+    four: FakeRuntime,
+) -> None:
+    """A staged piece's first half's event and its second half's, each from its own
+    pool, and back to it when the job is done; the own link's pool is any event."""
+    assert JobResources.staged_events is JobResources.events  # the own link: unchanged
+    pools = PathResources(four, 2, first=four.new_event, second=lambda: four.new_event_on(2))
+    pools.add_events(3)
+    taken = pools.staged_events(2 * 4)  # four pieces: more than the pools hold
+    assert [e.device for e in taken] == [0, 2] * 4
+    assert [e.device for e in pools.staged_events(1)] == [2]  # an empty job's
+    plan = DevicePlan([], 0, CopyStrategy.STAGED, None, events=list(taken))
+    pools.recycle(plan)
+    assert plan.events == []
+    again = pools.staged_events(2 * 4)
+    assert [e.device for e in again] == [0, 2] * 4
+    assert {id(e) for e in again} == {id(e) for e in taken}  # reused, none made
+    with pytest.raises(TypeError, match="per half"):
+        pools.events(2)
+    with pytest.raises(TypeError, match="per half"):
+        pools.event()
 
 
 # --------------------------------------------------------------------------- split jobs

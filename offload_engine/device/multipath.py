@@ -12,10 +12,14 @@ context whose staging buffers and stream set are the path's
 Each path has an SM stream of its own: a part's block copies wait for its
 staging buffers to be free, and on one SM stream those waits would hold every
 other part's copies behind them, one part after another. Each path also has
-its own pool of events (and id buffers): a stream wait covers an event's latest
+its own pools of events (and id buffers): a stream wait covers an event's latest
 record, and a path that waits on its staging buffers' last events must not find
 them recorded again by another path's part meanwhile (that would only delay it,
-but it would put the parts one after another again).
+but it would put the parts one after another again). An event may be recorded
+only on a stream of the device it was made on (CUDA's rule; any stream may wait
+on it), so a path's events come from two pools
+(:class:`~offload_engine.device.pools.PathResources`): this device's for its SM
+stream, the peer's for its DMA streams.
 
 **Which jobs split.** A staged job of whole blocks of at least ``min_blocks``
 blocks (``DeviceHandlerConfig.peer_min_blocks``) is cut into one contiguous run
@@ -55,7 +59,7 @@ import numpy as np
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.peers import PeerLedger, split_units
 from offload_engine.device.plan import DevicePlan
-from offload_engine.device.pools import JobResources, StagingBuffers
+from offload_engine.device.pools import PathResources, StagingBuffers
 from offload_engine.device.staged import enqueue_staged
 from offload_engine.errors import EngineClosedError, TransferError
 from offload_engine.host import GroupMapping
@@ -98,8 +102,8 @@ def open_paths(
     who: str,
 ) -> list[PeerPath]:
     """A path per peer in ``devices``, each with ``buffers`` staging buffers of
-    ``rows`` slot rows in the peer's memory and a pool of ``events`` events to
-    start with. A peer whose staging or streams cannot be had is logged and left
+    ``rows`` slot rows in the peer's memory and ``events`` events to start
+    with (half on each device). A peer whose staging or streams cannot be had is logged and left
     out: its share stays on the other links."""
     rt = ctx.runtime
     paths = []
@@ -110,18 +114,32 @@ def open_paths(
             made.append(rt.new_stream(priority=-1))
             made.append(rt.new_stream_on(device))
             made.append(rt.new_stream_on(device))
+            pools = path_resources(ctx, device)
+            pools.add_events(events // 2)
         except (RuntimeError, MemoryError) as exc:
             log.warning("%s does not borrow device %d's host link: %s", who, device, exc)
             release_streams(rt, made, who)
             continue
         streams: StreamSet = (made[0], (made[1], made[2]))
-        pools = JobResources(rt, keep_id_buffers=ctx.resources.keep)
-        pools.add_events(events)
         path_ctx = dataclasses.replace(
             ctx, staging=staging, pool=[streams], native_sets={}, resources=pools
         )
         paths.append(PeerPath(device, staging, streams, path_ctx))
     return paths
+
+
+def path_resources(ctx: LaunchContext, device: int) -> PathResources:
+    """A path's pools: a piece's gather (store) or scatter (load) records events of
+    this device on the path's SM stream, its DMAs events of peer ``device`` on the
+    peer's streams (the gather is a store's first half, the scatter a load's second)."""
+    rt = ctx.runtime
+
+    def on_peer() -> Any:
+        return rt.new_event_on(device)
+
+    own = rt.new_event
+    first, second = (own, on_peer) if ctx.store else (on_peer, own)
+    return PathResources(rt, keep_id_buffers=ctx.resources.keep, first=first, second=second)
 
 
 def release_streams(runtime: DeviceRuntime, streams: Sequence[Any], who: str) -> None:

@@ -61,10 +61,12 @@ class FakeDeviceError(RuntimeError):
 
 
 class FakeEvent:
-    """Counts records and completions; a failed op poisons the next record."""
+    """Counts records and completions; a failed op poisons the next record.
+    ``device``: the device it was made on."""
 
-    def __init__(self, lock: threading.Lock) -> None:
+    def __init__(self, lock: threading.Lock, device: int = 0) -> None:
         self._cond = threading.Condition(lock)
+        self.device = device
         self.recorded = 0
         self.completed = 0
         self.errors: dict[int, BaseException] = {}
@@ -307,6 +309,10 @@ class FakeRuntime(DeviceRuntime):
         self._check_peer(device)
         return self._new_stream(device)
 
+    def new_event_on(self, device: int) -> FakeEvent:
+        self._check_peer(device)
+        return FakeEvent(threading.Lock(), device)
+
     def empty_on(
         self, device: int, shape: tuple[int, ...], dtype: torch.dtype = torch.uint8
     ) -> torch.Tensor:
@@ -336,7 +342,7 @@ class FakeRuntime(DeviceRuntime):
         return self.compute
 
     def new_event(self) -> FakeEvent:
-        return FakeEvent(threading.Lock())
+        return FakeEvent(threading.Lock(), self._index)
 
     def stream_handle(self, stream: Any) -> int:
         return id(stream)  # a fake stream has no driver handle: its identity stands in

@@ -191,6 +191,13 @@ class DeviceRuntime(abc.ABC):
         :class:`RuntimeUnavailableError` where the runtime offers no such peer."""
         raise RuntimeUnavailableError(f"the {self.name} runtime offers no peer devices")
 
+    def new_event_on(self, device: int) -> Any:
+        """A new event on peer ``device``, for :meth:`record` on that device's streams
+        alone (an event is recorded only on a stream of the device it was made on;
+        any stream may wait on it). Raises :class:`RuntimeUnavailableError` where the
+        runtime offers no such peer."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime offers no peer devices")
+
     # -- memory ----------------------------------------------------------------
 
     @abc.abstractmethod
