@@ -87,6 +87,8 @@ def test_a_fake_dma_moves_only_its_streams_devices_memory(four: FakeRuntime) -> 
         four.memcpy_batch(four.new_stream(), dst, src, one, Direction.STORE)
     stream = four.new_stream_on(1)
     four.memcpy_batch(stream, dst, src, one, Direction.STORE)
+    with pytest.raises(TransferError, match=r"event of device 0 recorded on .* of device 1"):
+        four.record(four.new_event(), stream)  # as in CUDA: only on its own device's streams
     event = four.new_event_on(1)
     four.record(event, stream)
     four.synchronize(event)

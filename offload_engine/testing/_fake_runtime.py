@@ -20,8 +20,10 @@ would), and :meth:`hang_next` makes the next copy never finish until
 whose devices reach each other's memory (``peer_access`` narrows that): each
 device has its own "device memory" and streams (:meth:`FakeRuntime.empty_on`,
 :meth:`~FakeRuntime.alloc_device_on`, :meth:`~FakeRuntime.new_stream_on`), a DMA
-must move between pinned host memory and the memory of its stream's device, and
-a block copy's slot rows must lie in memory its stream's device reaches. Faults
+must move between pinned host memory and the memory of its stream's device, a
+block copy's slot rows must lie in memory its stream's device reaches, and an
+event may be recorded only on a stream of the device it was made on
+(:meth:`~FakeRuntime.new_event_on`), as in CUDA; any stream may wait on any event. Faults
 can be aimed at one device (``fail_next(device=...)``,
 :meth:`~FakeRuntime.fail_allocations_on`); every copy is recorded with its
 stream's device (:class:`BatchCall`, :class:`KernelCall`), and every stream wait
@@ -50,7 +52,7 @@ from offload_engine.device.runtimes.base import (
     pin_chunks,
     spans_cover,
 )
-from offload_engine.errors import RuntimeUnavailableError
+from offload_engine.errors import RuntimeUnavailableError, TransferError
 from offload_engine.vocabulary import Direction, Medium
 
 _STOP = object()
@@ -62,7 +64,7 @@ class FakeDeviceError(RuntimeError):
 
 class FakeEvent:
     """Counts records and completions; a failed op poisons the next record.
-    ``device``: the device it was made on."""
+    ``device``: the device it was made on, whose streams alone may record it."""
 
     def __init__(self, lock: threading.Lock, device: int = 0) -> None:
         self._cond = threading.Condition(lock)
@@ -351,6 +353,11 @@ class FakeRuntime(DeviceRuntime):
         return id(event)
 
     def record(self, event: Any, stream: Any) -> None:
+        if event.device != stream.device:  # cuEventRecord: CUDA_ERROR_INVALID_HANDLE
+            raise TransferError(
+                f"an event of device {event.device} recorded on {stream.name} of device "
+                f"{stream.device}: an event is recorded only on its own device's streams"
+            )
         with event._cond:
             event.recorded += 1
             generation = event.recorded
