@@ -89,8 +89,9 @@ class DeviceHandlerConfig:
     one tier slot per staging buffer where ``peers`` names any; the handler checks
     that against its layout). ``peer_min_blocks``: a staged job of at least this
     many blocks is split over the own link and the borrowed ones; smaller jobs,
-    and jobs of other strategies, stay on the own link. So far only the fake
-    runtime offers peers; see :mod:`offload_engine.device.multipath`.
+    and jobs of other strategies, stay on the own link. The fake and CUDA runtimes
+    offer peers (CUDA's not yet run on a host of several GPUs); see
+    :mod:`offload_engine.device.multipath`.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
