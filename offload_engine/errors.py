@@ -117,6 +117,12 @@ class RuntimeUnavailableError(OffloadError, RuntimeError):
     """A device runtime (CUDA, NPU) is not usable on this machine; the message says why."""
 
 
+class LedgerUnavailableError(OffloadError, RuntimeError):
+    """The per-host ledger of busy device links cannot be used (no ``/dev/shm``, a file
+    of another user or format, every slot taken); raised at open, the message says
+    why."""
+
+
 class InsufficientMemoryError(OffloadError, MemoryError):
     """The memory a requested size needs is more than the machine has available; raised
     before anything is allocated, and the message says how much of which memory."""

@@ -478,6 +478,9 @@ CONFIG_FIELDS = [
     "streams",
     "max_inflight",
     "close_timeout",
+    "peers",
+    "peer_staging_bytes",
+    "peer_min_blocks",
 ]
 
 

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import collections
 import enum
 from dataclasses import dataclass
 from typing import Literal
 
 from offload_engine._checks import check_int, check_seconds
+from offload_engine.device.peers import MAX_DEVICES
 from offload_engine.errors import ConfigError
 
 #: ``DeviceHandlerConfig.native_launch`` unless given: use the native launch where the
 #: runtime has it (one foreign call per job instead of one per driver call)
 NATIVE_LAUNCH_DEFAULT: bool | Literal["auto"] = "auto"
+#: ``DeviceHandlerConfig.peer_staging_bytes`` unless given: device memory on each
+#: borrowed peer
+PEER_STAGING_BYTES_DEFAULT = 64 << 20
+#: ``DeviceHandlerConfig.peer_min_blocks`` unless given: smaller jobs stay on the own
+#: link (a step's few blocks gain nothing from a second link's extra copies and events)
+PEER_MIN_BLOCKS_DEFAULT = 64
+_PEERS_ARE = "peers must be None, 'auto' or a tuple of device indices"
 
 
 class CopyStrategy(enum.Enum):
@@ -72,6 +81,17 @@ class DeviceHandlerConfig:
     CUDA with the NVRTC kernel and a C compiler). ``"auto"`` uses it where the
     runtime has it and keeps the Python calls elsewhere (logged); ``True``
     refuses a runtime without it; ``False`` always calls from Python.
+    ``peers``: the devices whose host links this handler may borrow, over NVLink
+    (host -> peer -> this device for loads, the reverse for stores): a tuple of
+    device indices, ``"auto"`` (every peer the runtime reaches), or ``None`` or
+    ``()`` (the own link only). ``peer_staging_bytes``: the device memory taken on
+    each borrowed peer for the buffers its part of a job passes through (at least
+    one tier slot per staging buffer where ``peers`` names any; the handler checks
+    that against its layout). ``peer_min_blocks``: a staged job of at least this
+    many blocks is split over the own link and the borrowed ones; smaller jobs,
+    and jobs of other strategies, stay on the own link. The fake and CUDA runtimes
+    offer peers (CUDA's not yet run on a host of several GPUs); see
+    :mod:`offload_engine.device.multipath`.
     """
 
     strategy: CopyStrategy = CopyStrategy.AUTO
@@ -89,6 +109,9 @@ class DeviceHandlerConfig:
     submitter_launch: bool = False
     polled_completion: bool = False
     native_launch: bool | Literal["auto"] = NATIVE_LAUNCH_DEFAULT
+    peers: tuple[int, ...] | Literal["auto"] | None = None
+    peer_staging_bytes: int = PEER_STAGING_BYTES_DEFAULT
+    peer_min_blocks: int = PEER_MIN_BLOCKS_DEFAULT
 
     def __post_init__(self) -> None:
         if not (isinstance(self.native_launch, bool) or self.native_launch == "auto"):
@@ -118,3 +141,25 @@ class DeviceHandlerConfig:
         if self.staging_buffers < 2:
             raise ConfigError(f"staging_buffers must be at least 2, got {self.staging_buffers}")
         check_seconds(self.close_timeout, "close_timeout")
+        borrows = self._check_peers()
+        check_int(self.peer_staging_bytes, "peer_staging_bytes", minimum=1 if borrows else 0)
+        check_int(self.peer_min_blocks, "peer_min_blocks")
+
+    def _check_peers(self) -> bool:
+        """Refuse a ``peers`` that is not None, ``"auto"`` or a tuple of distinct
+        device indices; return whether it names any peer."""
+        peers = self.peers
+        if peers is None:
+            return False
+        if isinstance(peers, str):
+            if peers != "auto":
+                raise ConfigError(_PEERS_ARE + f", got {peers!r}")
+            return True
+        if not isinstance(peers, tuple):
+            raise ConfigError(_PEERS_ARE + f", got {peers!r}")
+        for i, device in enumerate(peers):
+            check_int(device, f"peers[{i}] (a device index)", minimum=0, maximum=MAX_DEVICES - 1)
+        repeated = sorted(d for d, n in collections.Counter(peers).items() if n > 1)
+        if repeated:
+            raise ConfigError(f"peers must name each device once, got {peers!r} ({repeated})")
+        return bool(peers)

@@ -9,6 +9,7 @@ import torch
 from offload_engine._checks import check_int
 from offload_engine.device.config import DeviceHandlerConfig
 from offload_engine.device.handler import DeviceCopyHandler
+from offload_engine.device.peers import PeerLedger
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.host import HostTier, KVLayout
 from offload_engine.vocabulary import Direction
@@ -74,9 +75,13 @@ def make_device_handlers(
     layout: KVLayout,
     tier: HostTier,
     config: DeviceHandlerConfig | None = None,
+    *,
+    ledger: PeerLedger | None = None,
 ) -> tuple[DeviceCopyHandler, DeviceCopyHandler]:
-    """The store (device -> CPU) and load (CPU -> device) handlers over one tier."""
+    """The store (device -> CPU) and load (CPU -> device) handlers over one tier
+    (``ledger``: whose owners' traffic keeps them off borrowed peers' links)."""
+    facts: dict[str, Any] = {"config": config, "ledger": ledger}
     return (
-        DeviceCopyHandler(runtime, layout, tier, direction=Direction.STORE, config=config),
-        DeviceCopyHandler(runtime, layout, tier, direction=Direction.LOAD, config=config),
+        DeviceCopyHandler(runtime, layout, tier, direction=Direction.STORE, **facts),
+        DeviceCopyHandler(runtime, layout, tier, direction=Direction.LOAD, **facts),
     )

@@ -13,7 +13,9 @@ share, one concept a module:
   :mod:`~offload_engine.device.staged_native`), :mod:`~offload_engine.device.kernel`:
   one module per strategy;
 - :mod:`~offload_engine.device.launch`: the launch paths, the launcher and
-  watcher threads, polled completion.
+  watcher threads, polled completion;
+- :mod:`~offload_engine.device.multipath`: large staged jobs split over the
+  own host link and borrowed peers' links (``DeviceHandlerConfig.peers``).
 
 At submit, :meth:`DeviceCopyHandler.prepare` records an event on the caller's
 current stream and the job's first operation waits on it, so a store never
@@ -32,6 +34,8 @@ import numpy as np
 from offload_engine.device.config import CopyStrategy, DeviceHandlerConfig
 from offload_engine.device.context import JobOrder, LaunchContext, SlotScratch
 from offload_engine.device.launch import Launcher, enqueue
+from offload_engine.device.multipath import Multipath, open_paths, release_streams
+from offload_engine.device.peers import PeerLedger
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.pools import DeviceTables, JobResources, StagingBuffers, stream_sets
@@ -39,7 +43,7 @@ from offload_engine.device.runtimes._native import LaunchProgram, StagedPlanner
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.device.staged import COPY2D_ROWS
 from offload_engine.engine.handler import HandlerContext, LaunchedJob, TransferHandler
-from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError, TransferError
+from offload_engine.errors import ConfigError, LayoutError, RuntimeUnavailableError
 from offload_engine.host import GroupMapping, HostTier, KVLayout, LastMapping, map_transfer
 from offload_engine.vocabulary import Direction, Medium, TransferSpec
 
@@ -166,8 +170,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         *,
         direction: Direction,
         config: DeviceHandlerConfig | None = None,
+        ledger: PeerLedger | None = None,
     ) -> None:
         config = _check_arguments(runtime, layout, tier, config, direction)
+        if ledger is not None and not isinstance(ledger, PeerLedger):
+            raise TypeError(f"ledger must be a PeerLedger or None, got {type(ledger).__name__}")
         self.runtime = runtime
         self.layout = layout
         self.tier = tier
@@ -196,6 +203,10 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         # name errors give, and a large common job's checks in one native call
         self._strategy = _strategy(layout, config, self._stage_rows)
         self._planner = self._staged_planner()
+        # the peers whose links large staged jobs borrow (their paths open at start)
+        self._peers, self._peer_rows = self._peer_devices()
+        self._ledger = ledger
+        self._multipath: Multipath | None = None
         regions = [len(g) for g in layout.groups]
         per_region = self._strategy in (CopyStrategy.DMA, None)
         self._unit_regions = regions if per_region else [1] * len(regions)
@@ -257,6 +268,56 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self._stage_rows = 0
             return None
 
+    def _peer_devices(self) -> tuple[tuple[int, ...], int]:
+        """The peers named by ``config.peers`` that this handler will borrow, and the
+        slot rows of each peer staging buffer. A peer the runtime does not offer, or
+        the handler's own device, is a ``ConfigError``; a handler that stages no job
+        borrows none (only staged jobs split)."""
+        config, rt = self.config, self.runtime
+        wanted = config.peers
+        if not wanted:
+            return (), 0
+        offered = rt.peer_devices()
+        own = rt.device_index
+        if wanted == "auto":
+            devices = tuple(d for d in offered if d != own)
+        else:
+            for d in wanted:
+                if d == own:
+                    raise ConfigError(f"peers names device {d}, the handler's own device")
+                if d not in offered:
+                    raise ConfigError(
+                        f"peers names device {d}, which the {rt.name} runtime does not offer "
+                        f"as a peer of device {own} (it offers {list(offered)})"
+                    )
+            devices = tuple(wanted)
+        if not devices:
+            return (), 0
+        slot_bytes = self.layout.slot_bytes
+        rows = config.peer_staging_bytes // config.staging_buffers // slot_bytes
+        if rows < 1:
+            raise ConfigError(
+                f"peer_staging_bytes must hold one tier slot ({slot_bytes} bytes) per staging "
+                f"buffer ({config.staging_buffers}), got {config.peer_staging_bytes}"
+            )
+        if self._planner is None or self._stage_rows < 1:
+            log.info("%s borrows no peer's link: it stages no job", self.name)
+            return (), 0
+        if self._native is not None:
+            raise ConfigError(
+                "peers: a job split over peers' links launches from Python so far; "
+                "set native_launch=False"
+            )
+        return devices, rows
+
+    @property
+    def borrowed(self) -> tuple[int, ...]:
+        """The peer devices whose host links this handler borrows: those of
+        ``config.peers`` whose paths opened at start (none before start and after
+        close)."""
+        multipath = self._multipath
+        return () if multipath is None else multipath.devices
+
     # ------------------------------------------------------------ lifecycle
 
     def start(self, context: HandlerContext) -> None:
@@ -292,6 +353,19 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             slots=SlotScratch(),
         )
         self._order = JobOrder()
+        if self._peers:
+            paths = open_paths(
+                self._ctx,
+                self._peers,
+                buffers=buffers,
+                rows=self._peer_rows,
+                events=4 * self.max_inflight,
+                who=self.name,
+            )
+            if paths:
+                self._multipath = Multipath(
+                    paths, min_blocks=self.config.peer_min_blocks, ledger=self._ledger
+                )
         done = rt.new_event()
         rt.record(done, setup)
         rt.synchronize(done)
@@ -324,12 +398,11 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         ctx.native_sets.clear()  # they hold the staging buffers and stream handles
         self._resources.clear()
         pool, self._pool = self._pool, []
-        for sm, dmas in pool:
-            for stream in (sm, *dmas):
-                try:
-                    self.runtime.release_stream(stream)
-                except TransferError as exc:  # the handler is closed either way
-                    log.warning("%s could not release a stream: %s", self.name, exc)
+        multipath, self._multipath = self._multipath, None
+        streams = [s for sm, dmas in pool for s in (sm, *dmas)]
+        if multipath is not None:
+            streams += multipath.streams()
+        release_streams(self.runtime, streams, self.name)  # logs a failure: closed either way
 
     # ------------------------------------------------------------ submit
 
@@ -436,7 +509,7 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
 
     def _enqueue(self, plan: DevicePlan) -> None:
         """Put one job's work on the streams (jobs take effect in submission order)."""
-        enqueue(self._ctx, self._order, plan)
+        enqueue(self._ctx, self._order, plan, self._multipath)
 
     def _recycle(self, plan: DevicePlan) -> None:
         """Hand a finished job's events and id buffer back to the pools."""

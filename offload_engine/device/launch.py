@@ -33,6 +33,7 @@ from offload_engine._loop import ThreadSignal, block_application_signals, join_t
 from offload_engine.device.config import CopyStrategy
 from offload_engine.device.dma import enqueue_dma
 from offload_engine.device.kernel import enqueue_kernel
+from offload_engine.device.multipath import Multipath, enqueue_split
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.staged import enqueue_staged
 from offload_engine.device.staged_native import enqueue_staged_native
@@ -229,9 +230,12 @@ class Launcher:
                 self._done.set()
 
 
-def enqueue(ctx: LaunchContext, order: JobOrder, plan: DevicePlan) -> None:
+def enqueue(
+    ctx: LaunchContext, order: JobOrder, plan: DevicePlan, multipath: Multipath | None = None
+) -> None:
     """Put one job's work on the next stream set. With the native launch, the calls
-    are recorded and then issued by one native call."""
+    are recorded and then issued by one native call. With ``multipath`` (borrowed
+    peers' links), a large staged job is split over the own link and theirs."""
     native = ctx.native
     if native is not None:
         native.begin()
@@ -245,7 +249,11 @@ def enqueue(ctx: LaunchContext, order: JobOrder, plan: DevicePlan) -> None:
     elif native is not None:
         enqueue_staged_native(ctx, order, plan, sm, dmas, ctx.staging, native)
     else:
-        enqueue_staged(ctx, order, plan, sm, dmas)
+        parts = None if multipath is None else multipath.split(plan)
+        if parts is None:
+            enqueue_staged(ctx, order, plan, sm, dmas)
+        else:
+            enqueue_split(ctx, order, plan, (sm, dmas), parts)
     if native is not None:
         native.run()
     fence = plan.fence

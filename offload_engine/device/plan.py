@@ -36,3 +36,7 @@ class DevicePlan:
     # a staged job of ``regions``: per group, the index of the region table for its
     # part of each block (:meth:`DeviceTables.part`); None: whole blocks
     parts: tuple[int, ...] | None = None
+    # a job split over borrowed links: each peer part's plan, with the pools its
+    # events and id buffer came from and go back to once the job is done (the own
+    # link's part leaves its events and ids on this plan)
+    peer_parts: list[tuple[Any, DevicePlan]] = field(default_factory=list)

@@ -4,6 +4,7 @@ staging buffers, events and id buffers, and the KV regions' tables on the device
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -32,12 +33,25 @@ class StagingBuffers:
     """``count`` device buffers of ``rows`` tier-slot-shaped rows, used in turn.
 
     ``free[b]`` is the event after which buffer ``b`` may be refilled (the end
-    of the last piece that used it), or ``None`` before its first use.
+    of the last piece that used it), or ``None`` before its first use. With
+    ``device`` the buffers live in that peer device's memory (a borrowed link's).
     """
 
-    def __init__(self, runtime: DeviceRuntime, count: int, rows: int, slot_bytes: int) -> None:
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        count: int,
+        rows: int,
+        slot_bytes: int,
+        *,
+        device: int | None = None,
+    ) -> None:
         self.rows = rows
-        self.buffers = [runtime.alloc_device(rows * slot_bytes) for _ in range(count)]
+        nbytes = rows * slot_bytes
+        if device is None:
+            self.buffers = [runtime.alloc_device(nbytes) for _ in range(count)]
+        else:
+            self.buffers = [runtime.alloc_device_on(device, nbytes) for _ in range(count)]
         self.free: list[Any] = [None] * count
         self.next = 0
         # per buffer, computed once: its address and its (rows, slot_bytes) view
@@ -71,7 +85,7 @@ class JobResources:
 
     def __init__(self, runtime: DeviceRuntime, keep_id_buffers: int) -> None:
         self._runtime = runtime
-        self._keep = keep_id_buffers
+        self.keep = keep_id_buffers
         self._events: list[Any] = []
         self._id_buffers: list[IdBuffer] = []
         self._lock = threading.Lock()
@@ -101,6 +115,12 @@ class JobResources:
             taken.append(self._runtime.new_event())
         return taken
 
+    #: a staged job's events, ``max(2 * pieces, 1)`` of them: per piece, the event of
+    #: its first half (a store's gather, a load's DMA) and of its second half; a job
+    #: of no pieces takes one, recorded on a second half's stream. Here any of the
+    #: pool's, every stream being this device's (:class:`PathResources`: not so)
+    staged_events = events
+
     def id_buffer(self, plan: DevicePlan, total: int) -> IdBuffer:
         """A reused id buffer for ``total`` ids (no allocation per job), the plan's
         until the job is done."""
@@ -123,13 +143,84 @@ class JobResources:
         with self._lock:
             self.finished_bytes += plan.nbytes
             self._events.extend(plan.events)
-            if plan.ids is not None and len(self._id_buffers) <= self._keep:
+            if plan.ids is not None and len(self._id_buffers) <= self.keep:
                 self._id_buffers.append(plan.ids)
         plan.ids = None
+        parts, plan.peer_parts = plan.peer_parts, []
+        for pools, part in parts:  # a split job's peer parts, to their paths' pools
+            pools.recycle(part)
 
     def clear(self) -> None:
         with self._lock:
             self._id_buffers.clear()
+
+
+class PathResources(JobResources):
+    """A borrowed link's events and id buffers (``device.multipath``): a staged
+    part's two halves run on streams of two devices (the gather or scatter on this
+    device, the DMAs on a peer), and an event may be recorded only on a stream of
+    the device it was made on. So each half takes its events from a pool of its
+    own: ``first`` and ``second`` make the events of a piece's first and second
+    halves (``runtime.new_event``, or ``runtime.new_event_on`` of the peer)."""
+
+    def __init__(
+        self,
+        runtime: DeviceRuntime,
+        keep_id_buffers: int,
+        *,
+        first: Callable[[], Any],
+        second: Callable[[], Any],
+    ) -> None:
+        super().__init__(runtime, keep_id_buffers)
+        self._makers = (first, second)
+        self._pools: tuple[list[Any], list[Any]] = ([], [])
+        # which pool an event goes back to (an event's identity: both pools' events
+        # live as long as the path, so no identity is reused while one is out)
+        self._second_ids: set[int] = set()
+
+    def _make(self, half: int, count: int) -> list[Any]:
+        made = [self._makers[half]() for _ in range(count)]
+        if half:
+            with self._lock:
+                self._second_ids.update(id(e) for e in made)
+        return made
+
+    def add_events(self, count: int) -> None:
+        """``count`` events for each half."""
+        made = (self._make(0, count), self._make(1, count))
+        with self._lock:
+            for pool, events in zip(self._pools, made, strict=True):
+                pool.extend(events)
+
+    def _take(self, half: int, count: int) -> list[Any]:
+        with self._lock:
+            pool = self._pools[half]
+            taken = pool[max(len(pool) - count, 0) :] if count else []
+            del pool[len(pool) - len(taken) :]
+        return taken + (self._make(half, count - len(taken)) if len(taken) < count else [])
+
+    def staged_events(self, count: int) -> list[Any]:  # type: ignore[override]
+        """As :attr:`JobResources.staged_events`, each from its half's pool."""
+        firsts, seconds = self._take(0, count // 2), self._take(1, count - count // 2)
+        taken = [e for pair in zip(firsts, seconds, strict=False) for e in pair]
+        return taken + seconds[len(firsts) :]
+
+    def event(self) -> Any:
+        raise TypeError("a borrowed link's events are per half: use staged_events")
+
+    def events(self, count: int) -> list[Any]:
+        raise TypeError("a borrowed link's events are per half: use staged_events")
+
+    def _give_back(self, events: list[Any]) -> None:
+        second = self._second_ids
+        with self._lock:
+            for e in events:
+                self._pools[id(e) in second].append(e)
+
+    def recycle(self, plan: DevicePlan) -> None:
+        events, plan.events = plan.events, []
+        self._give_back(events)
+        super().recycle(plan)
 
 
 class DeviceTables:

@@ -247,7 +247,7 @@ def enqueue_staged(
     rows, pitch = job_rows(ctx, plan, staging)
     pieces = sum(-(-n // rows) for n in sizes_n)
     buffer = gather(ctx, plan, total)
-    events = ctx.resources.events(max(2 * pieces, 1))
+    events = ctx.resources.staged_events(max(2 * pieces, 1))
     plan.events.extend(events)
     if pieces:
         found = _python_set(ctx, staging)

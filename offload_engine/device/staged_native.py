@@ -108,7 +108,7 @@ def enqueue_staged_native(
     pieces = sum(-(-n // rows) for n in sizes_n)
     buffer = gather(ctx, plan, total)
     ids_device = program.upload_ids_at(sm, buffer, total)
-    events = ctx.resources.events(max(2 * pieces, 1))
+    events = ctx.resources.staged_events(max(2 * pieces, 1))
     plan.events.extend(events)
     if pieces == 0:
         empty_job(ctx, order, plan, sm, dmas, events[0])

@@ -12,7 +12,8 @@ Handlers
     :func:`engine_threads`, :func:`call_in_thread` (a call that fails instead of hanging).
 Device runtimes
     :class:`FakeRuntime` (a CUDA-like runtime backed by host memory, with a
-    worker thread per stream) and :class:`FakeNpuRuntime` over
+    worker thread per stream, several devices if asked, and its calls recorded
+    as :class:`BatchCall` and :class:`KernelCall`) and :class:`FakeNpuRuntime` over
     :class:`FakeAscend` (a fake ``torch_npu`` and ``libascendcl``).
 KV caches
     :func:`build_layout` (every layout in :data:`LAYOUT_KINDS`),
@@ -56,6 +57,7 @@ from offload_engine.testing._fake_runtime import (
     FakeEvent,
     FakeRuntime,
     FakeStream,
+    KernelCall,
     SerialStream,
 )
 from offload_engine.testing._faults import (
@@ -114,6 +116,7 @@ __all__ = [
     "FaultyHandler",
     "InjectedFault",
     "JobPredicate",
+    "KernelCall",
     "Ledger",
     "LedgerReport",
     "MooncakeMaster",

@@ -21,6 +21,7 @@ CU_MEM_LOCATION_TYPE_DEVICE = 1
 CU_MEM_LOCATION_TYPE_HOST = 2
 CUDA_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02
 CUDA_ERROR_NOT_READY = 600
+CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704
 CU_STREAM_NON_BLOCKING = 0x1
 
 
@@ -109,6 +110,11 @@ class Driver:
         self.stream_synchronize.argtypes = (_P,)
         self.stream_destroy = plain.cuStreamDestroy_v2
         self.stream_destroy.argtypes = (_P,)
+        # peer access, enabled once per pair of devices (enable_peer_access)
+        self.ctx_get_current = plain.cuCtxGetCurrent
+        self.ctx_get_current.argtypes = (ctypes.POINTER(_P),)
+        self.ctx_enable_peer_access = plain.cuCtxEnablePeerAccess
+        self.ctx_enable_peer_access.argtypes = (_P, ctypes.c_uint)
         self.batch_address = 0  # the batched copy's entry point, for the native launch
         try:
             from cuda.bindings import driver as drv
@@ -159,6 +165,34 @@ class Driver:
             self.notes.append(
                 f"driver {version} has no cuMemcpyBatchAsync: copies go one cuMemcpyAsync each"
             )
+
+
+_PEERS: set[tuple[int, int]] = set()
+_PEERS_LOCK = threading.Lock()
+
+
+def enable_peer_access(driver: Any, own: int, peer: int) -> None:
+    """Let device ``own``'s primary context reach device ``peer``'s memory
+    (``cuCtxEnablePeerAccess``), once per pair and process: torch enables it for its
+    own device-to-device copies only, not for a kernel handed raw pointers. Access
+    enabled already (by torch, say) counts as done. ``driver``: a :class:`Driver`."""
+    with _PEERS_LOCK:
+        if (own, peer) in _PEERS:
+            return
+        context = ctypes.c_void_p()
+        with torch.cuda.device(peer):  # the peer's primary context, current
+            rc = driver.ctx_get_current(ctypes.byref(context))
+        if rc or not context.value:
+            what = driver.error_name(rc) if rc else "no context"
+            raise RuntimeUnavailableError(f"device {peer}'s primary context: {what}")
+        with torch.cuda.device(own):
+            rc = driver.ctx_enable_peer_access(context, 0)
+        if rc not in (0, CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED):
+            raise RuntimeUnavailableError(
+                f"cuCtxEnablePeerAccess from device {own} to device {peer} failed: "
+                f"{driver.error_name(rc)}"
+            )
+        _PEERS.add((own, peer))
 
 
 def address_of(fn: Any) -> int:

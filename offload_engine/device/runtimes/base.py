@@ -166,6 +166,38 @@ class DeviceRuntime(abc.ABC):
         still works without; such a handler refuses a runtime that lacks it."""
         raise NotImplementedError(f"{type(self).__name__} has no non-blocking event query")
 
+    # -- peers -----------------------------------------------------------------
+
+    @property
+    def device_index(self) -> int:
+        """This device's index among the host's devices (what ``peers`` names)."""
+        return self.device.index if self.device.index is not None else 0
+
+    def peer_devices(self) -> tuple[int, ...]:
+        """The devices whose host links this one may borrow: its memory reaches
+        theirs (peer access, over NVLink) and :meth:`alloc_device_on` and
+        :meth:`new_stream_on` serve them. The default offers none."""
+        return ()
+
+    def alloc_device_on(self, device: int, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of peer ``device``'s memory as a uint8 tensor, which block
+        copies on this device's streams may read and write. Raises
+        :class:`RuntimeUnavailableError` where the runtime offers no such peer."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime offers no peer devices")
+
+    def new_stream_on(self, device: int, priority: int = 0) -> Any:
+        """A new stream on peer ``device`` (its copies use that device's own host
+        link), given back with :meth:`release_stream`. Raises
+        :class:`RuntimeUnavailableError` where the runtime offers no such peer."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime offers no peer devices")
+
+    def new_event_on(self, device: int) -> Any:
+        """A new event on peer ``device``, for :meth:`record` on that device's streams
+        alone (an event is recorded only on a stream of the device it was made on;
+        any stream may wait on it). Raises :class:`RuntimeUnavailableError` where the
+        runtime offers no such peer."""
+        raise RuntimeUnavailableError(f"the {self.name} runtime offers no peer devices")
+
     # -- memory ----------------------------------------------------------------
 
     @abc.abstractmethod

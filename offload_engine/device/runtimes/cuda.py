@@ -27,6 +27,7 @@ portable and mapped, in chunks of at most 64 GiB) rather than with
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import threading
@@ -55,6 +56,7 @@ from offload_engine.device.runtimes._cuda_driver import (
     MemLocation,
     address_of,
     direct_copy,
+    enable_peer_access,
 )
 from offload_engine.device.runtimes._native import (
     HOLD_GIL_DESCRIPTORS,
@@ -179,6 +181,7 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         self._attr_addresses = {k: ctypes.addressof(a) for k, a in self._attrs.items()}
         self._index = index
         self._idle: torch.cuda.Stream | None = None
+        self._idle_on: dict[int, torch.cuda.Stream] = {}  # the same, per peer device
         self._native_note: str | None = None
 
     @property
@@ -200,17 +203,26 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         ``torch.cuda.Stream()`` hands out a pool of 32 streams per priority in turn to
         everyone in the process: a pooled stream can be the one a model steps on, and
         copies on it then run in line with the step."""
+        return self._create_stream(self.device, priority)
+
+    def _create_stream(self, device: torch.device, priority: int) -> torch.cuda.Stream:
         create = getattr(self._driver, "stream_create", None)
         if create is None:  # a test's stand-in driver
-            return torch.cuda.Stream(device=self.device, priority=priority)  # type: ignore[no-untyped-call]
+            return torch.cuda.Stream(device=device, priority=priority)  # type: ignore[no-untyped-call]
         self._bind_thread()
         handle = ctypes.c_void_p()
-        rc = create(ctypes.byref(handle), CU_STREAM_NON_BLOCKING, priority)
+        with self._on(device):
+            rc = create(ctypes.byref(handle), CU_STREAM_NON_BLOCKING, priority)
         if rc:
             raise RuntimeUnavailableError(
                 f"cuStreamCreateWithPriority failed: {self._driver.error_name(rc)}"
             )
-        return torch.cuda.ExternalStream(handle.value, device=self.device)  # type: ignore[no-untyped-call]
+        return torch.cuda.ExternalStream(handle.value, device=device)  # type: ignore[no-untyped-call]
+
+    def _on(self, device: torch.device) -> AbstractContextManager[Any]:
+        """``device`` current for driver calls that act on the current context (no
+        switch for this runtime's own device, which :meth:`_bind_thread` made current)."""
+        return contextlib.nullcontext() if device == self.device else torch.cuda.device(device)
 
     def release_stream(self, stream: Any) -> None:
         destroy = getattr(self._driver, "stream_destroy", None)
@@ -220,8 +232,9 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         handle = stream.cuda_stream
         # nothing should be left on it; waiting makes sure no cached block of torch's
         # allocator last used on it is handed to a new stream with the same handle early
-        self._check(self._driver.stream_synchronize(handle), "cuStreamSynchronize")
-        self._check(destroy(handle), "cuStreamDestroy")
+        with self._on(stream.device):
+            self._check(self._driver.stream_synchronize(handle), "cuStreamSynchronize")
+            self._check(destroy(handle), "cuStreamDestroy")
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
@@ -233,6 +246,49 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         if self._idle is None:
             self._idle = self.new_stream()
         event.record(self._idle)
+        return event
+
+    # ------------------------------------------------------------ peers
+
+    def peer_devices(self) -> tuple[int, ...]:
+        """The devices whose memory this one reaches (``torch.cuda.can_device_access_peer``:
+        NVLink or PCIe peer to peer)."""
+        own = self._index
+        return tuple(
+            d
+            for d in range(torch.cuda.device_count())
+            if d != own and torch.cuda.can_device_access_peer(own, d)
+        )
+
+    def _peer(self, device: int) -> torch.device:
+        """``device`` as a torch device, or :class:`RuntimeUnavailableError` where it is
+        not one of :meth:`peer_devices`."""
+        if device not in self.peer_devices():
+            raise RuntimeUnavailableError(
+                f"CUDA device {self._index} has no peer access to device {device}"
+            )
+        return torch.device("cuda", device)
+
+    def alloc_device_on(self, device: int, nbytes: int) -> torch.Tensor:
+        """Peer ``device``'s memory, which this device's kernels reach once peer access
+        is enabled (here, the first time a handler takes memory on that peer)."""
+        where = self._peer(device)
+        with keep_signal_actions():  # a peer's context may start here
+            buffer = torch.empty(nbytes, dtype=torch.uint8, device=where)
+            enable_peer_access(self._driver, self._index, device)
+        return buffer
+
+    def new_stream_on(self, device: int, priority: int = 0) -> torch.cuda.Stream:
+        return self._create_stream(self._peer(device), priority)
+
+    def new_event_on(self, device: int) -> torch.cuda.Event:
+        where = self._peer(device)
+        idle = self._idle_on.get(device)
+        if idle is None:
+            idle = self._idle_on[device] = self.new_stream_on(device)
+        event = torch.cuda.Event(blocking=True)  # type: ignore[no-untyped-call]
+        with torch.cuda.device(where):  # created on the peer, at its first record
+            event.record(idle)
         return event
 
     # Record and wait go straight to the driver, holding the GIL: torch's
