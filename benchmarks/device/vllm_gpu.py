@@ -13,7 +13,9 @@ runs these (several checks at once on one GPU). The modes (``MODES``): plain vLL
 ``OffloadingConnector`` with its ``CPUOffloadingSpec``, with ``EngineOffloadingSpec``
 and with ``EngineTieringSpec`` + ``EngineDiskTier``, and ``EngineConnector`` with each
 ``load_mode`` x ``store_mode``; and LMCache's ``LMCacheConnectorV1`` (``lmcache``, where
-LMCache is installed: its CPU tier of the same size, 256-token chunks).
+LMCache is installed: its CPU tier of the same size, 256-token chunks). Two modes take a
+decode loss apart: ``null`` (``null_connector.py``: vLLM's connector path, nothing behind
+it) and ``async-nostore`` (``EngineConnector`` storing nothing).
 
 **check**: a Llama-shaped model with random weights drawn as Hugging Face draws them
 (greedy ids that depend on every KV byte, unlike vLLM's dummy weights), 16-token
@@ -35,7 +37,8 @@ host-to-device rate of a pinned 1 GiB copy measured in the same process. Decode:
 requests of 1,024 prompt tokens, 128 output tokens each, against the same with one
 output token; tokens/s and the inter-token latency of the difference, and from vLLM's
 own histograms (which leave the prefill out) the mean inter-token latency and the
-tokens/s of the mean decode phase; the decode rounds' table uses the latter.
+tokens/s of the mean decode phase; the decode rounds' table uses the latter, with the CPU
+that the engine process's threads other than its main one took per second of the batch.
 """
 
 from __future__ import annotations
@@ -75,11 +78,18 @@ MODES: dict[str, tuple[str, dict[str, Any]] | None] = {
             "polled_completion": True,
         },
     ),
+    # the same, storing nothing (a block must be offered 10^9 times): its bookkeeping alone
+    "async-nostore": (
+        "EngineConnector",
+        {"load_mode": "async", "store_mode": "step", "store_threshold": 10**9},
+    ),
     "async-lw": ("EngineConnector", {"load_mode": "async", "store_mode": "layerwise"}),
     "lw-step": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "step"}),
     "lw-lw": ("EngineConnector", {"load_mode": "layerwise", "store_mode": "layerwise"}),
     # LMCache's own connector in vLLM, its CPU tier sized by environment variables
     "lmcache": ("LMCacheConnectorV1", {}),
+    # vLLM's connector path with nothing behind it (null_connector.py): vLLM's own cost
+    "null": ("NullConnector", {}),
 }
 
 BLOCK = 16
@@ -101,6 +111,13 @@ def transfer_config(mode: str, cpu_bytes: int, workdir: Path) -> dict[str, Any] 
             LMCACHE_MAX_LOCAL_CPU_SIZE=str(cpu_bytes / (1 << 30)),
         )
         return {"kv_connector": connector, "kv_role": "kv_both"}
+    if connector == "NullConnector":
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        return {
+            "kv_connector": connector,
+            "kv_connector_module_path": "null_connector",
+            "kv_role": "kv_both",
+        }
     extra = dict(extra, cpu_bytes_to_use=cpu_bytes)
     if mode == "tiering-disk":
         (workdir / "disk-tier").mkdir(parents=True, exist_ok=True)
@@ -199,11 +216,45 @@ def decode_clocks(llm: Any) -> tuple[tuple[float, int], ...]:
     return tuple(found.get(name, (0.0, 0)) for name in DECODE_CLOCKS)
 
 
+def engine_cpu() -> tuple[float, float]:
+    """CPU seconds so far of this process's descendants (vLLM's engine core and its
+    workers): their main threads', and every other thread's (where an offloading
+    engine's threads run)."""
+    parent: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    mine, grew = {os.getpid()}, True
+    while grew:
+        found = {pid for pid, ppid in parent.items() if ppid in mine} - mine
+        mine |= found
+        grew = bool(found)
+    tick = os.sysconf("SC_CLK_TCK")
+    main = other = 0
+    for pid in mine - {os.getpid()}:
+        try:
+            # the process's total counts its ended threads too
+            with open(f"/proc/{pid}/stat") as f:
+                total = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                first = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        ticks = int(first[11]) + int(first[12])
+        main += ticks
+        other += int(total[11]) + int(total[12]) - ticks
+    return main / tick, other / tick
+
+
 def start(model: str, mode: str, eager: bool, workdir: Path, **kw: Any) -> Any:
     from vllm import LLM
 
     config = transfer_config(mode, kw.pop("cpu_bytes"), workdir)
-    if config is not None and mode not in ("vllm-cpu-spec", "lmcache"):
+    if config is not None and mode not in ("vllm-cpu-spec", "lmcache", "null"):
         config["kv_connector_extra_config"]["stats_path"] = str(workdir / f"{mode}-stats.json")
     blocks = kw["num_gpu_blocks_override"]
     return LLM(
@@ -421,10 +472,18 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         batch = [prompt(ids(rng, 1024, vocab)) for _ in range(32)]
         t1 = timed(llm, [prompt(ids(rng, 1024, vocab)) for _ in range(32)], one)
         itl0, dec0 = decode_clocks(llm)
+        cpu0 = engine_cpu()
         tn = timed(llm, batch, many)
+        cpu1 = engine_cpu()
         itl1, dec1 = decode_clocks(llm)
         steps = args.decode_tokens - 1
-        row = {"tokens_per_s": 32 * steps / (tn - t1), "itl_ms": 1e3 * (tn - t1) / steps}
+        row = {
+            "tokens_per_s": 32 * steps / (tn - t1),
+            "itl_ms": 1e3 * (tn - t1) / steps,
+            "wall_s": tn,
+            "engine_main_cpu_s": cpu1[0] - cpu0[0],
+            "engine_threads_cpu_s": cpu1[1] - cpu0[1],
+        }
         if itl1[1] > itl0[1] and dec1[1] > dec0[1]:
             row["vllm_itl_ms"] = 1e3 * (itl1[0] - itl0[0]) / (itl1[1] - itl0[1])
             mean_decode = (dec1[0] - dec0[0]) / (dec1[1] - dec0[1])
@@ -531,10 +590,18 @@ def decode_rounds(runs: list[dict[str, Any]]) -> list[str]:
                 for r in mine
                 if r["round"] in plain
             ]
+            # the engine process's other threads' CPU over the batch's wall time
+            busy = [
+                d["engine_threads_cpu_s"] / d["wall_s"]
+                for r in mine
+                for d in r["decode"]
+                if "wall_s" in d
+            ]
             lines.append(
                 f"  {mode:14} {med(tps):9.0f} {med(itl):7.2f}  "
                 + " ".join(f"{x:.3f}" for x in ratios)
                 + f"  (median {med(ratios):.3f})"
+                + (f"  threads {med(busy):.2f} CPU" if busy else "")
             )
     return lines
 

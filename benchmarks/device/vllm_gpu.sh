@@ -25,8 +25,8 @@
 #   --decode-compiled M.. the same with compilation and CUDA graphs
 #   --out DIR             results (default: $OUT, else ./vllm-gpu-out); a table is printed last
 #
-# Modes: plain vllm-cpu-spec engine-spec tiering-disk async-step async-polled async-lw lw-step
-#        lw-lw lmcache
+# Modes: plain vllm-cpu-spec engine-spec tiering-disk async-step async-polled async-nostore
+#        async-lw lw-step lw-lw lmcache null (vLLM's connector path with nothing behind it)
 set -uo pipefail
 
 WHEELS=${1:?usage: vllm_gpu.sh WHEELS [--check] [--check-compiled MODE...] [--bench MODE...]}

@@ -41,9 +41,10 @@ def run(*args: str) -> str:
 
 def test_the_check_passes_layerwise_on_vllms_cpu_build(tmp_path: Path) -> None:
     """A layer-wise connector with layer-wise stores answers as plain vLLM does, and the
-    report says so."""
+    report says so; the null connector (the decode bench's measure of vLLM's own
+    connector path) loads in vLLM and answers as plain vLLM does, with no hit."""
     run("model", "--out", str(tmp_path / "model"))
-    for mode in ("plain", "lw-lw"):
+    for mode in ("plain", "lw-lw", "null"):
         run(
             "check",
             "--mode",
@@ -66,6 +67,8 @@ def test_the_check_passes_layerwise_on_vllms_cpu_build(tmp_path: Path) -> None:
     assert verdict["external_hits"] > 0 and verdict["ok"], verdict
     assert layerwise["engine_stats"]["final"] is True
     assert layerwise["engine_stats"]["adapter"]["store_parts_at_layer"] > 0
+    null = compare(plain, json.loads((tmp_path / "out" / "check-null.json").read_text()))
+    assert null["tokens_equal"] and null["top5_ids_equal"] and null["external_hits"] == 0, null
     report = run("report", str(tmp_path / "out"))
     assert "lw-lw          True  True" in report
 
