@@ -74,6 +74,24 @@ def test_every_key_parsed() -> None:
     )
 
 
+@pytest.mark.parametrize(
+    ("value", "want"), [(None, None), ("auto", "auto"), ([], ()), ([3, 1], (3, 1))]
+)
+def test_peers_and_their_sizes(value: Any, want: Any) -> None:
+    cfg = parse_extra_config(
+        {**BASE, "peers": value, "peer_staging_bytes": "33554432", "peer_min_blocks": 32}
+    )
+    assert (cfg.peers, cfg.peer_staging_bytes, cfg.peer_min_blocks) == (want, 32 << 20, 32)
+    unset = parse_extra_config(BASE)
+    assert (unset.peers, unset.peer_staging_bytes, unset.peer_min_blocks) == (None, None, None)
+
+
+def test_peers_refuse_the_native_launch_asked_for() -> None:
+    with pytest.raises(ConfigError, match="'peers' needs 'native_launch' false"):
+        parse_extra_config({**BASE, "peers": "auto", "native_launch": True})
+    assert parse_extra_config({**BASE, "peers": [1], "native_launch": False}).peers == (1,)
+
+
 def test_frozen() -> None:
     cfg = parse_extra_config(BASE)
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -128,6 +146,14 @@ def test_missing_cpu_bytes_names_the_key() -> None:
         ("store_mode", "eager"),
         ("store_mode", "async"),
         ("store_mode", 1),
+        ("peers", "all"),
+        ("peers", 1),
+        ("peers", [1, -1]),
+        ("peers", [1, 1]),
+        ("peers", [True]),
+        ("peers", [1.5]),
+        ("peer_staging_bytes", 0),
+        ("peer_min_blocks", 0),
     ],
 )
 def test_invalid_value_names_the_key(key: str, value: Any) -> None:

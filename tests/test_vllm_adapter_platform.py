@@ -117,6 +117,59 @@ def test_a_device_platform_runs_real_copies_through_the_device_handler(
         fake.close()
 
 
+def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``peers`` and its sizes reach DeviceHandlerConfig, the native launch is turned
+    off for them (a split job launches from Python), and a large staged job's bytes
+    cross the peers' links and come back bit-exact."""
+    fake = FakeRuntime(devices=4)
+    try:
+        fake_module = types.ModuleType("fake_runtime_module")
+        fake_module.Runtime = lambda: fake  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "fake_runtime_module", fake_module)
+        monkeypatch.setattr(platform, "CUDA_RUNTIME", "fake_runtime_module:Runtime")
+        backend = select_backend(FakePlatform("cuda"))
+        caches = fake_canonical_kv_caches(
+            num_blocks=48, groups=(((0, 240), (1, 240)),), empty=fake.empty
+        )
+        layout = layout_from_canonical(caches)
+        config = parse_extra_config(
+            {
+                "cpu_bytes_to_use": 1 << 20,
+                "strategy": "staged",
+                "staging_bytes": 64 * layout.slot_bytes,
+                "peers": [1, 2],
+                "peer_staging_bytes": 32 * layout.slot_bytes,
+                "peer_min_blocks": 16,
+            }
+        )
+        handlers, tier = backend.build(layout, 40, config)
+        try:
+            assert [h.config.peers for h in handlers] == [(1, 2), (1, 2)]  # type: ignore[attr-defined]
+            assert [h.config.native_launch for h in handlers] == [False, False]  # type: ignore[attr-defined]
+            assert [h.config.peer_min_blocks for h in handlers] == [16, 16]  # type: ignore[attr-defined]
+            want = [cache_block_bytes(layout, b) for b in range(24)]
+            assert len(set(want)) == 24  # random bytes, every block its own
+            with SyncOffloadingEngine(handlers) as engine:
+                assert [h.borrowed for h in handlers] == [(1, 2), (1, 2)]  # type: ignore[attr-defined]
+                ids = list(range(24))
+                engine.wait([engine.submit(TransferSpec(gpu_blocks(ids), cpu_blocks(ids)))])
+                engine.wait(
+                    [
+                        engine.submit(
+                            TransferSpec(cpu_blocks(ids), gpu_blocks([b + 24 for b in ids]))
+                        )
+                    ]
+                )
+            assert [cache_block_bytes(layout, b + 24) for b in range(24)] == want
+            assert {c.device for c in fake.batch_calls} == {0, 1, 2}
+        finally:
+            tier.release()
+    finally:
+        fake.close()
+
+
 def test_npu_platform_without_its_runtime_is_refused_clearly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

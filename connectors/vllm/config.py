@@ -78,6 +78,10 @@ class EngineOffloadingConfig:
     load_mode: LoadMode = "async"
     layers_per_load: int = DEFAULT_LAYERS_PER_LOAD
     store_mode: StoreMode = "step"
+    # borrowing idle peer GPUs' host links (DeviceHandlerConfig's keys; None: its default)
+    peers: tuple[int, ...] | Literal["auto"] | None = None
+    peer_staging_bytes: int | None = None
+    peer_min_blocks: int | None = None
 
 
 class _Reader:
@@ -178,6 +182,35 @@ def _load_keys(r: _Reader, extra: Mapping[str, Any]) -> tuple[LoadMode, int, Sto
     return mode, per or DEFAULT_LAYERS_PER_LOAD, store  # type: ignore[return-value]
 
 
+def _peer_keys(
+    r: _Reader, native_launch: object
+) -> tuple[tuple[int, ...] | Literal["auto"] | None, int | None, int | None]:
+    """``peers`` (``"auto"``, a list of device indices as this process numbers its
+    visible devices, or null: the own link only), ``peer_staging_bytes`` and
+    ``peer_min_blocks`` (null: the device handler's defaults)."""
+    value = r.extra.get("peers")
+    peers: tuple[int, ...] | Literal["auto"] | None = None
+    if value == "auto":
+        peers = "auto"
+    elif value is not None:
+        if (
+            isinstance(value, (list, tuple))
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value)
+            and len(set(value)) == len(value)
+        ):
+            peers = tuple(value)
+        else:
+            r.bad("peers", '"auto", a list of distinct device indices (e.g. [1, 2, 3]) or null')
+    if peers and native_launch is True:
+        r.problems.append(
+            "kv_connector_extra_config: 'peers' needs 'native_launch' false or unset (a job "
+            "split over peers' links launches from Python)"
+        )
+    staging = r.int_("peer_staging_bytes", None, minimum=1, want="a positive number of bytes")
+    least = r.int_("peer_min_blocks", None, minimum=1, want="a positive int")
+    return peers, staging, least
+
+
 def parse_extra_config(
     extra: Mapping[str, Any], *, blocks_per_chunk: int | None = None
 ) -> EngineOffloadingConfig:
@@ -261,6 +294,8 @@ def parse_extra_config(
 
     load_mode, layers_per_load, store_mode = _load_keys(r, extra)
 
+    peers, peer_staging, peer_min = _peer_keys(r, native_launch)
+
     if r.problems:
         raise ConfigError("invalid offload-engine vLLM config:\n  " + "\n  ".join(r.problems))
     # every value below was checked above; the `or` only narrows the types
@@ -284,4 +319,7 @@ def parse_extra_config(
         load_mode=load_mode,
         layers_per_load=layers_per_load,
         store_mode=store_mode,
+        peers=peers,
+        peer_staging_bytes=peer_staging,
+        peer_min_blocks=peer_min,
     )

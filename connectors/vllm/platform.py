@@ -159,6 +159,18 @@ def build_device_handlers(
         )
         if config.native_launch is not None:  # None: the handler's default
             device_config = replace(device_config, native_launch=config.native_launch)
+        if config.peers:
+            # a job split over peers' links launches from Python (the handler refuses the
+            # native launch with peers), so peers without native_launch turn it off
+            device_config = replace(
+                device_config,
+                peers=config.peers,
+                native_launch=False if config.native_launch is None else config.native_launch,
+            )
+        if config.peer_staging_bytes is not None:
+            device_config = replace(device_config, peer_staging_bytes=config.peer_staging_bytes)
+        if config.peer_min_blocks is not None:
+            device_config = replace(device_config, peer_min_blocks=config.peer_min_blocks)
         handlers = make_device_handlers(runtime, layout, tier, device_config)
     except BaseException:
         tier.release()
