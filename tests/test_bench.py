@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import math
+import os
+import re
+import subprocess
+import sys
 from datetime import date
+from pathlib import Path
 
 import pytest
 
@@ -257,3 +262,24 @@ def test_host_memory_check_names_both_sizes() -> None:
         match=r"^the chunks need 3\.0 TiB of host memory, but only 2\.0 GiB is available$",
     ):
         check_host_memory(3 * 2**40, "the chunks need", available=2 * 2**30)
+
+
+def test_the_delivery_latency_script_prints_each_pollers_delay() -> None:
+    """benchmarks/delivery_latency.py (cited in docs/vllm.md) runs and prints its three rows."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "delivery_latency.py"), "--jobs", "3"],
+        check=False,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"^  (\w[\w ,.]+?)\s+median\s+([\d.]+)\s+p90\s+([\d.]+)$", done.stdout, re.M)
+    assert [r[0] for r in rows] == [
+        "sleeps between polls",
+        "runs Python between polls",
+        "runs Python, switch interval 0.5 ms",
+    ], done.stdout

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import numpy as np
@@ -185,6 +186,37 @@ def test_failed_results_are_delivered_and_logged(caplog: pytest.LogCaptureFixtur
         assert "load job 2 failed" in caplog.text
         assert "TransferError" in caplog.text
         assert bridge.stats()["adapter"]["failures_delivered"] == 1
+    finally:
+        bridge.shutdown()
+
+
+def test_the_stats_say_where_each_directions_job_time_went() -> None:
+    """Submit to done, and done to collected: a load collected as soon as it is done
+    waited little; loads left uncollected for a while show that wait, by ``wait`` and
+    by ``get_finished`` alike; stores are counted apart."""
+    engine = SyncOffloadingEngine([FakeHandler(Medium.CPU, Medium.CPU, latency=0.02)])
+    bridge = EngineBridge(engine, Medium.CPU)
+    try:
+        assert bridge.submit_load(0, [0], [0], [1], [0])
+        bridge.wait([0])
+        assert ids(bridge.get_finished()) == [0]
+        prompt = bridge.stats()["adapter"]["timings"]["load"]
+        assert prompt["jobs"] == 1 and prompt["submit_to_done_ms_p50"] >= 19.0
+        assert prompt["done_to_collected_ms_max"] < 60.0
+        for j in (1, 2):
+            assert bridge.submit_load(j, [j], [j], [1], [0])
+        assert bridge.submit_store(3, [3], [1], [0], [3])
+        time.sleep(0.12)  # every job is done by now, none collected
+        bridge.wait([1])
+        time.sleep(0.05)
+        assert sorted(ids(bridge.get_finished())) == [1, 2, 3]
+        timings = bridge.stats()["adapter"]["timings"]
+        late = timings["load"]
+        assert late["jobs"] == 3
+        assert late["done_to_collected_ms_max"] >= 100.0  # load 2, collected last
+        assert late["done_to_collected_ms_p50"] >= 50.0  # load 1, collected by wait
+        assert timings["store"]["jobs"] == 1
+        assert timings["store"]["done_to_collected_ms_p50"] >= 100.0
     finally:
         bridge.shutdown()
 

@@ -94,6 +94,9 @@ MODES: dict[str, tuple[str, dict[str, Any]] | None] = {
 
 BLOCK = 16
 
+#: modes without this project's engine, so without its stats file
+NO_STATS = ("plain", "vllm-cpu-spec", "lmcache", "null")
+
 #: top-5 logprobs after a hit agree with plain vLLM's within a bf16 step of the logits
 #: (the same KV bytes, yet runs of one engine differ by up to 1.6e-2 on vLLM's CPU build)
 LOGPROB_TOLERANCE = 0.05
@@ -254,7 +257,7 @@ def start(model: str, mode: str, eager: bool, workdir: Path, **kw: Any) -> Any:
     from vllm import LLM
 
     config = transfer_config(mode, kw.pop("cpu_bytes"), workdir)
-    if config is not None and mode not in ("vllm-cpu-spec", "lmcache", "null"):
+    if config is not None and mode not in NO_STATS:
         config["kv_connector_extra_config"]["stats_path"] = str(workdir / f"{mode}-stats.json")
     blocks = kw["num_gpu_blocks_override"]
     return LLM(
@@ -499,6 +502,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "metrics": metrics(llm),
     }
     shut(llm)
+    if args.mode not in NO_STATS:
+        # where the engine's loads spent their time (the adapter's timings, ms)
+        stats = final_stats(workdir / f"{args.mode}-stats.json") or {}
+        result["timings"] = stats.get("adapter", {}).get("timings")
     return result
 
 
@@ -552,6 +559,15 @@ def report(folder: Path) -> str:
         lines.append(
             "  " + f"{'C (compute)':14}" + "".join(f" {med(t['compute_ms']):9.1f}" for t in ref)
         )
+        timed = [(r["mode"], (r.get("timings") or {}).get("load")) for r in rows]
+        if any(t for _, t in timed):
+            lines.append("  loads, ms (p50): submit to done, copy, done to collected (p50, p90)")
+            for mode, t in timed:
+                if t:
+                    lines.append(
+                        f"  {mode:14} {t['submit_to_done_ms_p50']:8.1f} {t['copy_ms_p50']:8.1f} "
+                        f"{t['done_to_collected_ms_p50']:8.1f} {t['done_to_collected_ms_p90']:8.1f}"
+                    )
         lines.append("  decode: tokens/s (median), ITL ms")
         for r in rows:
             tps = med([d["tokens_per_s"] for d in r["decode"]])

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -51,6 +52,7 @@ from offload_engine import (
 from .config import EngineOffloadingConfig
 from .parts import FIRST_PART_ID, PartedJob
 from .stats_file import StatsFile
+from .timings import JobClock
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +157,8 @@ class EngineBridge:
         self._layered: dict[int, PartedJob] = {}
         self._part_of: dict[int, int] = {}
         self._next_part = FIRST_PART_ID
+        # each engine job's submit-to-done, copy and done-to-collected times
+        self._clock = JobClock()
 
     @property
     def engine(self) -> SyncOffloadingEngine:
@@ -374,6 +378,7 @@ class EngineBridge:
             with self._cond:
                 self._engine.submit_nowait(spec, job_id=job_id)
                 self._live[job_id] = direction
+                self._clock.submitted(job_id)
                 if parent is None:
                     self._counts[f"{direction.value}s_submitted"] += 1
                 else:
@@ -405,12 +410,14 @@ class EngineBridge:
             stash, self._stash = self._stash, []
             live = self._live
             out: list[TransferResult] = []
+            now = time.perf_counter()
             for result, stashed_direction in stash:
                 self._deliver(result, stashed_direction, out)
             for result in fresh:
                 # a result another thread's wait() was about to claim is handed out
                 # here; that wait() then finds the job no longer live and skips it
                 direction = live.pop(result.job_id) if result.job_id in live else None
+                self._clock.collected(result, direction, now)
                 if direction is None:  # pragma: no cover - only this bridge submits
                     self._log.error(
                         "offload-engine returned a result for job %d, which this worker did "
@@ -494,9 +501,12 @@ class EngineBridge:
                 with self._cond:
                     ids = [j for j in ids if j in self._live]
                 continue
+            now = time.perf_counter()
             with self._cond:
                 for result in results:
-                    self._stash.append((result, self._live.pop(result.job_id)))
+                    direction = self._live.pop(result.job_id)
+                    self._clock.collected(result, direction, now)
+                    self._stash.append((result, direction))
             return
 
     @property
@@ -524,9 +534,10 @@ class EngineBridge:
             bytes_loaded=snapshot.bytes_loaded,
         )
         with self._cond:
-            adapter = dict(
+            adapter: dict[str, Any] = dict(
                 self._counts, live_jobs=len(self._live), stashed=len(self._stash), **self.counters
             )
+            adapter["timings"] = self._clock.summary()
         return {"engine": engine_stats, "adapter": adapter}
 
     def shutdown(self) -> None:

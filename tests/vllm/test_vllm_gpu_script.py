@@ -124,3 +124,26 @@ def test_the_decode_rounds_compare_each_mode_with_plain_vllm_of_its_round(
     assert "0.900 0.980" in row and "(median 0.940)" in row, report
     [plain] = [line for line in report.splitlines() if line.strip().startswith("plain")]
     assert "1.000 1.000" in plain, report
+
+
+def test_the_bench_report_shows_where_the_loads_spent_their_time(tmp_path: Path) -> None:
+    """A bench run's loads (the adapter's timings) get a row per mode that has them."""
+    ttft = [{"H": 8192, "S": 64, "ttft_ms": [60.0], "compute_ms": [37.0], "L_ms": 19.0}]
+    decode = [{"tokens_per_s": 1000.0, "itl_ms": 20.0}]
+    load = {
+        "jobs": 4,
+        "submit_to_done_ms_p50": 21.5,
+        "copy_ms_p50": 19.25,
+        "done_to_collected_ms_p50": 5.5,
+        "done_to_collected_ms_p90": 6.75,
+        "done_to_collected_ms_max": 7.0,
+    }
+    for mode, timings in (("plain", None), ("async-step", {"load": load})):
+        run_ = {"mode": mode, "eager": True, "link_GBps": 55.0, "ttft": ttft, "decode": decode}
+        if timings is not None:
+            run_["timings"] = timings
+        (tmp_path / f"bench-eager-{mode}.json").write_text(json.dumps(run_))
+    report = run("report", str(tmp_path))
+    assert "loads, ms (p50)" in report, report
+    [row] = [line for line in report.splitlines() if "21.5" in line]
+    assert row.split() == ["async-step", "21.5", "19.2", "5.5", "6.8"], report
