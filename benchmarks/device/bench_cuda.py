@@ -214,8 +214,10 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
         target = (1 << 30) if args.quick else (4 << 30)
         ceiling = contiguous_ceiling(runtime, 1 << 30)
         print(f"[{tokens}-token blocks] contiguous ceiling: {ceiling}", flush=True)
-        for strategy in args.strategies:
-            engine, _, _ = bench.engine(strategy)
+        for strategy, launch in [(s, m) for s in args.strategies for m in args.bandwidth_launch]:
+            engine, _, _ = bench.engine(strategy, launch=launch)
+            # where small jobs launch, beside the engine's loop (the default)
+            label = strategy.value if launch == "loop" else f"{strategy.value}/{launch}"
             try:
                 for per_job, slots in [(b, k) for b in args.per_job for k in args.slots]:
                     n = jobs_for(per_job, bench.block_bytes, target)
@@ -237,7 +239,7 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
                                 "tokens": tokens,
                                 "blocks_per_job": per_job,
                                 "slots": slots,
-                                "strategy": strategy.value,
+                                "strategy": label,
                                 "case": case,
                                 "gbps": gbps,
                                 "ceiling_gbps": ceiling[case],
@@ -245,7 +247,7 @@ def pass_bandwidth(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None
                             }
                         )
                         print(
-                            f"  {strategy.value:7} {per_job:4} blocks {slots:9} {case:5} "
+                            f"  {label:7} {per_job:4} blocks {slots:9} {case:5} "
                             f"{gbps:6.1f} GB/s "
                             f"ratio {gbps / ceiling[case]:.3f}",
                             flush=True,
@@ -659,6 +661,12 @@ def main() -> int:
     )
     parser.add_argument("--per-job", default="8,32,512", help="blocks per job (bandwidth pass)")
     parser.add_argument(
+        "--bandwidth-launch",
+        default="loop",
+        help="bandwidth pass: where small jobs launch (LAUNCH_MODES), each beside the others; "
+        "rows of modes other than loop are labelled <strategy>/<mode>",
+    )
+    parser.add_argument(
         "--strategies", default="dma,staged,kernel", help="bandwidth and cpu passes"
     )
     parser.add_argument("--step-layers", type=int, default=16, help="the step's model layers")
@@ -756,6 +764,7 @@ def main() -> int:
     args.strategies = [CopyStrategy(t) for t in args.strategies.split(",")]
     args.step_blocks = [int(t) for t in args.step_blocks.split(",")]
     args.launch_modes = args.launch_modes.split(",")
+    args.bandwidth_launch = args.bandwidth_launch.split(",")
     args.slots = args.slots.split(",")
     if args.streams is not None:
         Bench.streams = args.streams

@@ -44,6 +44,9 @@ options:
                     bench passes run it beside this tree, with its own copy of the scripts
   --rounds N        rounds of each bench pass (default 2)
   --max-inflight K  jobs in flight per handler for --bandwidth (default: the bench's)
+  --bandwidth-launch M,..  --bandwidth also with small jobs launched elsewhere than the engine's
+                    loop (loop, submitter, launcher, polled, submitter-polled), rows
+                    <strategy>/<mode> (this tree only: a baseline's bench may lack it)
   --timeout S       limit per command in seconds (default 300)
   --slow            run the suite's slow variants too (--run-slow)
   --dry-run         print the commands instead of running them
@@ -60,6 +63,7 @@ OUTDIR=${OUT:-$ROOT/device-out}
 BASELINE=""
 ROUNDS=2
 MAX_INFLIGHT=""
+BANDWIDTH_LAUNCH=""
 LIMIT=300
 SLOW=""
 DRY=""
@@ -75,6 +79,7 @@ while [ $# -gt 0 ]; do
         --baseline) BASELINE=${2:?--baseline needs a directory}; shift ;;
         --rounds) ROUNDS=${2:?--rounds needs a number}; shift ;;
         --max-inflight) MAX_INFLIGHT=${2:?--max-inflight needs a number}; shift ;;
+        --bandwidth-launch) BANDWIDTH_LAUNCH=${2:?--bandwidth-launch needs modes}; shift ;;
         --timeout) LIMIT=${2:?--timeout needs seconds}; shift ;;
         --slow) SLOW=--run-slow ;;
         --dry-run) DRY=1 ;;
@@ -164,6 +169,7 @@ if [ -n "${WANT[demo]:-}" ]; then
 fi
 if [ -n "${WANT[bandwidth]:-}" ]; then
     extra=(); [ -n "$MAX_INFLIGHT" ] && extra=(--max-inflight "$MAX_INFLIGHT")
+    [ -n "$BANDWIDTH_LAUNCH" ] && extra+=(--bandwidth-launch "$BANDWIDTH_LAUNCH")
     bench_rounds bandwidth --passes bandwidth --strategies staged,dma,auto --tokens 16 --per-job 8,32,512 \
         --slots random,allocator "${extra[@]}"
 fi
