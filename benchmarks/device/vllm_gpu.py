@@ -213,10 +213,31 @@ def metrics(llm: Any) -> dict[str, Any]:
 DECODE_CLOCKS = ("vllm:inter_token_latency_seconds", "vllm:request_decode_time_seconds")
 
 
-def decode_clocks(llm: Any) -> tuple[tuple[float, int], ...]:
-    """Each of :data:`DECODE_CLOCKS`' (sum, count) so far, (0, 0) where vLLM has none."""
+#: vLLM's clocks of a request's first token: arrival to first token, arrival to first
+#: scheduled, first scheduled to first token (an asynchronous load's wait included)
+TTFT_CLOCKS = (
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:request_prefill_time_seconds",
+)
+
+
+def clocks(llm: Any, names: tuple[str, ...]) -> tuple[tuple[float, int], ...]:
+    """Each named histogram's (sum, count) so far, (0, 0) where vLLM has none."""
     found = {m.name: (float(m.sum), int(m.count)) for m in llm.get_metrics() if hasattr(m, "sum")}
-    return tuple(found.get(name, (0.0, 0)) for name in DECODE_CLOCKS)
+    return tuple(found.get(name, (0.0, 0)) for name in names)
+
+
+def decode_clocks(llm: Any) -> tuple[tuple[float, int], ...]:
+    return clocks(llm, DECODE_CLOCKS)
+
+
+def timed_clocks(llm: Any, prompts: list[Any], params: Any) -> tuple[float, list[float]]:
+    """The call's wall time, and vLLM's :data:`TTFT_CLOCKS` for its one request (ms)."""
+    before = clocks(llm, TTFT_CLOCKS)
+    wall = timed(llm, prompts, params)
+    after = clocks(llm, TTFT_CLOCKS)
+    return wall, [1e3 * (a[0] - b[0]) for a, b in zip(after, before, strict=True)]
 
 
 def engine_cpu() -> tuple[float, float]:
@@ -456,10 +477,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1.0)
         for s in args.suffixes:
             reset(llm)
-            hits, computes = [], []
+            hits, computes, hit_clocks, compute_clocks = [], [], [], []
             for p in prompts:
-                hits.append(timed(llm, [prompt(p + ids(rng, s, vocab))], one))
-                computes.append(timed(llm, [prompt(p + ids(rng, s, vocab))], one))
+                wall, seen = timed_clocks(llm, [prompt(p + ids(rng, s, vocab))], one)
+                hits.append(wall)
+                hit_clocks.append(seen)
+                wall, seen = timed_clocks(llm, [prompt(p + ids(rng, s, vocab))], one)
+                computes.append(wall)
+                compute_clocks.append(seen)
             ttft.append(
                 {
                     "H": h,
@@ -467,6 +492,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ttft_ms": [1e3 * t for t in hits],
                     "compute_ms": [1e3 * t for t in computes],
                     "L_ms": 1e3 * h * kv_bytes_per_token / rate,
+                    # per call: vLLM's TTFT_CLOCKS, ms
+                    "vllm_hit_ms": hit_clocks,
+                    "vllm_compute_ms": compute_clocks,
                 }
             )
     decode = []
@@ -559,6 +587,21 @@ def report(folder: Path) -> str:
         lines.append(
             "  " + f"{'C (compute)':14}" + "".join(f" {med(t['compute_ms']):9.1f}" for t in ref)
         )
+        if all("vllm_hit_ms" in t for r in rows for t in r["ttft"]):
+            lines.append(
+                "  vLLM's clocks, medians ms: hit's first-scheduled-to-token (its load's wait "
+                "included) / compute's; each call's time outside vLLM's TTFT"
+            )
+            for r in rows:
+                cells = []
+                for t in r["ttft"]:
+                    prefill = med([c[2] for c in t["vllm_hit_ms"]])
+                    compute = med([c[2] for c in t["vllm_compute_ms"]])
+                    outside = med(
+                        [w - c[0] for w, c in zip(t["ttft_ms"], t["vllm_hit_ms"], strict=True)]
+                    )
+                    cells.append(f"{prefill:.0f}/{compute:.0f} +{outside:.0f}")
+                lines.append(f"  {r['mode']:14} " + " ".join(f"{c:>13}" for c in cells))
         timed = [(r["mode"], (r.get("timings") or {}).get("load")) for r in rows]
         if any(t for _, t in timed):
             lines.append("  loads, ms (p50): submit to done, copy, done to collected (p50, p90)")

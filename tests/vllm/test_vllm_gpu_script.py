@@ -127,8 +127,19 @@ def test_the_decode_rounds_compare_each_mode_with_plain_vllm_of_its_round(
 
 
 def test_the_bench_report_shows_where_the_loads_spent_their_time(tmp_path: Path) -> None:
-    """A bench run's loads (the adapter's timings) get a row per mode that has them."""
-    ttft = [{"H": 8192, "S": 64, "ttft_ms": [60.0], "compute_ms": [37.0], "L_ms": 19.0}]
+    """A bench run's loads (the adapter's timings) get a row per mode that has them, and
+    each mode's hits vLLM's own clocks: first scheduled to token, and the time outside."""
+    ttft = [
+        {
+            "H": 8192,
+            "S": 64,
+            "ttft_ms": [60.0],
+            "compute_ms": [37.0],
+            "L_ms": 19.0,
+            "vllm_hit_ms": [[40.0, 0.5, 38.0]],
+            "vllm_compute_ms": [[30.0, 0.4, 28.0]],
+        }
+    ]
     decode = [{"tokens_per_s": 1000.0, "itl_ms": 20.0}]
     load = {
         "jobs": 4,
@@ -147,3 +158,5 @@ def test_the_bench_report_shows_where_the_loads_spent_their_time(tmp_path: Path)
     assert "loads, ms (p50)" in report, report
     [row] = [line for line in report.splitlines() if "21.5" in line]
     assert row.split() == ["async-step", "21.5", "19.2", "5.5", "6.8"], report
+    clocked = [line.split() for line in report.splitlines() if "38/28" in line]
+    assert sorted(clocked) == [["async-step", "38/28", "+20"], ["plain", "38/28", "+20"]], report
