@@ -151,3 +151,17 @@ def test_a_peers_stream_is_made_with_the_peer_current(host: Host) -> None:
     assert host.current == 0
     own = rt.new_stream()
     assert host.calls[-1] == ("stream_create", 0, 0) and own.cuda_stream == 0x5000
+
+
+def test_info_names_the_peers_each_device_reaches() -> None:
+    """``offload-engine info``'s CUDA note: per device, the peers whose links it may
+    borrow; nothing with one device or without peer access."""
+    from offload_engine.device.runtimes.probe import peers_note
+
+    pairs = {(0, 1), (1, 0), (0, 2), (2, 0)}
+    note = peers_note(3, lambda a, b: (a, b) in pairs)
+    assert note is not None and note.endswith(
+        "cuda:0 -> cuda:1, cuda:2; cuda:1 -> cuda:0; cuda:2 -> cuda:0"
+    )
+    assert peers_note(1, lambda a, b: True) is None
+    assert peers_note(4, lambda a, b: False) is None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 #: CUDA's default number of hardware work queues (``CUDA_DEVICE_MAX_CONNECTIONS``)
@@ -68,6 +68,24 @@ def connections_note(environ: Mapping[str, str] | None = None) -> str | None:
     )
 
 
+def peers_note(count: int, can_access: Callable[[int, int], bool]) -> str | None:
+    """Which devices each device reaches as a peer (``can_access(own, other)``: torch's
+    ``torch.cuda.can_device_access_peer``), whose host links a device handler may
+    borrow (``DeviceHandlerConfig.peers``); None with fewer than two devices or no
+    peer access at all."""
+    rows = []
+    for own in range(count):
+        peers = [d for d in range(count) if d != own and can_access(own, d)]
+        if peers:
+            rows.append(f"cuda:{own} -> " + ", ".join(f"cuda:{d}" for d in peers))
+    if not rows:
+        return None
+    return (
+        "peers whose host links a device handler may borrow (DeviceHandlerConfig.peers; "
+        "rates not measured yet): " + "; ".join(rows)
+    )
+
+
 def probe_cuda() -> RuntimeInfo:
     try:
         import torch
@@ -95,6 +113,9 @@ def probe_cuda() -> RuntimeInfo:
     connections = connections_note()
     if connections is not None:
         notes.append(connections)
+    peers = peers_note(torch.cuda.device_count(), torch.cuda.can_device_access_peer)
+    if peers is not None:
+        notes.append(peers)
     return RuntimeInfo(
         "cuda",
         True,
