@@ -69,21 +69,28 @@ def test_cuda_platform_builds_device_handlers_on_the_cuda_runtime(
             backend.build(layout, 2, config)
 
 
+def _cuda_backend_over(
+    fake: FakeRuntime, monkeypatch: pytest.MonkeyPatch, *, num_blocks: int
+) -> tuple[Any, Any]:
+    """The CUDA platform's backend with ``fake`` as its runtime, and the layout of a
+    KV cache of ``num_blocks`` random blocks in the fake's device memory."""
+    fake_module = types.ModuleType("fake_runtime_module")
+    fake_module.Runtime = lambda: fake  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_runtime_module", fake_module)
+    monkeypatch.setattr(platform, "CUDA_RUNTIME", "fake_runtime_module:Runtime")
+    caches = fake_canonical_kv_caches(
+        num_blocks=num_blocks, groups=(((0, 240), (1, 240)),), empty=fake.empty
+    )
+    return select_backend(FakePlatform("cuda")), layout_from_canonical(caches)
+
+
 @pytest.mark.parametrize("polled", [False, True])
 def test_a_device_platform_runs_real_copies_through_the_device_handler(
     monkeypatch: pytest.MonkeyPatch, polled: bool
 ) -> None:
     fake = FakeRuntime()
     try:
-        fake_module = types.ModuleType("fake_runtime_module")
-        fake_module.Runtime = lambda: fake  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "fake_runtime_module", fake_module)
-        monkeypatch.setattr(platform, "CUDA_RUNTIME", "fake_runtime_module:Runtime")
-        backend = select_backend(FakePlatform("cuda"))
-        caches = fake_canonical_kv_caches(
-            num_blocks=8, groups=(((0, 240), (1, 240)),), empty=fake.empty
-        )
-        layout = layout_from_canonical(caches)
+        backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=8)
         config = parse_extra_config(
             {
                 "cpu_bytes_to_use": 1 << 20,
@@ -125,15 +132,7 @@ def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
     cross the peers' links and come back bit-exact."""
     fake = FakeRuntime(devices=4)
     try:
-        fake_module = types.ModuleType("fake_runtime_module")
-        fake_module.Runtime = lambda: fake  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "fake_runtime_module", fake_module)
-        monkeypatch.setattr(platform, "CUDA_RUNTIME", "fake_runtime_module:Runtime")
-        backend = select_backend(FakePlatform("cuda"))
-        caches = fake_canonical_kv_caches(
-            num_blocks=48, groups=(((0, 240), (1, 240)),), empty=fake.empty
-        )
-        layout = layout_from_canonical(caches)
+        backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=48)
         config = parse_extra_config(
             {
                 "cpu_bytes_to_use": 1 << 20,
