@@ -43,7 +43,7 @@ options:
   --baseline DIR    another checkout of the project (e.g. from git worktree or git archive);
                     bench passes run it beside this tree, with its own copy of the scripts
   --rounds N        rounds of each bench pass (default 2)
-  --max-inflight K  jobs in flight per handler for --bandwidth (default: the bench's)
+  --max-inflight K  jobs in flight per handler for --bandwidth (default 16, DeviceHandlerConfig's)
   --bandwidth-launch M,..  --bandwidth also with small jobs launched elsewhere than the engine's
                     loop (loop, submitter, launcher, polled, submitter-polled), rows
                     <strategy>/<mode> (this tree only: a baseline's bench may lack it)
@@ -168,7 +168,8 @@ if [ -n "${WANT[demo]:-}" ]; then
     run demo.log "$ROOT" python examples/layerwise_forward.py --device cuda
 fi
 if [ -n "${WANT[bandwidth]:-}" ]; then
-    extra=(); [ -n "$MAX_INFLIGHT" ] && extra=(--max-inflight "$MAX_INFLIGHT")
+    # the guards hold for DeviceHandlerConfig's default jobs in flight (16) unless told
+    extra=(--max-inflight "${MAX_INFLIGHT:-16}")
     [ -n "$BANDWIDTH_LAUNCH" ] && extra+=(--bandwidth-launch "$BANDWIDTH_LAUNCH")
     bench_rounds bandwidth --passes bandwidth --strategies staged,dma,auto --tokens 16 --per-job 8,32,512 \
         --slots random,allocator "${extra[@]}"
