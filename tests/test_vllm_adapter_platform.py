@@ -169,6 +169,25 @@ def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
         fake.close()
 
 
+def test_peers_auto_without_a_peer_keeps_the_native_launch_default(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``"peers": "auto"`` on a device that reaches no peer borrows nothing and leaves the
+    native launch as it was (no split job to launch from Python)."""
+    fake = FakeRuntime()
+    try:
+        backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=8)
+        config = parse_extra_config({"cpu_bytes_to_use": 1 << 20, "peers": "auto"})
+        handlers, tier = backend.build(layout, 4, config)
+        try:
+            assert [h.config.peers for h in handlers] == [None, None]  # type: ignore[attr-defined]
+            assert [h.config.native_launch for h in handlers] == ["auto", "auto"]  # type: ignore[attr-defined]
+        finally:
+            tier.release()
+    finally:
+        fake.close()
+
+
 def test_npu_platform_without_its_runtime_is_refused_clearly(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -159,7 +159,11 @@ def build_device_handlers(
         )
         if config.native_launch is not None:  # None: the handler's default
             device_config = replace(device_config, native_launch=config.native_launch)
-        if config.peers:
+        if config.peers == "auto" and not runtime.peer_devices():
+            logger.info(
+                "offload-engine: peers 'auto': device %d reaches no peer", runtime.device_index
+            )
+        elif config.peers:
             # a job split over peers' links launches from Python (the handler refuses the
             # native launch with peers), so peers without native_launch turn it off
             device_config = replace(
