@@ -36,6 +36,9 @@ passes (any order; they run in the order below):
   --ttft-stores  a prefill's stores of its new blocks (H 2k/8k/32k, N 128/512/2048): after the
                  forward pass, or layer-wise (G 1, 4 and 8 layers a job) as the layers finish
   --overhead     benchmarks/engine_overhead.py (the engine alone, instant handler)
+  --multipath    benchmarks/device/multipath_bandwidth.py: device 0's loads and stores over its
+                 own link and 1..all peers' (hosts of several GPUs), engine against the raw
+                 multi-path copy of the same run
   --all          every pass above
 
 options:
@@ -68,13 +71,13 @@ LIMIT=300
 SLOW=""
 DRY=""
 declare -A WANT=()
-PASSES=(env suite demo bandwidth gemm cpu step gaps ttft ttft-stores overhead)
+PASSES=(env suite demo bandwidth gemm cpu step gaps ttft ttft-stores overhead multipath)
 
 while [ $# -gt 0 ]; do
     case "$1" in
         -h|--help) usage; exit 0 ;;
         --all) for p in "${PASSES[@]}"; do WANT[$p]=1; done ;;
-        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--gaps|--ttft|--ttft-stores|--overhead) WANT[${1#--}]=1 ;;
+        --env|--suite|--demo|--bandwidth|--gemm|--cpu|--step|--gaps|--ttft|--ttft-stores|--overhead|--multipath) WANT[${1#--}]=1 ;;
         --out) OUTDIR=${2:?--out needs a directory}; shift ;;
         --baseline) BASELINE=${2:?--baseline needs a directory}; shift ;;
         --rounds) ROUNDS=${2:?--rounds needs a number}; shift ;;
@@ -210,6 +213,10 @@ fi
 if [ -n "${WANT[ttft-stores]:-}" ]; then
     bench_rounds ttft-stores --passes ttft-stores --ttft-hits 2048,8192,32768 \
         --ttft-new 128,512,2048 --ttft-layers-per-load 1,4,8 --reps 3
+fi
+if [ -n "${WANT[multipath]:-}" ]; then
+    run multipath.log "$ROOT" python benchmarks/device/multipath_bandwidth.py \
+        --json "$OUTDIR/multipath.json"
 fi
 if [ -n "${WANT[overhead]:-}" ]; then
     if [ -n "$BASELINE" ]; then
