@@ -283,3 +283,23 @@ def test_the_delivery_latency_script_prints_each_pollers_delay() -> None:
         "runs Python between polls",
         "runs Python, switch interval 0.5 ms",
     ], done.stdout
+
+
+def test_the_launch_burst_script_prints_both_launch_modes() -> None:
+    """benchmarks/launch_burst.py (cited in docs/performance.md) runs and prints a row per
+    launch mode with the jobs launched during the burst."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, str(root / "benchmarks" / "launch_burst.py"), "--jobs", "8"],
+        check=False,
+        cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(
+        r"^  (.+?)\s+submits\s+[\d.]+ ms, launched during them\s+(\d+)", done.stdout, re.M
+    )
+    assert [r[0] for r in rows] == ["loop launch (default)", "submitter_launch"], done.stdout
