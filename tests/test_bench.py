@@ -264,11 +264,11 @@ def test_host_memory_check_names_both_sizes() -> None:
         check_host_memory(3 * 2**40, "the chunks need", available=2 * 2**30)
 
 
-def test_the_delivery_latency_script_prints_each_pollers_delay() -> None:
-    """benchmarks/delivery_latency.py (cited in docs/vllm.md) runs and prints its three rows."""
+def _run_script(name: str, *args: str) -> str:
+    """Run ``benchmarks/<name>`` from the checkout; its standard output."""
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "delivery_latency.py"), "--jobs", "3"],
+        [sys.executable, str(root / "benchmarks" / name), *args],
         check=False,
         cwd=root,
         env=dict(os.environ, PYTHONPATH=str(root)),
@@ -277,29 +277,23 @@ def test_the_delivery_latency_script_prints_each_pollers_delay() -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    rows = re.findall(r"^  (\w[\w ,.]+?)\s+median\s+([\d.]+)\s+p90\s+([\d.]+)$", done.stdout, re.M)
+    return done.stdout
+
+
+def test_the_delivery_latency_script_prints_each_pollers_delay() -> None:
+    """benchmarks/delivery_latency.py (cited in docs/vllm.md) runs and prints its three rows."""
+    out = _run_script("delivery_latency.py", "--jobs", "3")
+    rows = re.findall(r"^  (\w[\w ,.]+?)\s+median\s+([\d.]+)\s+p90\s+([\d.]+)$", out, re.M)
     assert [r[0] for r in rows] == [
         "sleeps between polls",
         "runs Python between polls",
         "runs Python, switch interval 0.5 ms",
-    ], done.stdout
+    ], out
 
 
 def test_the_launch_burst_script_prints_both_launch_modes() -> None:
     """benchmarks/launch_burst.py (cited in docs/performance.md) runs and prints a row per
     launch mode with the jobs launched during the burst."""
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [sys.executable, str(root / "benchmarks" / "launch_burst.py"), "--jobs", "8"],
-        check=False,
-        cwd=root,
-        env=dict(os.environ, PYTHONPATH=str(root)),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    rows = re.findall(
-        r"^  (.+?)\s+submits\s+[\d.]+ ms, launched during them\s+(\d+)", done.stdout, re.M
-    )
-    assert [r[0] for r in rows] == ["loop launch (default)", "submitter_launch"], done.stdout
+    out = _run_script("launch_burst.py", "--jobs", "8")
+    rows = re.findall(r"^  (.+?)\s+submits\s+[\d.]+ ms, launched during them\s+(\d+)", out, re.M)
+    assert [r[0] for r in rows] == ["loop launch (default)", "submitter_launch"], out
