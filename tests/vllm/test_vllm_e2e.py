@@ -176,7 +176,7 @@ def test_layerwise_loads_under_preemption_and_aborts(workdir: Path) -> None:
     assert run["aborted"] == 12
     assert run["rounds"] == plain["rounds"]
     assert run["metrics"]["vllm:external_prefix_cache_hits"] > 0
-    stats = json.loads(stats_path.read_text())
+    stats = read_stats(stats_path, run)
     engine, adapter = stats["engine"], stats["adapter"]
     assert engine["loads_succeeded"] > 0 and engine["handlers"][0]["failed"] == 0
     assert adapter["waited_jobs"] > 0, "no preempted request's store was flushed"
@@ -208,19 +208,18 @@ def test_failed_layerwise_loads_are_recomputed_or_fail_their_requests(
         "--stats-path",
         str(stats_path),
     )
-    stats = json.loads(stats_path.read_text())
-    assert stats["adapter"]["failures_delivered"] > 0
     assert "reported for recomputation" in Path(run["log"]).read_text()
     if policy == "recompute":
         assert run["rounds"] == baseline["rounds"]
-        return
-    pairs = [
-        (g, w)
-        for got, want in zip(run["rounds"], baseline["rounds"], strict=True)
-        for g, w in zip(got, want, strict=True)
-    ]
-    assert all(g in (w, []) for g, w in pairs)
-    assert any(g == [] for g, _ in pairs)
+    else:
+        pairs = [
+            (g, w)
+            for got, want in zip(run["rounds"], baseline["rounds"], strict=True)
+            for g, w in zip(got, want, strict=True)
+        ]
+        assert all(g in (w, []) for g, w in pairs)
+        assert any(g == [] for g, _ in pairs)
+    assert read_stats(stats_path, run)["adapter"]["failures_delivered"] > 0
 
 
 # ---------------------------------------------------------------- EngineTieringSpec
@@ -254,13 +253,37 @@ def fs_tier_metric(run: dict[str, Any], name: str) -> int:
     )
 
 
+#: what vLLM 0.32 logs when its own shutdown kills the process that holds the adapter
+#: before the adapter's shutdown runs, so no stats file is written
+VLLM_SHUTDOWN_CRASHES = {
+    # an engine core that outlived the 30 s grace (seen once in about 24 runs on 2 cores)
+    "force killing remaining process EngineCore": "vLLM force-killed its engine core",
+    # the worker's death-pipe thread closes the ZeroMQ queues under the thread that
+    # reads them; libzmq aborts the worker (seen about once in 70 runs on 2 cores)
+    "Assertion failed: ok (src/mailbox.cpp": "libzmq aborted vLLM's worker",
+}
+
+
+def read_stats(stats_path: Path, run: dict[str, Any]) -> dict[str, Any]:
+    """The stats file the adapter wrote at shutdown. Missing, it fails the test unless
+    the run's log shows vLLM's own shutdown killing the worker first: then the test
+    (whose answers were checked before this call) is an expected failure."""
+    if not stats_path.exists():
+        log = Path(run["log"]).read_text()
+        for line, why in VLLM_SHUTDOWN_CRASHES.items():
+            if line in log:
+                pytest.xfail(f"{why} at shutdown before the stats write")
+    assert stats_path.exists(), f"no engine stats; log: {run['log']}"
+    stats: dict[str, Any] = json.loads(stats_path.read_text())
+    return stats
+
+
 def engine_counters(stats_path: Path, run: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """The engine's and the adapter's counters, as vLLM's worker wrote them at shutdown,
     checked: the engine closed after loading, no handler failed a job, nothing was refused,
     failed or left in flight, every job submitted came back to vLLM or was counted at
     shutdown, and vLLM's own offload metrics agree on the bytes loaded."""
-    assert stats_path.exists(), f"no engine stats; log: {run['log']}"
-    stats = json.loads(stats_path.read_text())
+    stats = read_stats(stats_path, run)
     engine, adapter = stats["engine"], stats["adapter"]
     assert engine["state"] == "closed"
     assert engine["loads_succeeded"] > 0 and engine["bytes_loaded"] > 0

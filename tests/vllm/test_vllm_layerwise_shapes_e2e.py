@@ -88,13 +88,6 @@ def check_served(plain: dict[str, Any], run: dict[str, Any], stats_path: Path) -
     assert plain["metrics"]["vllm:external_prefix_cache_hits"] == 0
     assert run["metrics"]["vllm:external_prefix_cache_hits"] > 0
     assert run["metrics"]["vllm:kv_offload_load_bytes"] > 0
-    if (
-        not stats_path.exists()
-        and "force killing remaining process EngineCore" in Path(run["log"]).read_text()
-    ):
-        # the answers above were checked; the counters die with an engine core that
-        # outlived vLLM's 30 s shutdown grace (seen once in about 24 runs on 2 cores)
-        pytest.xfail("vLLM force-killed its engine core at shutdown before the stats write")
     engine, adapter = engine_counters(stats_path, run)
     assert engine["stores_succeeded"] > 0
     return adapter
