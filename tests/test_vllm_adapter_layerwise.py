@@ -135,7 +135,13 @@ def test_each_layer_wait_orders_that_layer_before_the_compute_stream(
     assert loads.owns(7)
     loads.finished(7, True, None)
     assert not loads.owns(7) and loads.take_invalid() == set()
-    assert bridge.stats()["adapter"]["loads_submitted"] == 1
+    adapter = bridge.stats()["adapter"]
+    assert adapter["loads_submitted"] == 1
+    # the step's clock: one step of LAYERS / 2 parts, its waits inside its span
+    steps = adapter["timings"]["layerwise_loads"]
+    assert steps["steps"] == 1 and steps["parts_p50"] == LAYERS // 2
+    [[span, blocked]] = steps["recent_ms"]
+    assert 0 <= blocked <= span == round(steps["start_to_forward_end_ms_p50"], 2)
 
 
 def test_a_refused_part_reports_its_loads_blocks_as_load_errors(

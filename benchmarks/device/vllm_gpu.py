@@ -611,6 +611,7 @@ def report(folder: Path) -> str:
                         f"  {mode:14} {t['submit_to_done_ms_p50']:8.1f} {t['copy_ms_p50']:8.1f} "
                         f"{t['done_to_collected_ms_p50']:8.1f} {t['done_to_collected_ms_p90']:8.1f}"
                     )
+        lines += layerwise_steps(rows)
         lines.append("  decode: tokens/s (median), ITL ms")
         for r in rows:
             tps = med([d["tokens_per_s"] for d in r["decode"]])
@@ -618,6 +619,28 @@ def report(folder: Path) -> str:
             lines.append(f"  {r['mode']:14} {tps:9.0f} {itl:7.2f}")
     lines += decode_rounds([r for r in runs if r.get("round") is not None])
     return "\n".join(lines)
+
+
+def layerwise_steps(rows: list[dict[str, Any]]) -> list[str]:
+    """Per mode with layer-wise loads, per cell: the medians of the hit steps' span from
+    the loads' submit to the forward pass's end, and of the time vLLM's thread was
+    blocked in the waits (``adapter.timings.layerwise_loads``; the bench's hits are the
+    run's only steps with loads, one each, in the order of its cells)."""
+    lines: list[str] = []
+    for r in rows:
+        recent = ((r.get("timings") or {}).get("layerwise_loads") or {}).get("recent_ms")
+        calls = [len(t["ttft_ms"]) for t in r["ttft"]]
+        if not recent or len(recent) != sum(calls):
+            continue
+        if not lines:
+            lines.append("  layer-wise hit steps, medians ms: submit to forward end / blocked")
+        cells, at = [], 0
+        for n in calls:
+            steps = recent[at : at + n]
+            at += n
+            cells.append(f"{med([s for s, _ in steps]):.0f}/{med([b for _, b in steps]):.0f}")
+        lines.append(f"  {r['mode']:14} " + " ".join(f"{c:>9}" for c in cells))
+    return lines
 
 
 def decode_rounds(runs: list[dict[str, Any]]) -> list[str]:

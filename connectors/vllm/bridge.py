@@ -26,7 +26,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -152,6 +152,9 @@ class EngineBridge:
         #: counters of the layers above (layer-wise stores), written by the worker's
         #: thread and copied into :meth:`stats`; their keys are set before serving
         self.counters: dict[str, int] = {}
+        #: timing summaries of the layers above (layer-wise loads), by name, read into
+        #: :meth:`stats`'s ``adapter.timings``
+        self.timings: dict[str, Callable[[], dict[str, Any]]] = {}
         self._shut_down = False
         # jobs sent in parts: each job's state, and the job each engine part belongs to
         self._layered: dict[int, PartedJob] = {}
@@ -538,6 +541,8 @@ class EngineBridge:
                 self._counts, live_jobs=len(self._live), stashed=len(self._stash), **self.counters
             )
             adapter["timings"] = self._clock.summary()
+        for name, summary in self.timings.items():
+            adapter["timings"][name] = summary()
         return {"engine": engine_stats, "adapter": adapter}
 
     def shutdown(self) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from offload_engine import Direction, JobFence, KVLayout, OffloadError
 
 from .bridge import EngineBridge, IdsLike
+from .timings import StepClock
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +120,9 @@ class _Step:
     """One step's layer-wise loads: per part, (load id, fence); which parts were waited."""
 
     fences: list[list[tuple[int, JobFence]]]
+    started_at: float  # time.perf_counter() at the submit
     waited: int = 0  # parts 0 .. waited-1 have been waited on
+    blocked: float = 0.0  # seconds the waits held vLLM's thread
 
 
 class LayerwiseLoads:
@@ -136,13 +140,15 @@ class LayerwiseLoads:
         # loads whose blocks were reported already (a failed part's wait and, later, the
         # load's result must not report them twice: by then the blocks may be another's)
         self._reported: set[int] = set()
+        self.clock = StepClock()
+        bridge.timings["layerwise_loads"] = self.clock.summary
 
     def start(self, loads: Iterable[TransferJob]) -> None:
         """Submit the step's loads (tier -> cache), part by part in layer order across
         all of them."""
         self.finish_step()
         loads = list(loads)
-        step = _Step([[] for _ in range(self.plan.parts)])
+        step = _Step([[] for _ in range(self.plan.parts)], time.perf_counter())
         for job in loads:
             self._blocks[job.job_id] = [int(b) for b in job.cache_ids]
             fences = self.bridge.submit_load_layers(
@@ -164,6 +170,9 @@ class LayerwiseLoads:
         if step is None:
             return
         part = self.plan.part_of.get(layer_name, self.plan.parts - 1)
+        if step.waited > part:
+            return
+        t0 = time.perf_counter()
         while step.waited <= part:
             for job_id, fence in step.fences[step.waited]:
                 try:
@@ -171,6 +180,7 @@ class LayerwiseLoads:
                 except OffloadError as exc:
                     self._fail(job_id, self._blocks.get(job_id, []), exc)
             step.waited += 1
+        step.blocked += time.perf_counter() - t0
 
     def finish_step(self) -> None:
         """The forward pass is over: order whatever part no layer waited on before the
@@ -179,6 +189,7 @@ class LayerwiseLoads:
         if step is not None:
             self.wait_for_layer("")  # an unknown name waits for the last part
             self._step = None
+            self.clock.step(time.perf_counter() - step.started_at, step.blocked, self.plan.parts)
 
     def owns(self, job_id: int) -> bool:
         return job_id in self._blocks

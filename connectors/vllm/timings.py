@@ -15,11 +15,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections import deque
+from typing import Any
 
 from offload_engine import Direction, TransferResult
 
 #: jobs kept per direction
 WINDOW = 256
+#: steps listed one by one in :meth:`StepClock.summary`
+RECENT = 32
 
 
 class JobClock:
@@ -59,3 +62,31 @@ class JobClock:
                 "done_to_collected_ms_max": 1e3 * waited[-1],
             }
         return out
+
+
+class StepClock:
+    """The last :data:`WINDOW` steps with layer-wise loads, as vLLM's thread saw them:
+    from the loads' submit (``start_load_kv``) to the forward pass's end
+    (``wait_for_save``), and the part of it spent blocked in the waits (a part not yet
+    launched). Written by vLLM's worker thread only."""
+
+    def __init__(self) -> None:
+        self._samples: deque[tuple[float, float, int]] = deque(maxlen=WINDOW)
+
+    def step(self, span: float, blocked: float, parts: int) -> None:
+        self._samples.append((span, blocked, parts))
+
+    def summary(self) -> dict[str, Any]:
+        """Medians in ms of the span and of the blocked time, and both for each of the
+        last :data:`RECENT` steps, oldest first; empty with no step."""
+        samples = list(self._samples)
+        if not samples:
+            return {}
+        span, blocked, parts = zip(*samples, strict=True)
+        return {
+            "steps": len(samples),
+            "start_to_forward_end_ms_p50": 1e3 * statistics.median(span),
+            "blocked_in_waits_ms_p50": 1e3 * statistics.median(blocked),
+            "parts_p50": statistics.median(parts),
+            "recent_ms": [[round(1e3 * s, 2), round(1e3 * b, 2)] for s, b, _ in samples[-RECENT:]],
+        }

@@ -149,14 +149,24 @@ def test_the_bench_report_shows_where_the_loads_spent_their_time(tmp_path: Path)
         "done_to_collected_ms_p90": 6.75,
         "done_to_collected_ms_max": 7.0,
     }
-    for mode, timings in (("plain", None), ("async-step", {"load": load})):
+    # a layer-wise mode's hit steps (one a call): submit to forward end, blocked in waits
+    steps = {"steps": 1, "recent_ms": [[45.5, 30.25]]}
+    for mode, timings in (
+        ("plain", None),
+        ("async-step", {"load": load}),
+        ("lw-step", {"load": load, "layerwise_loads": steps}),
+    ):
         run_ = {"mode": mode, "eager": True, "link_GBps": 55.0, "ttft": ttft, "decode": decode}
         if timings is not None:
             run_["timings"] = timings
         (tmp_path / f"bench-eager-{mode}.json").write_text(json.dumps(run_))
     report = run("report", str(tmp_path))
     assert "loads, ms (p50)" in report, report
-    [row] = [line for line in report.splitlines() if "21.5" in line]
-    assert row.split() == ["async-step", "21.5", "19.2", "5.5", "6.8"], report
+    rows = [line.split() for line in report.splitlines() if "21.5" in line]
+    assert rows == [[m, "21.5", "19.2", "5.5", "6.8"] for m in ("async-step", "lw-step")], report
     clocked = [line.split() for line in report.splitlines() if "38/28" in line]
-    assert sorted(clocked) == [["async-step", "38/28", "+20"], ["plain", "38/28", "+20"]], report
+    assert sorted(clocked) == [[m, "38/28", "+20"] for m in ("async-step", "lw-step", "plain")]
+    assert "layer-wise hit steps" in report
+    assert [line.split() for line in report.splitlines() if "46/30" in line] == [
+        ["lw-step", "46/30"]
+    ], report
