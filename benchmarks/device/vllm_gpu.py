@@ -450,11 +450,25 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     model = llama8b_config(workdir / "llama8b")
     rate = link_rate()
+    trace_dir = workdir / "trace"
+    profiling = (
+        {
+            "profiler_config": {
+                "profiler": "torch",
+                "torch_profiler_dir": str(trace_dir),
+                "torch_profiler_with_stack": False,
+                "ignore_frontend": True,
+            }
+        }
+        if args.profile
+        else {}
+    )
     llm = start(
         str(model),
         args.mode,
         args.eager,
         workdir,
+        **profiling,
         cpu_bytes=24 << 30,
         page_bytes=BLOCK * 32 * 2 * 8 * 128 * 2,
         load_format="dummy",
@@ -497,6 +511,14 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "vllm_compute_ms": compute_clocks,
                 }
             )
+        if args.profile and h == max(args.heads):
+            # one more hit, traced: the first prompt (evicted from the GPU by the later
+            # ones, and the GPU's prefix cache reset) with a new suffix
+            reset(llm)
+            llm.start_profile()
+            timed(llm, [prompt(prompts[0] + ids(rng, args.suffixes[0], vocab))], one)
+            llm.stop_profile()
+    profile = trace_summary(trace_dir) if args.profile else None
     decode = []
     many = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     for _ in range(args.decode_repeats):
@@ -528,6 +550,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "decode": decode,
         "round": args.round,
         "metrics": metrics(llm),
+        "profile": profile,
     }
     shut(llm)
     if args.mode not in NO_STATS:
@@ -535,6 +558,59 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         stats = final_stats(workdir / f"{args.mode}-stats.json") or {}
         result["timings"] = stats.get("adapter", {}).get("timings")
     return result
+
+
+def trace_summary(folder: Path) -> dict[str, Any] | None:
+    """The GPU side of a traced call, from the newest torch profiler trace in
+    ``folder`` (ms from its first GPU event): per copy direction and for kernels, how
+    many, their bytes, when the first began and the last ended, and the time busy; the
+    host-to-device copies' rate over their span and while busy, and the five longest
+    gaps between them."""
+    import gzip
+
+    traces = sorted(folder.rglob("*.json*"), key=lambda f: f.stat().st_mtime)
+    if not traces:
+        return None
+    raw = traces[-1].read_bytes()
+    data = json.loads(gzip.decompress(raw) if traces[-1].suffix == ".gz" else raw)
+    events = [e for e in data.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not gpu:
+        return None
+    t0 = min(e["ts"] for e in gpu)
+
+    def group(chosen: list[dict[str, Any]]) -> dict[str, Any]:
+        if not chosen:
+            return {"n": 0}
+        nbytes = sum(int((e.get("args") or {}).get("bytes", 0)) for e in chosen)
+        first = min(e["ts"] for e in chosen) - t0
+        last = max(e["ts"] + e["dur"] for e in chosen) - t0
+        busy = sum(e["dur"] for e in chosen)
+        return {
+            "n": len(chosen),
+            "GB": nbytes / 1e9,
+            "first_ms": first / 1e3,
+            "last_end_ms": last / 1e3,
+            "busy_ms": busy / 1e3,
+            "span_GBps": nbytes / 1e3 / max(last - first, 1e-9),
+            "busy_GBps": nbytes / 1e3 / max(busy, 1e-9),
+        }
+
+    h2d = sorted((e for e in gpu if "HtoD" in e.get("name", "")), key=lambda e: e["ts"])
+    gaps = []  # (ms with no host-to-device copy running, ms at which it began)
+    end = h2d[0]["ts"] + h2d[0]["dur"] if h2d else 0.0
+    for e in h2d[1:]:
+        if e["ts"] > end:
+            gaps.append(((e["ts"] - end) / 1e3, (end - t0) / 1e3))
+        end = max(end, e["ts"] + e["dur"])
+    return {
+        "trace": traces[-1].name,
+        "h2d": group(h2d),
+        "d2h": group([e for e in gpu if "DtoH" in e.get("name", "")]),
+        "d2d": group([e for e in gpu if "DtoD" in e.get("name", "")]),
+        "kernels": group([e for e in gpu if e.get("cat") == "kernel"]),
+        "h2d_gaps_ms": [[round(g, 3), round(at, 3)] for g, at in sorted(gaps, reverse=True)[:5]],
+    }
 
 
 # ------------------------------------------------------------------ report
@@ -612,6 +688,7 @@ def report(folder: Path) -> str:
                         f"{t['done_to_collected_ms_p50']:8.1f} {t['done_to_collected_ms_p90']:8.1f}"
                     )
         lines += layerwise_steps(rows)
+        lines += traced(rows)
         lines.append("  decode: tokens/s (median), ITL ms")
         for r in rows:
             tps = med([d["tokens_per_s"] for d in r["decode"]])
@@ -619,6 +696,33 @@ def report(folder: Path) -> str:
             lines.append(f"  {r['mode']:14} {tps:9.0f} {itl:7.2f}")
     lines += decode_rounds([r for r in runs if r.get("round") is not None])
     return "\n".join(lines)
+
+
+def traced(rows: list[dict[str, Any]]) -> list[str]:
+    """The traced hit of each mode that has one: per group, n, GB, first start, last
+    end, busy (ms from the first GPU event), and the host-to-device rates."""
+    lines: list[str] = []
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        if not lines:
+            lines.append("  traced hit, ms from its first GPU event: n, GB, first, last end, busy")
+        for name in ("h2d", "d2h", "d2d", "kernels"):
+            g = prof[name]
+            if not g["n"]:
+                continue
+            rate = (
+                f"  {g['span_GBps']:.1f} GB/s over its span, {g['busy_GBps']:.1f} busy"
+                if name == "h2d"
+                else ""
+            )
+            lines.append(
+                f"  {r['mode']:14} {name:8} {g['n']:6} {g['GB']:7.3f} {g['first_ms']:8.1f} "
+                f"{g['last_end_ms']:8.1f} {g['busy_ms']:8.1f}{rate}"
+            )
+        lines.append(f"  {r['mode']:14} h2d gaps (ms, at): {prof['h2d_gaps_ms']}")
+    return lines
 
 
 def layerwise_steps(rows: list[dict[str, Any]]) -> list[str]:
@@ -712,6 +816,12 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--prompts", type=int, default=4)
     b.add_argument("--decode-tokens", type=int, default=128)
     b.add_argument("--decode-repeats", type=int, default=3)
+    b.add_argument(
+        "--profile",
+        action="store_true",
+        help="trace one more hit at the largest H (torch profiler, CUDA activity) and "
+        "summarize the GPU's copies and kernels",
+    )
     r = sub.add_parser("report")
     r.add_argument("folder")
     args = p.parse_args(argv)

@@ -19,6 +19,8 @@
 #   --check-compiled M..  the same with vLLM's default compilation and CUDA graphs, for modes M
 #   --bench M..           time to first token and decode, eager, one mode after another
 #   --bench-compiled M..  the same with compilation and CUDA graphs
+#   --bench-args "A.."    more arguments for each bench (vllm_gpu.py bench --help), e.g.
+#                         "--heads 32768 --suffixes 64 --decode-repeats 0 --profile"
 #   --decode M..          decode only, eager, plain vLLM and modes M in turn, the order reversed
 #                         every other round (--rounds N, default 3; --first-round R numbers them
 #                         from R, so rounds can be split over several calls)
@@ -39,6 +41,7 @@ CHECK_EAGER=()
 EXTRA=""
 BENCH=()
 BENCH_COMPILED=()
+BENCH_ARGS=""
 DECODE=()
 DECODE_COMPILED=()
 ROUNDS=3
@@ -52,6 +55,7 @@ while [ $# -gt 0 ]; do
         --extra-wheels) EXTRA=$2; shift ;;
         --bench) list=BENCH ;;
         --bench-compiled) list=BENCH_COMPILED ;;
+        --bench-args) BENCH_ARGS=$2; shift ;;
         --decode) list=DECODE ;;
         --decode-compiled) list=DECODE_COMPILED ;;
         --rounds) ROUNDS=$2; shift ;;
@@ -112,8 +116,9 @@ benches() {  # $1: eager|compiled, then modes
     local how=$1; shift
     local flag=""; [ "$how" = eager ] && flag=--eager
     for mode in "$@"; do
-        python3 "$DRIVER" bench --mode "$mode" $flag --out "$OUTDIR/bench-$how-$mode.json" \
-            >"$OUTDIR/bench-$how-$mode.log" 2>&1 \
+        # shellcheck disable=SC2086  # BENCH_ARGS: several arguments
+        python3 "$DRIVER" bench --mode "$mode" $flag $BENCH_ARGS \
+            --out "$OUTDIR/bench-$how-$mode.json" >"$OUTDIR/bench-$how-$mode.log" 2>&1 \
             || { echo "bench $how $mode failed:"; tail -25 "$OUTDIR/bench-$how-$mode.log"; }
     done
 }

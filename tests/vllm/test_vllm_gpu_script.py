@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device" / "vllm_gpu.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-from vllm_gpu import compare  # noqa: E402
+from vllm_gpu import compare, trace_summary  # noqa: E402
 
 
 def run(*args: str) -> str:
@@ -170,3 +170,31 @@ def test_the_bench_report_shows_where_the_loads_spent_their_time(tmp_path: Path)
     assert [line.split() for line in report.splitlines() if "46/30" in line] == [
         ["lw-step", "46/30"]
     ], report
+
+
+def test_a_traced_hit_is_summarized_from_the_profilers_trace(tmp_path: Path) -> None:
+    """Two host-to-device copies with a 2 ms gap, one kernel; times in the trace's us."""
+    import gzip
+
+    def event(cat: str, name: str, ts: float, dur: float, nbytes: int = 0) -> dict[str, Any]:
+        args = {"bytes": nbytes}
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+    events = [
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 1000.0, 1000.0, 50_000_000),
+        event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 4000.0, 1000.0, 50_000_000),
+        event("kernel", "scatter", 2500.0, 500.0),
+        event("cpu_op", "aten::copy_", 0.0, 9000.0),
+    ]
+    (tmp_path / "w.pt.trace.json.gz").write_bytes(
+        gzip.compress(json.dumps({"traceEvents": events}).encode())
+    )
+    got = trace_summary(tmp_path)
+    assert got is not None
+    h2d = got["h2d"]
+    assert h2d["n"] == 2 and h2d["GB"] == pytest.approx(0.1)
+    assert (h2d["first_ms"], h2d["last_end_ms"], h2d["busy_ms"]) == (0.0, 4.0, 2.0)
+    assert h2d["span_GBps"] == pytest.approx(25.0) and h2d["busy_GBps"] == pytest.approx(50.0)
+    assert got["h2d_gaps_ms"] == [[2.0, 1.0]]
+    assert got["kernels"]["n"] == 1 and got["kernels"]["first_ms"] == 1.5
+    assert got["d2h"] == {"n": 0}
