@@ -35,7 +35,7 @@ from offload_engine.device.config import CopyStrategy, DeviceHandlerConfig
 from offload_engine.device.context import JobOrder, LaunchContext, SlotScratch
 from offload_engine.device.launch import Launcher, enqueue
 from offload_engine.device.multipath import Multipath, open_paths, release_streams
-from offload_engine.device.peers import PeerLedger
+from offload_engine.device.peers import MAX_DEVICES, OwnerTraffic, PeerLedger, TrafficShare
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.pools import DeviceTables, JobResources, StagingBuffers, stream_sets
@@ -207,6 +207,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._peers, self._peer_rows = self._peer_devices()
         self._ledger = ledger
         self._multipath: Multipath | None = None
+        # with a ledger, this handler's own bytes in flight are announced on its
+        # device (as the host numbers it), so borrowers elsewhere keep off its link
+        self._traffic = self._own_traffic(ledger)
         regions = [len(g) for g in layout.groups]
         per_region = self._strategy in (CopyStrategy.DMA, None)
         self._unit_regions = regions if per_region else [1] * len(regions)
@@ -310,6 +313,26 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             )
         return devices, rows
 
+    def _own_traffic(self, ledger: PeerLedger | None) -> TrafficShare | None:
+        if ledger is None:
+            return None
+        own = self.runtime.device_index
+        host = self.runtime.host_device_index(own)
+        if host is None or not 0 <= host < MAX_DEVICES:
+            log.warning(
+                "%s does not announce its traffic in the peer ledger: the host's index of "
+                "device %d is unknown (CUDA_VISIBLE_DEVICES names it otherwise than by index)",
+                self.name,
+                own,
+            )
+            return None
+        return OwnerTraffic.of(ledger).share(host)
+
+    @property
+    def ledger(self) -> PeerLedger | None:
+        """The host's peer ledger this handler was given (its owner closes it)."""
+        return self._ledger
+
     @property
     def borrowed(self) -> tuple[int, ...]:
         """The peer devices whose host links this handler borrows: those of
@@ -392,6 +415,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self.config.close_timeout,
             f"of {self.name} still waiting on device work (the device may be hung)",
         )
+        if self._traffic is not None:
+            self._traffic.close()  # jobs left behind no longer count as this link's traffic
         # device memory goes now, not whenever the collector breaks the handler's cycles
         ctx = self._ctx
         del self._ctx, self._tables
@@ -484,6 +509,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if plan.strategy is CopyStrategy.AUTO:
             self._choose(plan)
         self._launched_bytes += plan.nbytes
+        if self._traffic is not None:
+            self._traffic.started(plan.nbytes)
         self._launcher.launch(job)
 
     def _choose(self, plan: DevicePlan) -> None:
@@ -514,3 +541,5 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def _recycle(self, plan: DevicePlan) -> None:
         """Hand a finished job's events and id buffer back to the pools."""
         self._resources.recycle(plan)
+        if self._traffic is not None:
+            self._traffic.finished(plan.nbytes)
