@@ -489,6 +489,19 @@ def test_a_busy_peer_in_the_ledger_is_skipped(tmp_path: Any) -> None:
         make_rig(ledger="ledger")  # type: ignore[arg-type]
 
 
+def test_a_handler_that_may_borrow_launches_from_python() -> None:
+    """The native launch does not split jobs: with peers, ``native_launch="auto"`` (the
+    default) launches from Python, and ``True`` is a ConfigError."""
+    rig = make_rig()
+    try:
+        assert rig.store.native_note == "jobs split over peers' links launch from Python"
+        assert rig.store.borrowed == ()  # paths open at start
+    finally:
+        rig.close()
+    with pytest.raises(ConfigError, match="peers' links launches from Python so far"):
+        make_rig(native_launch=True)
+
+
 def test_an_owner_busy_with_its_own_jobs_keeps_borrowers_off_its_link(tmp_path: Any) -> None:
     """Two processes' worth of handlers on one ledger file: while the owner of host
     device 0 has a job of its own in flight, the borrower, to which that device is

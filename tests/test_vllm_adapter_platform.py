@@ -29,6 +29,9 @@ from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
 from offload_engine.device import DeviceCopyHandler, peers
 from offload_engine.testing import FakeRuntime, cache_block_bytes
 
+#: a device handler's native_note where peers keep it from the native launch
+SPLIT_FROM_PYTHON = "jobs split over peers' links launch from Python"
+
 
 @dataclass
 class FakePlatform:
@@ -129,8 +132,8 @@ def test_a_device_platform_runs_real_copies_through_the_device_handler(
 def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``peers`` and its sizes reach DeviceHandlerConfig, the native launch is turned
-    off for them (a split job launches from Python), a large staged job's bytes
+    """``peers`` and its sizes reach DeviceHandlerConfig, the handlers launch from
+    Python (a split job does), a large staged job's bytes
     cross the peers' links and come back bit-exact, and the handlers share the
     host's peer ledger, which the bridge closes at shutdown."""
     monkeypatch.setattr(peers, "LEDGER_DIRECTORY", str(tmp_path))
@@ -150,7 +153,7 @@ def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
         handlers, tier = backend.build(layout, 40, config)
         try:
             assert [h.config.peers for h in handlers] == [(1, 2), (1, 2)]  # type: ignore[attr-defined]
-            assert [h.config.native_launch for h in handlers] == [False, False]  # type: ignore[attr-defined]
+            assert [h.native_note for h in handlers] == [SPLIT_FROM_PYTHON] * 2  # type: ignore[attr-defined]
             assert [h.config.peer_min_blocks for h in handlers] == [16, 16]  # type: ignore[attr-defined]
             want = [cache_block_bytes(layout, b) for b in range(24)]
             assert len(set(want)) == 24  # random bytes, every block its own
@@ -210,16 +213,17 @@ def test_the_peer_ledger_is_opened_where_asked_or_where_peers_are_borrowed(
 def test_peers_auto_without_a_peer_keeps_the_native_launch_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``"peers": "auto"`` on a device that reaches no peer borrows nothing and leaves the
-    native launch as it was (no split job to launch from Python)."""
+    """``"peers": "auto"`` on a device that reaches no peer borrows nothing and does not
+    give up the native launch for it (no split job to launch from Python)."""
     fake = FakeRuntime()
     try:
         backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=8)
         config = parse_extra_config({"cpu_bytes_to_use": 1 << 20, "peers": "auto"})
         handlers, tier = backend.build(layout, 4, config)
         try:
-            assert [h.config.peers for h in handlers] == [None, None]  # type: ignore[attr-defined]
+            assert [h.borrowed for h in handlers] == [(), ()]  # type: ignore[attr-defined]
             assert [h.config.native_launch for h in handlers] == ["auto", "auto"]  # type: ignore[attr-defined]
+            assert SPLIT_FROM_PYTHON not in [h.native_note for h in handlers]  # type: ignore[attr-defined]
         finally:
             tier.release()
     finally:

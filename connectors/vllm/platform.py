@@ -161,18 +161,8 @@ def build_device_handlers(
         )
         if config.native_launch is not None:  # None: the handler's default
             device_config = replace(device_config, native_launch=config.native_launch)
-        if config.peers == "auto" and not runtime.peer_devices():
-            logger.info(
-                "offload-engine: peers 'auto': device %d reaches no peer", runtime.device_index
-            )
-        elif config.peers:
-            # a job split over peers' links launches from Python (the handler refuses the
-            # native launch with peers), so peers without native_launch turn it off
-            device_config = replace(
-                device_config,
-                peers=config.peers,
-                native_launch=False if config.native_launch is None else config.native_launch,
-            )
+        if config.peers is not None:
+            device_config = replace(device_config, peers=config.peers)
         if config.peer_staging_bytes is not None:
             device_config = replace(device_config, peer_staging_bytes=config.peer_staging_bytes)
         if config.peer_min_blocks is not None:

@@ -242,6 +242,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         by one), and why there is none."""
         if self.config.native_launch is False:
             return None, None
+        if self._may_borrow():
+            # the native launch does not split a job over peers' links yet
+            if self.config.native_launch is True:
+                raise ConfigError(
+                    "peers: a job split over peers' links launches from Python so far; "
+                    "set native_launch to 'auto' or False"
+                )
+            log.info("%s launches from Python: it may split jobs over peers' links", self.name)
+            return None, "jobs split over peers' links launch from Python"
         try:
             return self.runtime.native_program(), None
         except RuntimeUnavailableError as exc:
@@ -249,6 +258,14 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 raise ConfigError(f"native_launch is True, but {exc}") from None
             log.info("%s launches from Python: %s", self.name, exc)
             return None, str(exc)
+
+    def _may_borrow(self) -> bool:
+        """Whether ``config.peers`` names a device the runtime offers as a peer
+        (which ones :meth:`_peer_devices` settles, and whether their paths open)."""
+        wanted, rt = self.config.peers, self.runtime
+        if not wanted:
+            return False
+        return wanted != "auto" or any(d != rt.device_index for d in rt.peer_devices())
 
     def _staged_planner(self) -> StagedPlanner | None:
         """The staged strategy's planner (the native launch's program, or one of its
@@ -306,11 +323,6 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if self._planner is None or self._stage_rows < 1:
             log.info("%s borrows no peer's link: it stages no job", self.name)
             return (), 0
-        if self._native is not None:
-            raise ConfigError(
-                "peers: a job split over peers' links launches from Python so far; "
-                "set native_launch=False"
-            )
         return devices, rows
 
     def _own_traffic(self, ledger: PeerLedger | None) -> TrafficShare | None:
