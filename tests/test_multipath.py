@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -175,9 +176,10 @@ def make_rig(
     strategy: CopyStrategy = CopyStrategy.STAGED,
     fail_alloc: tuple[int, ...] = (),
     ledger: PeerLedger | None = None,
+    host_indices: tuple[int | None, ...] | None = None,
     **config: Any,
 ) -> Rig:
-    runtime = FakeRuntime(devices=devices)
+    runtime = FakeRuntime(devices=devices, host_indices=host_indices)
     for device in fail_alloc:
         runtime.fail_allocations_on(device)
     layout = build_layout(kind, runtime.empty, num_blocks=4 * N, seed=len(kind))
@@ -485,6 +487,74 @@ def test_a_busy_peer_in_the_ledger_is_skipped(tmp_path: Any) -> None:
             rig.close()
     with pytest.raises(TypeError, match="ledger must be a PeerLedger"):
         make_rig(ledger="ledger")  # type: ignore[arg-type]
+
+
+def test_a_handler_that_may_borrow_launches_from_python() -> None:
+    """The native launch does not split jobs: with peers, ``native_launch="auto"`` (the
+    default) launches from Python, and ``True`` is a ConfigError."""
+    rig = make_rig()
+    try:
+        assert rig.store.native_note == "jobs split over peers' links launch from Python"
+        assert rig.store.borrowed == ()  # paths open at start
+    finally:
+        rig.close()
+    with pytest.raises(ConfigError, match="peers' links launches from Python so far"):
+        make_rig(native_launch=True)
+
+
+def test_an_owner_busy_with_its_own_jobs_keeps_borrowers_off_its_link(tmp_path: Any) -> None:
+    """Two processes' worth of handlers on one ledger file: while the owner of host
+    device 0 has a job of its own in flight, the borrower, to which that device is
+    its peer 1 (its devices reordered, as CUDA_VISIBLE_DEVICES does), splits over its
+    other peers only; once the owner's job is done, over all of them again."""
+    path = tmp_path / "ledger"
+    with PeerLedger(path) as owner_ledger, PeerLedger(path) as borrower_ledger:
+        owner = make_rig(peers=None, devices=1, ledger=owner_ledger)
+        # the borrower is host device 1; its peer 1 is host device 0, the owner's
+        borrower = make_rig(ledger=borrower_ledger, host_indices=(1, 0, 2, 3))
+        try:
+            with owner.engine() as mine, borrower.engine() as other:
+                owner.runtime.hang_next("copy")
+                ids = list(range(N))
+                held = mine.submit(TransferSpec(gpu_blocks(ids), cpu_blocks(ids)))
+                deadline = time.monotonic() + BOUND
+                while not borrower_ledger.busy(0):
+                    assert time.monotonic() < deadline, "the owner never announced its job"
+                    time.sleep(0.01)
+                [a] = borrower_ledger.announcements(0)
+                assert a.inflight_bytes == N * owner.layout.slot_bytes
+                round_trip(borrower, other, "random")
+                assert set(dma_devices(borrower)) == {0, 2, 3}
+                owner.runtime.release_hangs()  # the held copy fails: its job is done
+                [r] = mine.wait([held], timeout=BOUND)
+                assert r.job_id == held
+                # announced idle as the job is handed back, well before the ttl (1 s)
+                idle_by = time.monotonic() + 0.5
+                while borrower_ledger.busy(0):
+                    assert time.monotonic() < idle_by, "the owner's link stayed busy"
+                    time.sleep(0.005)
+                since = len(borrower.runtime.batch_calls)
+                round_trip(borrower, other, "random", seed=1)
+                assert set(dma_devices(borrower, since)) == {0, 1, 2, 3}
+        finally:
+            owner.close()
+            borrower.close()
+
+
+def test_a_device_the_host_index_of_which_is_unknown_is_neither_announced_nor_skipped(
+    tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    with PeerLedger(tmp_path / "ledger") as ledger:
+        ledger.announce(5, 1 << 20)  # whatever this is, nobody here can tell it is peer 1
+        rig = make_rig(ledger=ledger, host_indices=(None, 5, 2, 3))
+        try:
+            assert "does not announce its traffic" in caplog.text
+            with rig.engine() as engine:
+                round_trip(rig, engine, "random")
+            assert set(dma_devices(rig)) == {0, 2, 3}  # host device 5 is busy
+            assert [a.inflight_bytes for a in ledger.announcements(0)] == []
+        finally:
+            rig.close()
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ import multiprocessing.connection
 import os
 import signal
 import struct
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -24,6 +25,7 @@ from offload_engine.device.peers import (
     LEDGER_BYTES,
     MAX_DEVICES,
     MAX_PROCESSES,
+    OwnerTraffic,
     PeerLedger,
     default_ledger_path,
     split_units,
@@ -552,3 +554,61 @@ def test_valid_peer_configs(kw: dict[str, object]) -> None:
 def test_bad_peer_configs_name_the_field(kw: dict[str, object], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         DeviceHandlerConfig(**kw)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------- owners' traffic
+
+
+def test_owner_traffic_sums_its_handlers_per_device_and_renews_while_busy(
+    tmp_path: object,
+) -> None:
+    """Two handlers' shares on one device add up; the sum is announced at each change,
+    renewed past the ttl while it is not 0, idle once both are back to 0, and a
+    share's close takes back what it still counted; the renewing thread ends then."""
+    with PeerLedger(f"{tmp_path}/ledger", ttl=0.3) as ledger:
+        traffic = OwnerTraffic.of(ledger)
+        assert OwnerTraffic.of(ledger) is traffic
+        store, load = traffic.share(2), traffic.share(2)
+        store.started(100)
+        load.started(50)
+        assert [a.inflight_bytes for a in ledger.announcements(2)] == [150]
+        time.sleep(0.7)  # past two ttls: only renewals keep it
+        assert ledger.busy(2) and not ledger.busy(0)
+        store.finished(100)
+        load.finished(20)
+        assert traffic.inflight(2) == 30
+        load.close()  # the 30 bytes of a job abandoned at close
+        assert traffic.inflight(2) == 0 and not ledger.busy(2)
+        renewers = [t for t in threading.enumerate() if t.name == "offload-engine-ledger"]
+        assert renewers == []
+        load.finished(10)  # nothing left to take back: no negative count
+        assert traffic.inflight(2) == 0
+        with pytest.raises(ValueError, match="device"):
+            traffic.share(MAX_DEVICES)
+
+
+def test_owner_traffic_outlives_its_ledger_quietly(tmp_path: object) -> None:
+    ledger = PeerLedger(f"{tmp_path}/ledger")
+    share = OwnerTraffic.of(ledger).share(0)
+    share.started(1)
+    ledger.close()
+    share.finished(1)  # a closed ledger is skipped: it only steers links
+    share.close()
+
+
+@pytest.mark.parametrize(
+    ("visible", "device", "want"),
+    [
+        (None, 2, 2),
+        ("3,1,0", 0, 3),
+        ("3,1,0", 2, 0),
+        ("3, 1", 1, 1),
+        ("3,1", 2, None),
+        ("GPU-8a1c0f5e-1111-2222-3333-444455556666", 0, None),
+        ("MIG-5c2d,1", 0, None),
+    ],
+)
+def test_the_host_index_of_a_visible_device(visible: str | None, device: int, want: int) -> None:
+    from offload_engine.device.runtimes.cuda import visible_device_index
+
+    assert visible_device_index(visible, device) == want

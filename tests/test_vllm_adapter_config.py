@@ -84,6 +84,8 @@ def test_peers_and_their_sizes(value: Any, want: Any) -> None:
     assert (cfg.peers, cfg.peer_staging_bytes, cfg.peer_min_blocks) == (want, 32 << 20, 32)
     unset = parse_extra_config(BASE)
     assert (unset.peers, unset.peer_staging_bytes, unset.peer_min_blocks) == (None, None, None)
+    assert unset.peer_ledger is None
+    assert parse_extra_config({**BASE, "peer_ledger": True}).peer_ledger is True
 
 
 def test_peers_refuse_the_native_launch_asked_for() -> None:
@@ -154,6 +156,8 @@ def test_missing_cpu_bytes_names_the_key() -> None:
         ("peers", [1.5]),
         ("peer_staging_bytes", 0),
         ("peer_min_blocks", 0),
+        ("peer_ledger", "true"),
+        ("peer_ledger", 1),
     ],
 )
 def test_invalid_value_names_the_key(key: str, value: Any) -> None:

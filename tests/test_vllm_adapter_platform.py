@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,12 +21,16 @@ from offload_engine import (
     gpu_blocks,
 )
 from offload_engine.connectors.vllm import platform
+from offload_engine.connectors.vllm.bridge import EngineBridge
 from offload_engine.connectors.vllm.config import parse_extra_config
 from offload_engine.connectors.vllm.layout import layout_from_canonical
 from offload_engine.connectors.vllm.platform import select_backend
 from offload_engine.connectors.vllm.testing import fake_canonical_kv_caches
-from offload_engine.device import DeviceCopyHandler
+from offload_engine.device import DeviceCopyHandler, peers
 from offload_engine.testing import FakeRuntime, cache_block_bytes
+
+#: a device handler's native_note where peers keep it from the native launch
+SPLIT_FROM_PYTHON = "jobs split over peers' links launch from Python"
 
 
 @dataclass
@@ -125,11 +130,13 @@ def test_a_device_platform_runs_real_copies_through_the_device_handler(
 
 
 def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """``peers`` and its sizes reach DeviceHandlerConfig, the native launch is turned
-    off for them (a split job launches from Python), and a large staged job's bytes
-    cross the peers' links and come back bit-exact."""
+    """``peers`` and its sizes reach DeviceHandlerConfig, the handlers launch from
+    Python (a split job does), a large staged job's bytes
+    cross the peers' links and come back bit-exact, and the handlers share the
+    host's peer ledger, which the bridge closes at shutdown."""
+    monkeypatch.setattr(peers, "LEDGER_DIRECTORY", str(tmp_path))
     fake = FakeRuntime(devices=4)
     try:
         backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=48)
@@ -146,11 +153,13 @@ def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
         handlers, tier = backend.build(layout, 40, config)
         try:
             assert [h.config.peers for h in handlers] == [(1, 2), (1, 2)]  # type: ignore[attr-defined]
-            assert [h.config.native_launch for h in handlers] == [False, False]  # type: ignore[attr-defined]
+            assert [h.native_note for h in handlers] == [SPLIT_FROM_PYTHON] * 2  # type: ignore[attr-defined]
             assert [h.config.peer_min_blocks for h in handlers] == [16, 16]  # type: ignore[attr-defined]
             want = [cache_block_bytes(layout, b) for b in range(24)]
             assert len(set(want)) == 24  # random bytes, every block its own
-            with SyncOffloadingEngine(handlers) as engine:
+            engine = SyncOffloadingEngine(handlers)
+            bridge = EngineBridge(engine, Medium.GPU, tier=tier)
+            try:
                 assert [h.borrowed for h in handlers] == [(1, 2), (1, 2)]  # type: ignore[attr-defined]
                 ids = list(range(24))
                 engine.wait([engine.submit(TransferSpec(gpu_blocks(ids), cpu_blocks(ids)))])
@@ -161,8 +170,40 @@ def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
                         )
                     ]
                 )
+                ledger = handlers[0].ledger  # type: ignore[attr-defined]
+                assert ledger is handlers[1].ledger and ledger is not None  # type: ignore[attr-defined]
+                assert Path(ledger.path).parent == tmp_path
+            finally:
+                bridge.shutdown()
             assert [cache_block_bytes(layout, b + 24) for b in range(24)] == want
             assert {c.device for c in fake.batch_calls} == {0, 1, 2}
+            assert ledger.closed and not Path(ledger.path).exists()
+        finally:
+            tier.release()
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize(
+    ("keys", "opened"),
+    [({}, False), ({"peer_ledger": True}, True), ({"peers": [1], "peer_ledger": False}, False)],
+)
+def test_the_peer_ledger_is_opened_where_asked_or_where_peers_are_borrowed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, keys: dict[str, Any], opened: bool
+) -> None:
+    """An instance that only lends its link announces its traffic with
+    ``peer_ledger: true``; one that borrows may turn the ledger off."""
+    monkeypatch.setattr(peers, "LEDGER_DIRECTORY", str(tmp_path))
+    fake = FakeRuntime(devices=2)
+    try:
+        backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=8)
+        config = parse_extra_config({"cpu_bytes_to_use": 1 << 20, "strategy": "staged", **keys})
+        handlers, tier = backend.build(layout, 4, config)
+        try:
+            ledgers = {h.ledger for h in handlers}  # type: ignore[attr-defined]
+            assert (ledgers != {None}) is opened
+            for ledger in ledgers - {None}:
+                ledger.close()
         finally:
             tier.release()
     finally:
@@ -172,16 +213,17 @@ def test_peers_reach_the_device_handlers_and_their_jobs_cross_the_peers_links(
 def test_peers_auto_without_a_peer_keeps_the_native_launch_default(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``"peers": "auto"`` on a device that reaches no peer borrows nothing and leaves the
-    native launch as it was (no split job to launch from Python)."""
+    """``"peers": "auto"`` on a device that reaches no peer borrows nothing and does not
+    give up the native launch for it (no split job to launch from Python)."""
     fake = FakeRuntime()
     try:
         backend, layout = _cuda_backend_over(fake, monkeypatch, num_blocks=8)
         config = parse_extra_config({"cpu_bytes_to_use": 1 << 20, "peers": "auto"})
         handlers, tier = backend.build(layout, 4, config)
         try:
-            assert [h.config.peers for h in handlers] == [None, None]  # type: ignore[attr-defined]
+            assert [h.borrowed for h in handlers] == [(), ()]  # type: ignore[attr-defined]
             assert [h.config.native_launch for h in handlers] == ["auto", "auto"]  # type: ignore[attr-defined]
+            assert SPLIT_FROM_PYTHON not in [h.native_note for h in handlers]  # type: ignore[attr-defined]
         finally:
             tier.release()
     finally:

@@ -557,6 +557,11 @@ class EngineBridge:
         finally:
             if self._tier is not None:
                 self._tier.release()
+            # the peer ledger the platform opened for the device handlers, if any
+            ledgers = {getattr(h, "ledger", None) for h in self._engine.manager.handlers}
+            for ledger in ledgers:
+                if ledger is not None:
+                    ledger.close()
         undelivered = [r for r, _ in self._stash] + leftovers
         self._stash = []
         for r in leftovers:

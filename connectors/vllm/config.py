@@ -82,6 +82,8 @@ class EngineOffloadingConfig:
     peers: tuple[int, ...] | Literal["auto"] | None = None
     peer_staging_bytes: int | None = None
     peer_min_blocks: int | None = None
+    # announce this worker's own traffic in the host's peer ledger (None: where it borrows)
+    peer_ledger: bool | None = None
 
 
 class _Reader:
@@ -184,10 +186,11 @@ def _load_keys(r: _Reader, extra: Mapping[str, Any]) -> tuple[LoadMode, int, Sto
 
 def _peer_keys(
     r: _Reader, native_launch: object
-) -> tuple[tuple[int, ...] | Literal["auto"] | None, int | None, int | None]:
+) -> tuple[tuple[int, ...] | Literal["auto"] | None, int | None, int | None, bool | None]:
     """``peers`` (``"auto"``, a list of device indices as this process numbers its
     visible devices, or null: the own link only), ``peer_staging_bytes`` and
-    ``peer_min_blocks`` (null: the device handler's defaults)."""
+    ``peer_min_blocks`` (null: the device handler's defaults), and ``peer_ledger``
+    (null: on where ``peers`` names any)."""
     value = r.extra.get("peers")
     peers: tuple[int, ...] | Literal["auto"] | None = None
     if value == "auto":
@@ -208,7 +211,11 @@ def _peer_keys(
         )
     staging = r.int_("peer_staging_bytes", None, minimum=1, want="a positive number of bytes")
     least = r.int_("peer_min_blocks", None, minimum=1, want="a positive int")
-    return peers, staging, least
+    ledger = r.extra.get("peer_ledger")
+    if ledger is not None and not isinstance(ledger, bool):
+        r.bad("peer_ledger", "a JSON bool (true or false, not a string) or null")
+        ledger = None
+    return peers, staging, least, ledger
 
 
 def parse_extra_config(
@@ -294,7 +301,7 @@ def parse_extra_config(
 
     load_mode, layers_per_load, store_mode = _load_keys(r, extra)
 
-    peers, peer_staging, peer_min = _peer_keys(r, native_launch)
+    peers, peer_staging, peer_min, peer_ledger = _peer_keys(r, native_launch)
 
     if r.problems:
         raise ConfigError("invalid offload-engine vLLM config:\n  " + "\n  ".join(r.problems))
@@ -322,4 +329,5 @@ def parse_extra_config(
         peers=peers,
         peer_staging_bytes=peer_staging,
         peer_min_blocks=peer_min,
+        peer_ledger=peer_ledger,
     )

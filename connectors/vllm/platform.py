@@ -39,6 +39,8 @@ from offload_engine import (
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.peers import PeerLedger
+from offload_engine.errors import LedgerUnavailableError
 
 from .config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 
@@ -159,27 +161,42 @@ def build_device_handlers(
         )
         if config.native_launch is not None:  # None: the handler's default
             device_config = replace(device_config, native_launch=config.native_launch)
-        if config.peers == "auto" and not runtime.peer_devices():
-            logger.info(
-                "offload-engine: peers 'auto': device %d reaches no peer", runtime.device_index
-            )
-        elif config.peers:
-            # a job split over peers' links launches from Python (the handler refuses the
-            # native launch with peers), so peers without native_launch turn it off
-            device_config = replace(
-                device_config,
-                peers=config.peers,
-                native_launch=False if config.native_launch is None else config.native_launch,
-            )
+        if config.peers is not None:
+            device_config = replace(device_config, peers=config.peers)
         if config.peer_staging_bytes is not None:
             device_config = replace(device_config, peer_staging_bytes=config.peer_staging_bytes)
         if config.peer_min_blocks is not None:
             device_config = replace(device_config, peer_min_blocks=config.peer_min_blocks)
-        handlers = make_device_handlers(runtime, layout, tier, device_config)
+        ledger = _peer_ledger(config)
+        try:
+            handlers = make_device_handlers(runtime, layout, tier, device_config, ledger=ledger)
+        except BaseException:
+            if ledger is not None:
+                ledger.close()
+            raise
     except BaseException:
         tier.release()
         raise
     return list(handlers), tier
+
+
+def _peer_ledger(config: EngineOffloadingConfig) -> PeerLedger | None:
+    """The host's peer ledger where this worker borrows peers' links or announces its
+    own traffic (``peer_ledger``, on by default with ``peers``); None where neither,
+    or where the ledger cannot be opened (logged: the links are then used blind).
+    The handlers' bridge closes it at shutdown."""
+    wanted = bool(config.peers) if config.peer_ledger is None else config.peer_ledger
+    if not wanted:
+        return None
+    try:
+        return PeerLedger()
+    except LedgerUnavailableError as exc:
+        logger.warning(
+            "offload-engine: no peer ledger (%s): this worker neither announces its own "
+            "traffic nor sees its peers' owners'",
+            exc,
+        )
+        return None
 
 
 def load_runtime(name: str, target: str) -> Callable[[], DeviceRuntime]:

@@ -35,7 +35,7 @@ from offload_engine.device.config import CopyStrategy, DeviceHandlerConfig
 from offload_engine.device.context import JobOrder, LaunchContext, SlotScratch
 from offload_engine.device.launch import Launcher, enqueue
 from offload_engine.device.multipath import Multipath, open_paths, release_streams
-from offload_engine.device.peers import PeerLedger
+from offload_engine.device.peers import MAX_DEVICES, OwnerTraffic, PeerLedger, TrafficShare
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.policy import AutoPolicy, choose_strategy
 from offload_engine.device.pools import DeviceTables, JobResources, StagingBuffers, stream_sets
@@ -207,6 +207,9 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         self._peers, self._peer_rows = self._peer_devices()
         self._ledger = ledger
         self._multipath: Multipath | None = None
+        # with a ledger, this handler's own bytes in flight are announced on its
+        # device (as the host numbers it), so borrowers elsewhere keep off its link
+        self._traffic = self._own_traffic(ledger)
         regions = [len(g) for g in layout.groups]
         per_region = self._strategy in (CopyStrategy.DMA, None)
         self._unit_regions = regions if per_region else [1] * len(regions)
@@ -239,6 +242,15 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         by one), and why there is none."""
         if self.config.native_launch is False:
             return None, None
+        if self._may_borrow():
+            # the native launch does not split a job over peers' links yet
+            if self.config.native_launch is True:
+                raise ConfigError(
+                    "peers: a job split over peers' links launches from Python so far; "
+                    "set native_launch to 'auto' or False"
+                )
+            log.info("%s launches from Python: it may split jobs over peers' links", self.name)
+            return None, "jobs split over peers' links launch from Python"
         try:
             return self.runtime.native_program(), None
         except RuntimeUnavailableError as exc:
@@ -246,6 +258,14 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
                 raise ConfigError(f"native_launch is True, but {exc}") from None
             log.info("%s launches from Python: %s", self.name, exc)
             return None, str(exc)
+
+    def _may_borrow(self) -> bool:
+        """Whether ``config.peers`` names a device the runtime offers as a peer
+        (which ones :meth:`_peer_devices` settles, and whether their paths open)."""
+        wanted, rt = self.config.peers, self.runtime
+        if not wanted:
+            return False
+        return wanted != "auto" or any(d != rt.device_index for d in rt.peer_devices())
 
     def _staged_planner(self) -> StagedPlanner | None:
         """The staged strategy's planner (the native launch's program, or one of its
@@ -303,12 +323,27 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if self._planner is None or self._stage_rows < 1:
             log.info("%s borrows no peer's link: it stages no job", self.name)
             return (), 0
-        if self._native is not None:
-            raise ConfigError(
-                "peers: a job split over peers' links launches from Python so far; "
-                "set native_launch=False"
-            )
         return devices, rows
+
+    def _own_traffic(self, ledger: PeerLedger | None) -> TrafficShare | None:
+        if ledger is None:
+            return None
+        own = self.runtime.device_index
+        host = self.runtime.host_device_index(own)
+        if host is None or not 0 <= host < MAX_DEVICES:
+            log.warning(
+                "%s does not announce its traffic in the peer ledger: the host's index of "
+                "device %d is unknown (CUDA_VISIBLE_DEVICES names it otherwise than by index)",
+                self.name,
+                own,
+            )
+            return None
+        return OwnerTraffic.of(ledger).share(host)
+
+    @property
+    def ledger(self) -> PeerLedger | None:
+        """The host's peer ledger this handler was given (its owner closes it)."""
+        return self._ledger
 
     @property
     def borrowed(self) -> tuple[int, ...]:
@@ -392,6 +427,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             self.config.close_timeout,
             f"of {self.name} still waiting on device work (the device may be hung)",
         )
+        if self._traffic is not None:
+            self._traffic.close()  # jobs left behind no longer count as this link's traffic
         # device memory goes now, not whenever the collector breaks the handler's cycles
         ctx = self._ctx
         del self._ctx, self._tables
@@ -484,6 +521,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         if plan.strategy is CopyStrategy.AUTO:
             self._choose(plan)
         self._launched_bytes += plan.nbytes
+        if self._traffic is not None:
+            self._traffic.started(plan.nbytes)
         self._launcher.launch(job)
 
     def _choose(self, plan: DevicePlan) -> None:
@@ -514,3 +553,5 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
     def _recycle(self, plan: DevicePlan) -> None:
         """Hand a finished job's events and id buffer back to the pools."""
         self._resources.recycle(plan)
+        if self._traffic is not None:
+            self._traffic.finished(plan.nbytes)

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from offload_engine.device.config import CopyStrategy
-from offload_engine.device.peers import PeerLedger, split_units
+from offload_engine.device.peers import MAX_DEVICES, PeerLedger, split_units
 from offload_engine.device.plan import DevicePlan
 from offload_engine.device.pools import PathResources, StagingBuffers
 from offload_engine.device.staged import enqueue_staged
@@ -90,6 +90,8 @@ class PeerPath:
     streams: StreamSet
     ctx: LaunchContext
     rate: float = 1.0
+    #: the peer as the host numbers it (the ledger's index); None: unknown
+    host_device: int | None = None
 
 
 def open_paths(
@@ -124,7 +126,10 @@ def open_paths(
         path_ctx = dataclasses.replace(
             ctx, staging=staging, pool=[streams], native_sets={}, resources=pools
         )
-        paths.append(PeerPath(device, staging, streams, path_ctx))
+        host = rt.host_device_index(device)
+        if host is not None and not 0 <= host < MAX_DEVICES:
+            host = None
+        paths.append(PeerPath(device, staging, streams, path_ctx, host_device=host))
     return paths
 
 
@@ -169,12 +174,15 @@ class Multipath:
 
     def _free(self) -> list[PeerPath]:
         """The paths whose owners announced no traffic of their own (every path
-        without a ledger; none with a ledger closed under the handler)."""
+        without a ledger, and a peer whose host index is unknown; none with a ledger
+        closed under the handler)."""
         ledger = self.ledger
         if ledger is None:
             return list(self.paths)
         try:
-            return [p for p in self.paths if not ledger.busy(p.device)]
+            return [
+                p for p in self.paths if p.host_device is None or not ledger.busy(p.host_device)
+            ]
         except EngineClosedError:
             return []
 

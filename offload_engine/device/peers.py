@@ -32,6 +32,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 from offload_engine._checks import check_int, check_seconds
 from offload_engine.errors import EngineClosedError, LedgerUnavailableError
@@ -542,3 +543,126 @@ def _read_entry(mem: mmap.mmap, at: int) -> tuple[int, float, int] | None:
         if not seq & 1 and _U64.unpack_from(mem, at)[0] == seq:
             return inflight, share, stamp
     return None
+
+
+# ------------------------------------------------------------------ owners' traffic
+
+
+class OwnerTraffic:
+    """A process's own bytes in flight per device, summed over its handlers and
+    announced in a :class:`PeerLedger`, so that borrowers in this and other processes
+    keep off those links while they are busy.
+
+    Each handler takes a :class:`TrafficShare` (:meth:`share`) for its device (as the
+    host numbers it) and reports the bytes of each job it launches and each it hands
+    back; the sum per device is announced whenever it changes. While any device has
+    bytes in flight, a thread renews those announcements every third of the ledger's
+    ``ttl`` (a long job would otherwise lapse), and ends once none has. One per
+    ledger (:meth:`of`), shared by the handlers that were given it.
+    """
+
+    _BY_LEDGER: ClassVar[weakref.WeakKeyDictionary[PeerLedger, OwnerTraffic]] = (
+        weakref.WeakKeyDictionary()
+    )
+    _BY_LEDGER_LOCK: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, ledger: PeerLedger) -> None:
+        self.ledger = ledger
+        self._lock = threading.Lock()
+        self._bytes: dict[int, int] = {}
+        self._renewer: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    @classmethod
+    def of(cls, ledger: PeerLedger) -> OwnerTraffic:
+        """The one :class:`OwnerTraffic` of ``ledger`` in this process."""
+        with cls._BY_LEDGER_LOCK:
+            found = cls._BY_LEDGER.get(ledger)
+            if found is None:
+                found = cls._BY_LEDGER[ledger] = cls(ledger)
+            return found
+
+    def share(self, device: int) -> TrafficShare:
+        """A handler's share of ``device``'s announced bytes."""
+        check_int(device, "device", minimum=0, maximum=MAX_DEVICES - 1, error=ValueError)
+        return TrafficShare(self, device)
+
+    def inflight(self, device: int) -> int:
+        """The bytes in flight on ``device`` this process announces now."""
+        with self._lock:
+            return self._bytes.get(device, 0)
+
+    def _add(self, device: int, nbytes: int) -> None:
+        with self._lock:
+            total = max(0, self._bytes.get(device, 0) + nbytes)
+            self._bytes[device] = total
+            self._announce(device, total)
+            if total and self._renewer is None:
+                self._wake.clear()
+                self._renewer = threading.Thread(
+                    target=self._renew, name="offload-engine-ledger", daemon=True
+                )
+                self._renewer.start()
+            elif not any(self._bytes.values()):
+                self._wake.set()  # nothing in flight: the renewer ends now
+
+    def settle(self, timeout: float = 5.0) -> None:
+        """With nothing in flight, wait for the renewing thread to end (a handler's
+        close calls it, so no thread of the engine outlives its handlers)."""
+        with self._lock:
+            renewer = None if any(self._bytes.values()) else self._renewer
+        if renewer is not None and renewer is not threading.current_thread():
+            self._wake.set()
+            renewer.join(timeout)
+
+    def _announce(self, device: int, total: int) -> None:
+        """Announce ``total`` for ``device`` (the lock held); a closed or forked-off
+        ledger is skipped: it only steers which link a job takes."""
+        try:
+            self.ledger.announce(device, total)
+        except (EngineClosedError, LedgerUnavailableError):
+            pass
+
+    def _renew(self) -> None:
+        period = self.ledger.ttl / 3
+        while True:
+            self._wake.wait(period)
+            with self._lock:
+                busy = {d: b for d, b in self._bytes.items() if b}
+                if not busy or self.ledger.closed:
+                    self._renewer = None
+                    return
+                self._wake.clear()
+                for device, total in busy.items():
+                    self._announce(device, total)
+
+
+class TrafficShare:
+    """One handler's bytes in :class:`OwnerTraffic` for one device: :meth:`started`
+    at a job's launch, :meth:`finished` when it is handed back, :meth:`close` takes
+    back whatever is still counted (jobs abandoned at the handler's close)."""
+
+    def __init__(self, traffic: OwnerTraffic, device: int) -> None:
+        self.traffic = traffic
+        self.device = device
+        self._lock = threading.Lock()
+        self._mine = 0
+
+    def started(self, nbytes: int) -> None:
+        with self._lock:
+            self._mine += nbytes
+        self.traffic._add(self.device, nbytes)
+
+    def finished(self, nbytes: int) -> None:
+        with self._lock:
+            nbytes = min(nbytes, self._mine)
+            self._mine -= nbytes
+        if nbytes:
+            self.traffic._add(self.device, -nbytes)
+
+    def close(self) -> None:
+        with self._lock:
+            left, self._mine = self._mine, 0
+        if left:
+            self.traffic._add(self.device, -left)
+        self.traffic.settle()

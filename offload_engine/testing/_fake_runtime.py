@@ -36,7 +36,7 @@ import ctypes
 import itertools
 import queue
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -218,7 +218,9 @@ class FakeRuntime(DeviceRuntime):
 
     ``devices``: how many devices the fake host has; the runtime is device
     ``device_index`` of them, and ``peer_access`` the devices it may borrow (every
-    other one unless given).
+    other one unless given). ``host_indices``: how the host numbers them (as
+    ``CUDA_VISIBLE_DEVICES`` reorders them; None entries: it cannot be told), the
+    same order unless given.
     """
 
     nonblocking_launch = True  # every call only puts work on a stream thread
@@ -237,7 +239,11 @@ class FakeRuntime(DeviceRuntime):
         devices: int = 1,
         device_index: int = 0,
         peer_access: Iterable[int] | None = None,
+        host_indices: Sequence[int | None] | None = None,
     ) -> None:
+        if host_indices is not None and len(host_indices) != devices:
+            raise ValueError(f"host_indices {host_indices} does not name {devices} devices")
+        self._host_indices = tuple(range(devices)) if host_indices is None else tuple(host_indices)
         if not 0 <= device_index < devices:
             raise ValueError(f"device_index {device_index} is not one of {devices} devices")
         self._index = device_index
@@ -292,6 +298,9 @@ class FakeRuntime(DeviceRuntime):
     @property
     def device_index(self) -> int:
         return self._index
+
+    def host_device_index(self, device: int) -> int | None:
+        return self._host_indices[device] if 0 <= device < len(self._host_indices) else None
 
     def peer_devices(self) -> tuple[int, ...]:
         return self._peers

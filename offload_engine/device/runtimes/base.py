@@ -173,6 +173,13 @@ class DeviceRuntime(abc.ABC):
         """This device's index among the host's devices (what ``peers`` names)."""
         return self.device.index if self.device.index is not None else 0
 
+    def host_device_index(self, device: int) -> int | None:
+        """Device ``device`` (as this process numbers its devices) as the host numbers
+        it, for the host's :class:`~offload_engine.device.peers.PeerLedger`, which
+        processes that see the devices in another order share; None where it cannot
+        be told. The default: the same index."""
+        return device
+
     def peer_devices(self) -> tuple[int, ...]:
         """The devices whose host links this one may borrow: its memory reaches
         theirs (peer access, over NVLink) and :meth:`alloc_device_on` and

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -92,6 +93,19 @@ def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
         log.warning(message)
+
+
+def visible_device_index(visible: str | None, device: int) -> int | None:
+    """Which of the host's devices is the process's device ``device`` under
+    ``CUDA_VISIBLE_DEVICES=visible``: the host's own index where ``visible`` is unset,
+    the ``device``-th entry where it lists indices, None where that entry is no index
+    (a UUID, a MIG instance) or missing."""
+    if visible is None:
+        return device
+    entries = [e.strip() for e in visible.split(",")]
+    if device >= len(entries) or not entries[device].isdigit():
+        return None
+    return int(entries[device])
 
 
 class CudaRuntime(TorchStyleEvents, DeviceRuntime):
@@ -249,6 +263,11 @@ class CudaRuntime(TorchStyleEvents, DeviceRuntime):
         return event
 
     # ------------------------------------------------------------ peers
+
+    def host_device_index(self, device: int) -> int | None:
+        """The index ``CUDA_VISIBLE_DEVICES`` gives ``device`` (unset: the same
+        index); None where it names devices otherwise (UUIDs, MIG instances)."""
+        return visible_device_index(os.environ.get("CUDA_VISIBLE_DEVICES"), device)
 
     def peer_devices(self) -> tuple[int, ...]:
         """The devices whose memory this one reaches (``torch.cuda.can_device_access_peer``:
