@@ -516,9 +516,12 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             # ones, and the GPU's prefix cache reset) with a new suffix
             reset(llm)
             llm.start_profile()
-            timed(llm, [prompt(prompts[0] + ids(rng, args.suffixes[0], vocab))], one)
+            asked = prompt(prompts[0] + ids(rng, args.suffixes[0], vocab))
+            traced = timed_clocks(llm, [asked], one)
             llm.stop_profile()
     profile = trace_summary(trace_dir) if args.profile else None
+    if profile is not None:
+        profile["wall_ms"], profile["vllm_ms"] = 1e3 * traced[0], traced[1]
     decode = []
     many = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     for _ in range(args.decode_repeats):
@@ -603,8 +606,16 @@ def trace_summary(folder: Path) -> dict[str, Any] | None:
         if e["ts"] > end:
             gaps.append(((e["ts"] - end) / 1e3, (end - t0) / 1e3))
         end = max(end, e["ts"] + e["dur"])
+    # vLLM's own ranges on the host (scheduling, the model runner's phases), in order
+    marks = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and e["dur"] >= 100),
+        key=lambda e: e["ts"],
+    )
     return {
         "trace": traces[-1].name,
+        "host_ranges_ms": [
+            [e["name"], round((e["ts"] - t0) / 1e3, 2), round(e["dur"] / 1e3, 2)] for e in marks
+        ][:60],
         "h2d": group(h2d),
         "d2h": group([e for e in gpu if "DtoH" in e.get("name", "")]),
         "d2d": group([e for e in gpu if "DtoD" in e.get("name", "")]),
@@ -691,6 +702,8 @@ def report(folder: Path) -> str:
         lines += traced(rows)
         lines.append("  decode: tokens/s (median), ITL ms")
         for r in rows:
+            if not r["decode"]:
+                continue
             tps = med([d["tokens_per_s"] for d in r["decode"]])
             itl = med([d["itl_ms"] for d in r["decode"]])
             lines.append(f"  {r['mode']:14} {tps:9.0f} {itl:7.2f}")
@@ -722,6 +735,15 @@ def traced(rows: list[dict[str, Any]]) -> list[str]:
                 f"{g['last_end_ms']:8.1f} {g['busy_ms']:8.1f}{rate}"
             )
         lines.append(f"  {r['mode']:14} h2d gaps (ms, at): {prof['h2d_gaps_ms']}")
+        if "wall_ms" in prof:
+            clock = "/".join(f"{v:.0f}" for v in prof["vllm_ms"])
+            lines.append(
+                f"  {r['mode']:14} traced call {prof['wall_ms']:.0f} ms; vLLM's TTFT/queue/"
+                f"scheduled-to-token {clock}"
+            )
+        ranges = "; ".join(f"{n} {at:.1f}+{d:.1f}" for n, at, d in prof.get("host_ranges_ms", []))
+        if ranges:
+            lines.append(f"  {r['mode']:14} host ranges (name at+dur): {ranges}")
     return lines
 
 

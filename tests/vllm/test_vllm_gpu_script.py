@@ -185,6 +185,8 @@ def test_a_traced_hit_is_summarized_from_the_profilers_trace(tmp_path: Path) -> 
         event("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 4000.0, 1000.0, 50_000_000),
         event("kernel", "scatter", 2500.0, 500.0),
         event("cpu_op", "aten::copy_", 0.0, 9000.0),
+        event("user_annotation", "gpu_model_runner: preprocess", 500.0, 300.0),
+        event("user_annotation", "too short", 600.0, 50.0),
     ]
     (tmp_path / "w.pt.trace.json.gz").write_bytes(
         gzip.compress(json.dumps({"traceEvents": events}).encode())
@@ -198,3 +200,4 @@ def test_a_traced_hit_is_summarized_from_the_profilers_trace(tmp_path: Path) -> 
     assert got["h2d_gaps_ms"] == [[2.0, 1.0]]
     assert got["kernels"]["n"] == 1 and got["kernels"]["first_ms"] == 1.5
     assert got["d2h"] == {"n": 0}
+    assert got["host_ranges_ms"] == [["gpu_model_runner: preprocess", -0.5, 0.3]]
