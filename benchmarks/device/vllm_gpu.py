@@ -456,7 +456,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             "profiler_config": {
                 "profiler": "torch",
                 "torch_profiler_dir": str(trace_dir),
-                "torch_profiler_with_stack": False,
+                # the Python tracer too: what the host ran before the first copy
+                "torch_profiler_with_stack": True,
                 "ignore_frontend": True,
             }
         }
@@ -611,8 +612,24 @@ def trace_summary(folder: Path) -> dict[str, Any] | None:
         (e for e in events if e.get("cat") == "user_annotation" and e["dur"] >= 100),
         key=lambda e: e["ts"],
     )
+    # the Python calls of 1 ms or more that began in the 60 ms before the first GPU
+    # event, outer ones first (the trace's Python tracer, with stacks on)
+    calls = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") == "python_function"
+            and e["dur"] >= 1000
+            and t0 - 60_000 <= e["ts"] <= t0
+        ),
+        key=lambda e: (e["ts"], -e["dur"]),
+    )
     return {
         "trace": traces[-1].name,
+        "python_before_first_copy_ms": [
+            [e["name"][-90:], round((e["ts"] - t0) / 1e3, 2), round(e["dur"] / 1e3, 2)]
+            for e in calls
+        ][:120],
         "host_ranges_ms": [
             [e["name"], round((e["ts"] - t0) / 1e3, 2), round(e["dur"] / 1e3, 2)] for e in marks
         ][:60],

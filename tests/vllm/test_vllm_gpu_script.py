@@ -187,6 +187,7 @@ def test_a_traced_hit_is_summarized_from_the_profilers_trace(tmp_path: Path) -> 
         event("cpu_op", "aten::copy_", 0.0, 9000.0),
         event("user_annotation", "gpu_model_runner: preprocess", 500.0, 300.0),
         event("user_annotation", "too short", 600.0, 50.0),
+        event("python_function", "connectors/vllm/layerwise.py(146): start", -2000.0, 1500.0),
     ]
     (tmp_path / "w.pt.trace.json.gz").write_bytes(
         gzip.compress(json.dumps({"traceEvents": events}).encode())
@@ -201,3 +202,6 @@ def test_a_traced_hit_is_summarized_from_the_profilers_trace(tmp_path: Path) -> 
     assert got["kernels"]["n"] == 1 and got["kernels"]["first_ms"] == 1.5
     assert got["d2h"] == {"n": 0}
     assert got["host_ranges_ms"] == [["gpu_model_runner: preprocess", -0.5, 0.3]]
+    assert got["python_before_first_copy_ms"] == [
+        ["connectors/vllm/layerwise.py(146): start", -3.0, 1.5]
+    ]
