@@ -297,3 +297,12 @@ def test_the_launch_burst_script_prints_both_launch_modes() -> None:
     out = _run_script("launch_burst.py", "--jobs", "8")
     rows = re.findall(r"^  (.+?)\s+submits\s+[\d.]+ ms, launched during them\s+(\d+)", out, re.M)
     assert [r[0] for r in rows] == ["loop launch (default)", "submitter_launch"], out
+
+
+def test_the_big_submit_script_loads_layer_wise_and_whole() -> None:
+    """benchmarks/device/big_submit.py runs on the fake runtime (each load checked done and
+    successful) and prints a row per mode, with the profile when asked."""
+    out = _run_script("device/big_submit.py", "--blocks", "64", "--reps", "2", "--profile")
+    rows = re.findall(r"^  (\w+)\s+submit\s+[\d.]+ \([\d.]+-[\d.]+\)\s+done\s+[\d.]+$", out, re.M)
+    assert rows == ["layerwise", "whole"], out
+    assert "submit_load_layers" in out and "cumulative" in out, out
