@@ -24,6 +24,7 @@ from offload_engine.device import (
     make_device_handlers,
     pinned_host_tier,
 )
+from offload_engine.device.peers import PeerLedger
 from offload_engine.device.runtimes.base import DeviceRuntime
 from offload_engine.disk import (
     DiskHandler,
@@ -62,6 +63,7 @@ from offload_engine.errors import (
     KeyMissError,
     LayoutError,
     LayoutMismatchError,
+    LedgerUnavailableError,
     NoHandlerError,
     OffloadError,
     QueueFullError,
@@ -168,11 +170,13 @@ __all__ = [
     "LayoutDigest",
     "LayoutError",
     "LayoutMismatchError",
+    "LedgerUnavailableError",
     "Medium",
     "NoHandlerError",
     "NpuRuntime",
     "OffloadError",
     "OffloadingQueueManager",
+    "PeerLedger",
     "QueueFullError",
     "Region",
     "RemoteHandler",

@@ -40,6 +40,8 @@ PUBLIC_API = {
     # the disk tier
     "DiskHandler", "DiskStore", "DiskStoreStats", "EvictionPolicy", "LRUPolicy", "disk_handlers",
     "page_aligned_tier",
+    # borrowing peers' links
+    "PeerLedger", "LedgerUnavailableError",
 }  # fmt: skip
 
 

@@ -113,8 +113,10 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
     (
         "Device path",
         "KV cache on an accelerator <-> pinned host tier: the device handler, its configuration "
-        "and strategies, and the runtimes it is written against. `CudaRuntime` and `NpuRuntime` "
-        "are imported on first use, so `import offload_engine` loads neither.",
+        "and strategies, the runtimes it is written against, and the host's ledger of the "
+        "traffic devices' owners announce (for handlers that borrow peers' links). "
+        "`CudaRuntime` and `NpuRuntime` are imported on first use, so `import offload_engine` "
+        "loads neither.",
         [
             "DeviceCopyHandler",
             "DeviceHandlerConfig",
@@ -124,6 +126,7 @@ SECTIONS: list[tuple[str, str, list[str]]] = [
             "DeviceRuntime",
             "CudaRuntime",
             "NpuRuntime",
+            "PeerLedger",
         ],
     ),
     ("Statistics", "Snapshots returned by `stats()`.", ["EngineStats", "HandlerStats"]),

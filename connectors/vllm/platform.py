@@ -33,14 +33,14 @@ from offload_engine import (
     HostCopyHandler,
     HostTier,
     KVLayout,
+    LedgerUnavailableError,
     Medium,
+    PeerLedger,
     RuntimeUnavailableError,
     TransferHandler,
     make_device_handlers,
     pinned_host_tier,
 )
-from offload_engine.device.peers import PeerLedger
-from offload_engine.errors import LedgerUnavailableError
 
 from .config import DEFAULT_STAGING_BYTES, EngineOffloadingConfig
 
