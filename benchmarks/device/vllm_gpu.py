@@ -451,6 +451,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     model = llama8b_config(workdir / "llama8b")
     rate = link_rate()
     trace_dir = workdir / "trace"
+    if args.profile:
+        # vLLM's own ranges (the scheduler's and the model runner's phases) into the trace
+        os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
     profiling = (
         {
             "profiler_config": {
