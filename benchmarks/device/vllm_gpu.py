@@ -790,12 +790,13 @@ def layerwise_steps(rows: list[dict[str, Any]]) -> list[str]:
     """Per mode with layer-wise loads, per cell: the medians of the hit steps' span from
     the loads' submit to the forward pass's end, and of the time vLLM's thread was
     blocked in the waits (``adapter.timings.layerwise_loads``; the bench's hits are the
-    run's only steps with loads, one each, in the order of its cells)."""
+    run's only steps with loads, one each, in the order of its cells, then the traced
+    hit of ``--profile``)."""
     lines: list[str] = []
     for r in rows:
         recent = ((r.get("timings") or {}).get("layerwise_loads") or {}).get("recent_ms")
         calls = [len(t["ttft_ms"]) for t in r["ttft"]]
-        if not recent or len(recent) != sum(calls):
+        if not recent or len(recent) != sum(calls) + bool(r.get("profile")):
             continue
         if not lines:
             lines.append("  layer-wise hit steps, medians ms: submit to forward end / blocked")

@@ -209,3 +209,24 @@ def test_a_traced_hit_is_summarized_from_the_profilers_trace(tmp_path: Path) -> 
     assert got["python_before_first_copy_ms"] == [
         ["connectors/vllm/layerwise.py(146): start", -3.0, 1.5]
     ]
+
+
+def test_the_layerwise_step_row_leaves_out_the_traced_hit(tmp_path: Path) -> None:
+    """With ``--profile`` the traced hit is one more step with loads, after the cells'."""
+    ttft = [{"H": 32768, "S": 64, "ttft_ms": [130.0], "compute_ms": [50.0], "L_ms": 78.0}]
+    steps = {"steps": 2, "recent_ms": [[41.0, 0.5], [90.0, 0.5]]}
+    profile = {name: {"n": 0} for name in ("h2d", "d2h", "d2d", "kernels")}
+    run_ = {
+        "mode": "lw-step",
+        "eager": True,
+        "link_GBps": 55.0,
+        "ttft": ttft,
+        "decode": [],
+        "timings": {"layerwise_loads": steps},
+        "profile": dict(profile, h2d_gaps_ms=[]),
+    }
+    (tmp_path / "bench-eager-lw-step.json").write_text(json.dumps(run_))
+    report = run("report", str(tmp_path))
+    assert [line.split() for line in report.splitlines() if "41/0" in line] == [
+        ["lw-step", "41/0"]
+    ], report
