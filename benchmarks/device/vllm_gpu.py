@@ -441,6 +441,71 @@ def timed(llm: Any, prompts: list[Any], params: Any) -> float:
     return time.perf_counter() - t0
 
 
+#: the host phases of a call that ``--phases`` times: (label, owner, method). Owners:
+#: the engine core, its scheduler, the scheduler's connector, the model runner, the
+#: worker's connector (one process: vLLM's engine runs in the caller's)
+PHASES = (
+    ("request", "core", "preprocess_add_request"),
+    ("schedule", "scheduler", "schedule"),
+    ("lookup", "scheduler_connector", "get_num_new_matched_tokens"),
+    ("meta", "scheduler_connector", "build_connector_meta"),
+    ("execute", "runner", "execute_model"),
+    ("update", "runner", "_update_states"),
+    ("prepare", "runner", "_prepare_inputs"),
+    ("load_submit", "worker_connector", "start_load_kv"),
+    ("sample", "runner", "sample_tokens"),
+)
+
+
+class PhaseClock:
+    """Wall time of :data:`PHASES` per call, on the instances of an in-process vLLM
+    engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so every phase runs on the caller's
+    thread): per phase its total ms and count, and when the call's first ``execute``
+    and ``load_submit`` began (ms from the call's start)."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        owners = {
+            "core": core,
+            "scheduler": core.scheduler,
+            "scheduler_connector": getattr(core.scheduler, "connector", None),
+            "runner": runner,
+            "worker_connector": get_kv_transfer_group() if has_kv_transfer_group() else None,
+        }
+        self.events: list[tuple[str, float, float]] = []
+        self.t0 = time.perf_counter()
+        for label, owner, method in PHASES:
+            obj = owners[owner]
+            if obj is not None and hasattr(obj, method):
+                setattr(obj, method, self._timed(label, getattr(obj, method)))
+
+    def _timed(self, label: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.events.append((label, began, time.perf_counter()))
+
+        return timed
+
+    def call(self, llm: Any, prompts: list[Any], params: Any) -> tuple[float, dict[str, float]]:
+        """One timed call: its wall time (s) and its phases (ms)."""
+        self.events.clear()
+        self.t0 = time.perf_counter()
+        wall = timed(llm, prompts, params)
+        out: dict[str, float] = {"wall": 1e3 * wall}
+        for label, began, ended in self.events:
+            out[label] = out.get(label, 0.0) + 1e3 * (ended - began)
+            out[f"{label}_n"] = out.get(f"{label}_n", 0) + 1
+            if label in ("execute", "load_submit") and f"{label}_at" not in out:
+                out[f"{label}_at"] = 1e3 * (began - self.t0)
+        return wall, out
+
+
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     import random
 
@@ -454,6 +519,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:
         # vLLM's own ranges (the scheduler's and the model runner's phases) into the trace
         os.environ["VLLM_CUSTOM_SCOPES_FOR_PROFILING"] = "1"
+    if args.phases:
+        # the engine in this process, so each phase can be timed on its instance
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     profiling = (
         {
             "profiler_config": {
@@ -480,6 +548,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=0.5,
         max_model_len=34 * 1024,
     )
+    clock = PhaseClock(llm) if args.phases else None
     vocab = 128256
     kv_bytes_per_token = 2 * 32 * 8 * 128 * 2
     one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -495,14 +564,25 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         time.sleep(1.0)
         for s in args.suffixes:
             reset(llm)
-            hits, computes, hit_clocks, compute_clocks = [], [], [], []
+            hits: list[float] = []
+            computes: list[float] = []
+            hit_clocks: list[list[float]] = []
+            compute_clocks: list[list[float]] = []
+            phases: dict[str, list[dict[str, float]]] = {"hit": [], "compute": []}
             for p in prompts:
-                wall, seen = timed_clocks(llm, [prompt(p + ids(rng, s, vocab))], one)
-                hits.append(wall)
-                hit_clocks.append(seen)
-                wall, seen = timed_clocks(llm, [prompt(p + ids(rng, s, vocab))], one)
-                computes.append(wall)
-                compute_clocks.append(seen)
+                for walls, seen_clocks, kind in (
+                    (hits, hit_clocks, "hit"),
+                    (computes, compute_clocks, "compute"),
+                ):
+                    asked = [prompt(p + ids(rng, s, vocab))]
+                    if clock is not None:
+                        wall, split = clock.call(llm, asked, one)
+                        phases[kind].append(split)
+                        seen: list[float] = []
+                    else:
+                        wall, seen = timed_clocks(llm, asked, one)
+                    walls.append(wall)
+                    seen_clocks.append(seen)
             ttft.append(
                 {
                     "H": h,
@@ -513,6 +593,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     # per call: vLLM's TTFT_CLOCKS, ms
                     "vllm_hit_ms": hit_clocks,
                     "vllm_compute_ms": compute_clocks,
+                    **({"phases_ms": phases} if clock is not None else {}),
                 }
             )
         if args.profile and h == max(args.heads):
@@ -713,7 +794,7 @@ def report(folder: Path) -> str:
         lines.append(
             "  " + f"{'C (compute)':14}" + "".join(f" {med(t['compute_ms']):9.1f}" for t in ref)
         )
-        if all("vllm_hit_ms" in t for r in rows for t in r["ttft"]):
+        if all(all(t.get("vllm_hit_ms") or [[]]) for r in rows for t in r["ttft"]):
             lines.append(
                 "  vLLM's clocks, medians ms: hit's first-scheduled-to-token (its load's wait "
                 "included) / compute's; each call's time outside vLLM's TTFT"
@@ -738,6 +819,7 @@ def report(folder: Path) -> str:
                         f"{t['done_to_collected_ms_p50']:8.1f} {t['done_to_collected_ms_p90']:8.1f}"
                     )
         lines += layerwise_steps(rows)
+        lines += phase_rows(rows)
         lines += traced(rows)
         lines.append("  decode: tokens/s (median), ITL ms")
         for r in rows:
@@ -783,6 +865,38 @@ def traced(rows: list[dict[str, Any]]) -> list[str]:
         ranges = "; ".join(f"{n} {at:.1f}+{d:.1f}" for n, at, d in prof.get("host_ranges_ms", []))
         if ranges:
             lines.append(f"  {r['mode']:14} host ranges (name at+dur): {ranges}")
+    return lines
+
+
+def phase_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """Per mode and cell with ``--phases``, the hit's and the GPU hit's (compute's)
+    medians: the call's wall time, each phase's time, and when the first load's submit
+    began (the host time before any byte of the hit can move)."""
+    labels = [label for label, _, _ in PHASES]
+    lines: list[str] = []
+    for r in rows:
+        for t in r["ttft"]:
+            split = t.get("phases_ms")
+            if not split:
+                continue
+            if not lines:
+                lines.append(
+                    "  host phases (in-process engine), medians ms: wall, submit at; "
+                    + ", ".join(labels)
+                )
+            for kind, calls in split.items():
+                if not calls:
+                    continue
+
+                def m(key: str, calls: list[dict[str, float]] = calls) -> str:
+                    seen = [c[key] for c in calls if key in c]
+                    return f"{med(seen):.1f}" if seen else "-"
+
+                cell = f"{t['H'] // 1024}k+{t['S']} {kind}"
+                lines.append(
+                    f"  {r['mode']:14} {cell:16} {m('wall'):>6} {m('load_submit_at'):>6}; "
+                    + " ".join(f"{label} {m(label)}" for label in labels)
+                )
     return lines
 
 
@@ -883,6 +997,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="trace one more hit at the largest H (torch profiler, CUDA activity) and "
         "summarize the GPU's copies and kernels",
+    )
+    b.add_argument(
+        "--phases",
+        action="store_true",
+        help="vLLM's engine in this process, each TTFT call split into the host phases "
+        "it spent its time in (scheduling, the connector's lookup and metadata, the "
+        "model runner's update, preparation, load submit, execution, sampling); vLLM's "
+        "own TTFT clocks are then not read",
     )
     r = sub.add_parser("report")
     r.add_argument("folder")

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "device" / "vllm_gpu.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
-from vllm_gpu import compare, trace_summary  # noqa: E402
+from vllm_gpu import PHASES, compare, phase_rows, trace_summary  # noqa: E402
 
 
 def run(*args: str) -> str:
@@ -71,6 +71,82 @@ def test_the_check_passes_layerwise_on_vllms_cpu_build(tmp_path: Path) -> None:
     assert null["tokens_equal"] and null["top5_ids_equal"] and null["external_hits"] == 0, null
     report = run("report", str(tmp_path / "out"))
     assert "lw-lw          True  True" in report
+
+
+PHASE_PROBE = """
+import json, os, random, sys, time
+from pathlib import Path
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+sys.path.insert(0, sys.argv[1])
+import vllm_gpu as vg
+from vllm import SamplingParams
+work = Path(sys.argv[3])
+llm = vg.start(sys.argv[2], "lw-step", True, work, cpu_bytes=1 << 30,
+               page_bytes=32 * 4 * 2 * 8 * 128 * 2, num_gpu_blocks_override=96, block_size=32,
+               max_model_len=2048, max_num_seqs=4, gpu_memory_utilization=0.25)
+clock = vg.PhaseClock(llm)
+one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+rng = random.Random(1)
+head = vg.ids(rng, 1024, 500)
+vg.timed(llm, [vg.prompt(head)], one)
+for _ in range(3):
+    vg.timed(llm, [vg.prompt(vg.ids(rng, 16, 500))], one)
+time.sleep(0.5)
+vg.reset(llm)
+out = {kind: clock.call(llm, [vg.prompt(head + vg.ids(rng, 40, 500))], one)[1]
+       for kind in ("hit", "compute")}
+vg.shut(llm)
+print(json.dumps(out))
+"""
+
+
+def test_the_phase_clock_splits_a_tier_hit_on_vllms_cpu_build(tmp_path: Path) -> None:
+    """``--phases`` on a real vLLM: a layer-wise tier hit's call is split into vLLM's
+    host phases, the load's submit among them after the model runner began executing,
+    and the report prints a row for the hit and one for the GPU hit after it."""
+    run("model", "--out", str(tmp_path / "model"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            PHASE_PROBE,
+            str(SCRIPT.parent),
+            str(tmp_path / "model"),
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    split = json.loads(done.stdout.strip().splitlines()[-1])
+    hit = split["hit"]
+    for label, _, _ in PHASES:
+        assert hit[f"{label}_n"] >= 1 and hit[label] >= 0, (label, hit)
+    assert 0 < hit["execute_at"] < hit["load_submit_at"] < hit["wall"], hit
+    assert hit["lookup_n"] >= 1 and hit["execute"] < hit["wall"], hit
+    rows = phase_rows(
+        [
+            {
+                "mode": "lw-step",
+                "ttft": [
+                    {
+                        "H": 1024,
+                        "S": 40,
+                        "phases_ms": {kind: [calls] for kind, calls in split.items()},
+                    }
+                ],
+            }
+        ]
+    )
+    assert [r.split()[:3] for r in rows[1:]] == [
+        ["lw-step", "1k+40", "hit"],
+        ["lw-step", "1k+40", "compute"],
+    ], rows
 
 
 def _check(tokens: list[list[int]], top: list[dict[str, float]], hits: int) -> dict[str, Any]:
