@@ -131,6 +131,12 @@ def _transfer_job(job_id: int, *, cache: Any, tier: Any) -> TransferJob:
     )
 
 
+def _offloading_metadata(metadata: Any) -> OffloadingConnectorMetadata:
+    if not isinstance(metadata, OffloadingConnectorMetadata):
+        raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
+    return metadata
+
+
 def _layer_addresses(kv_caches: dict[str, torch.Tensor]) -> dict[str, int]:
     return {name: int(t.data_ptr()) for name, t in kv_caches.items()}
 
@@ -154,6 +160,8 @@ class EngineConnector(OffloadingConnector):
             _refuse_layerwise_mamba(kv_cache_config)
         super().__init__(vllm_config, role, kv_cache_config)
         self._loads: LayerwiseLoads | None = None
+        # the step metadata whose layer-wise loads handle_preemptions started
+        self._loads_started: Any = None
         self._stores: LayerwiseStores | None = None
         # the scheduler side's per-request state for layer-wise loads
         self._scheduling = LayerwiseScheduling()
@@ -229,21 +237,38 @@ class EngineConnector(OffloadingConnector):
         meta = self.connector_worker._connector_worker_meta  # type: ignore[union-attr]
         meta.transfer_stats.load.record(nbytes, seconds)
 
+    def handle_preemptions(self, kv_connector_metadata: Any) -> None:
+        super().handle_preemptions(kv_connector_metadata)
+        if self._loads is not None:
+            # vLLM calls this first in its execute_model, before it updates its batch
+            # and prepares the step's inputs (milliseconds for a long prefix): a
+            # layer-wise step's loads start here. Its cache blocks are this step's new
+            # ones, which no earlier work on the model's stream still reads, and the
+            # deferred and flushed stores were submitted first, as at start_load_kv.
+            self._start_loads(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        loads = self._loads
-        if loads is None:
+        if self._loads is None:
             super().start_load_kv(forward_context, **kwargs)
             return
         metadata = self._connector_metadata
-        if not isinstance(metadata, OffloadingConnectorMetadata):
-            raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
         # the stores deferred from the last step go first, as under vLLM's connector
         self.connector_worker.start_kv_transfers(  # type: ignore[union-attr]
-            dataclasses.replace(metadata, load_jobs={})
+            dataclasses.replace(_offloading_metadata(metadata), load_jobs={})
         )
-        loads.start(
+        if self._loads_started is metadata:
+            self._loads_started = None
+            return
+        self._start_loads(metadata)
+
+    def _start_loads(self, metadata: Any) -> None:
+        """Submit the step's layer-wise loads, once per step's metadata."""
+        assert self._loads is not None
+        load_jobs = _offloading_metadata(metadata).load_jobs
+        self._loads_started = metadata
+        self._loads.start(
             _transfer_job(job_id, cache=entry.dst_spec, tier=entry.src_spec)
-            for job_id, entry in metadata.load_jobs.items()
+            for job_id, entry in load_jobs.items()
         )
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -273,9 +298,7 @@ class EngineConnector(OffloadingConnector):
         the forward pass) and submitted whole; they are not among these."""
         if stores.open:
             return stores
-        metadata = self._connector_metadata
-        if not isinstance(metadata, OffloadingConnectorMetadata):
-            raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
+        metadata = _offloading_metadata(self._connector_metadata)
         worker = self.connector_worker
         jobs: list[TransferJob] = []
         for job_id, entry in metadata.store_jobs.items():

@@ -66,7 +66,7 @@ class JobClock:
 
 class StepClock:
     """The last :data:`WINDOW` steps with layer-wise loads, as vLLM's thread saw them:
-    from the loads' submit (``start_load_kv``) to the forward pass's end
+    from the loads' submit (``handle_preemptions``) to the forward pass's end
     (``wait_for_save``), and the part of it spent blocked in the waits (a part not yet
     launched). Written by vLLM's worker thread only."""
 

@@ -127,3 +127,55 @@ def test_layerwise_loads_refuse_a_mamba_model_at_startup() -> None:
     from offload_engine.connectors.vllm.connector import _refuse_layerwise_mamba
 
     _refuse_layerwise_mamba(_kv_cache_config(attention, attention))
+
+
+def test_a_layerwise_steps_loads_start_in_handle_preemptions_once() -> None:
+    """vLLM's execute_model calls handle_preemptions before it prepares the step: a
+    layer-wise connector submits the step's loads there, after vLLM's worker has
+    submitted (and for reused blocks waited for) the stores, and start_load_kv of the
+    same step submits the stores left but no load again. A step whose
+    handle_preemptions did not run still loads at start_load_kv."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+
+    from offload_engine.connectors.vllm.connector import EngineConnector
+
+    calls: list[tuple[str, Any]] = []
+
+    class Loads:
+        def start(self, jobs: Any) -> None:
+            calls.append(("loads", [(j.job_id, list(j.cache_ids), list(j.tier_ids)) for j in jobs]))
+
+    class Worker:
+        def handle_preemptions(self, metadata: Any) -> None:
+            calls.append(("preemptions", sorted(metadata.load_jobs)))
+
+        def start_kv_transfers(self, metadata: Any) -> None:
+            calls.append(("transfers", sorted(metadata.load_jobs)))
+
+    def step(job_id: int) -> OffloadingConnectorMetadata:
+        cache = SimpleNamespace(block_ids=[4, 5], group_sizes=[2], block_indices=[0])
+        tier = SimpleNamespace(block_ids=[7, 9])
+        job = TransferJob(req_id="r", src_spec=tier, dst_spec=cache)  # type: ignore[arg-type]
+        return OffloadingConnectorMetadata(load_jobs={job_id: job}, store_jobs={})
+
+    connector = object.__new__(EngineConnector)
+    connector._loads = Loads()  # type: ignore[assignment]
+    connector._loads_started = None
+    connector.connector_worker = Worker()  # type: ignore[assignment]
+    first = step(1)
+    connector.handle_preemptions(first)
+    connector._connector_metadata = first
+    connector.start_load_kv(None)
+    assert calls == [
+        ("preemptions", [1]),
+        ("loads", [(1, [4, 5], [7, 9])]),
+        ("transfers", []),
+    ]
+    calls.clear()
+    second = step(2)
+    connector._connector_metadata = second
+    connector.start_load_kv(None)
+    assert calls == [("transfers", []), ("loads", [(2, [4, 5], [7, 9])])]

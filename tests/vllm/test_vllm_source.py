@@ -275,6 +275,7 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
         "get_num_new_matched_tokens": ["self", "request", "num_computed_tokens"],
         "update_state_after_alloc": ["self", "request", "blocks", "num_external_tokens"],
         "register_kv_caches": ["self", "kv_caches"],
+        "handle_preemptions": ["self", "kv_connector_metadata"],
         "start_load_kv": ["self", "forward_context"],
         "wait_for_layer_load": ["self", "layer_name"],
         "wait_for_save": ["self"],
@@ -298,9 +299,11 @@ def test_engine_connector_overrides_and_reads_what_vllm_has(src: Path) -> None:
     assert "self._connector_worker_meta.mark_completed(job_id)" in ast.unparse(
         method(worker, "prepare_store_kv")
     )
-    assert "kv_connector_metadata.store_jobs.pop(job_id" in ast.unparse(
-        method(worker, "handle_preemptions")
-    )
+    preemptions = ast.unparse(method(worker, "handle_preemptions"))
+    assert "kv_connector_metadata.store_jobs.pop(job_id" in preemptions
+    # layer-wise loads start after handle_preemptions: by then every store of a block
+    # this step reuses has been submitted and waited for
+    assert "self.worker.wait(kv_connector_metadata.jobs_to_flush)" in preemptions
     assert "transfer_stats.load" in ast.unparse(method(worker, "get_finished"))
     scheduler = cls(module(src, f"{base}.offloading.scheduler"), "OffloadingConnectorScheduler")
     assert "config" in self_assigned(method(scheduler, "__init__"))
@@ -341,3 +344,28 @@ def test_the_scheduler_keeps_the_books_that_in_step_loads_square(src: Path) -> N
         "if req_status.finished_signaled and (not req_status.transfer_jobs):",
     ):
         assert read in report, read
+
+
+def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
+    src: Path,
+) -> None:
+    """Layer-wise loads start in ``handle_preemptions``: vLLM's model runner calls it
+    first in ``execute_model``, with the step's metadata, before it updates its batch,
+    prepares the inputs, and (in the forward's connector context) binds the same
+    metadata and calls ``start_load_kv``."""
+    runner = cls(module(src, "vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
+    body = ast.unparse(method(runner, "execute_model"))
+    order = [
+        "kv_connector_metadata = scheduler_output.kv_connector_metadata",
+        "get_kv_transfer_group().handle_preemptions(kv_connector_metadata)",
+        "self._update_states(scheduler_output)",
+        "self._prepare_inputs(",
+        "self.maybe_get_kv_connector_output(",
+    ]
+    at = [body.find(s) for s in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at, strict=True))
+    mixin = ast.unparse(module(src, "vllm.v1.worker.kv_connector_model_runner_mixin"))
+    bind = mixin.find(
+        "kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)"
+    )
+    assert -1 < bind < mixin.find("kv_connector.start_load_kv(get_forward_context())")
