@@ -4,7 +4,10 @@ layers, K and V per layer, 8 KV heads of 128, bf16, 16-token blocks), layer-wise
 parts of ``--layers-per-part`` layers (``load_mode: layerwise``, each part launched on
 the submitting thread), and whole (``load_mode: async``, launched by the engine).
 
-    PYTHONPATH=. python benchmarks/device/big_submit.py [--blocks 2048] [--reps 6] [--profile]
+    python benchmarks/device/big_submit.py [--blocks 2048] [--reps 6] [--profile]
+
+with the package installed (``pip install -e .``; on the GPU machines the copy that
+``vllm_gpu.sh`` installs: ``PYTHONPATH=/tmp/oe-site``).
 
 On a CUDA host it runs on the GPU with the handlers' defaults (the native launch where
 it builds); elsewhere on the fake runtime with 1 KiB regions (the same count of
