@@ -260,12 +260,31 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
             return None, str(exc)
 
     def _may_borrow(self) -> bool:
-        """Whether ``config.peers`` names a device the runtime offers as a peer
-        (which ones :meth:`_peer_devices` settles, and whether their paths open)."""
-        wanted, rt = self.config.peers, self.runtime
+        """Whether ``config.peers`` names a device to borrow (whether this handler
+        does, :meth:`_peer_devices` settles: it stages jobs, the paths open)."""
+        return bool(self._named_peers())
+
+    def _named_peers(self) -> tuple[int, ...]:
+        """The devices ``config.peers`` names: under ``"auto"`` every peer the runtime
+        offers. A named device the runtime does not offer, or the handler's own, is a
+        ``ConfigError``."""
+        config, rt = self.config, self.runtime
+        wanted = config.peers
         if not wanted:
-            return False
-        return wanted != "auto" or any(d != rt.device_index for d in rt.peer_devices())
+            return ()
+        offered = rt.peer_devices()
+        own = rt.device_index
+        if wanted == "auto":
+            return tuple(d for d in offered if d != own)
+        for d in wanted:
+            if d == own:
+                raise ConfigError(f"peers names device {d}, the handler's own device")
+            if d not in offered:
+                raise ConfigError(
+                    f"peers names device {d}, which the {rt.name} runtime does not offer "
+                    f"as a peer of device {own} (it offers {list(offered)})"
+                )
+        return tuple(wanted)
 
     def _staged_planner(self) -> StagedPlanner | None:
         """The staged strategy's planner (the native launch's program, or one of its
@@ -293,24 +312,8 @@ class DeviceCopyHandler(TransferHandler[DevicePlan]):
         slot rows of each peer staging buffer. A peer the runtime does not offer, or
         the handler's own device, is a ``ConfigError``; a handler that stages no job
         borrows none (only staged jobs split)."""
-        config, rt = self.config, self.runtime
-        wanted = config.peers
-        if not wanted:
-            return (), 0
-        offered = rt.peer_devices()
-        own = rt.device_index
-        if wanted == "auto":
-            devices = tuple(d for d in offered if d != own)
-        else:
-            for d in wanted:
-                if d == own:
-                    raise ConfigError(f"peers names device {d}, the handler's own device")
-                if d not in offered:
-                    raise ConfigError(
-                        f"peers names device {d}, which the {rt.name} runtime does not offer "
-                        f"as a peer of device {own} (it offers {list(offered)})"
-                    )
-            devices = tuple(wanted)
+        config = self.config
+        devices = self._named_peers()
         if not devices:
             return (), 0
         slot_bytes = self.layout.slot_bytes
