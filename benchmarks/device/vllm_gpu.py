@@ -22,7 +22,8 @@ it) and ``async-nostore`` (``EngineConnector`` storing nothing).
 blocks, prefill chunks of 1,024 tokens, vLLM's default async scheduling. Six prompts
 of 2,048 tokens are prefilled one at a time; the GPU cache is reset (its prefix cache
 only); then each is asked again, one at a time, with new tokens after it (64, or
-1,500: a hit followed by two prefill chunks), 8 tokens greedy with the top-5
+1,500: a hit followed by two prefill chunks, or 1: a one-token step, a full CUDA graph
+under vLLM's default compilation), 8 tokens greedy with the top-5
 logprobs of each. ``plain`` keeps the prefixes in its own GPU cache, so both compute
 the new tokens over the same cached prefix in the same batches: the ids and logprobs
 must be equal.
@@ -342,7 +343,9 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
     )
     rng = random.Random(1)
     prompts = [ids(rng, 2048, 8192) for _ in range(6)]
-    suffixes = [ids(rng, 64 if i % 2 == 0 else 1500, 8192) for i in range(6)]
+    # 64 new tokens, 1,500 (a hit, then two prefill chunks), and 1: a step of one token,
+    # which vLLM's default compilation runs as a full CUDA graph
+    suffixes = [ids(rng, (64, 1500, 1)[i % 3], 8192) for i in range(6)]
     first = SamplingParams(temperature=0.0, max_tokens=1)
     for p in prompts:
         llm.generate([prompt(p)], first, use_tqdm=False)

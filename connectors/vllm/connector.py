@@ -166,6 +166,17 @@ class EngineConnector(OffloadingConnector):
         # the scheduler side's per-request state for layer-wise loads
         self._scheduling = LayerwiseScheduling()
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layer-wise loads need vLLM's piecewise CUDA graphs: a full graph (vLLM's
+        default for steps of one token per request, such as a hit followed by a single
+        new token among decodes) replays the attention without calling
+        ``wait_for_layer_load``, so it would read a block before its load landed. vLLM
+        asks at startup and then runs piecewise graphs only. Layer-wise stores keep full
+        graphs: in a replayed step ``save_kv_layer`` is not called, and every part goes
+        at ``wait_for_save``, after the step's compute on the model's stream."""
+        return bool(extra_config) and extra_config.get("load_mode") == "layerwise"
+
     # ------------------------------------------------------------ scheduler side
 
     def get_num_new_matched_tokens(

@@ -179,3 +179,17 @@ def test_a_layerwise_steps_loads_start_in_handle_preemptions_once() -> None:
     connector._connector_metadata = second
     connector.start_load_kv(None)
     assert calls == [("transfers", []), ("loads", [(2, [4, 5], [7, 9])])]
+
+
+def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
+    """A full CUDA graph replays attention without ``wait_for_layer_load``: a connector
+    with layer-wise loads asks vLLM for piecewise graphs; layer-wise stores alone (their
+    parts then go at ``wait_for_save``) and async loads keep full graphs."""
+    from offload_engine.connectors.vllm.connector import EngineConnector
+
+    assert EngineConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
+    assert EngineConnector.requires_piecewise_for_cudagraph(
+        {"load_mode": "layerwise", "store_mode": "layerwise"}
+    )
+    for extra in ({}, {"load_mode": "async"}, {"store_mode": "layerwise"}):
+        assert not EngineConnector.requires_piecewise_for_cudagraph(extra), extra

@@ -369,3 +369,22 @@ def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
         "kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)"
     )
     assert -1 < bind < mixin.find("kv_connector.start_load_kv(get_forward_context())")
+
+
+def test_vllm_asks_the_connector_class_whether_it_needs_piecewise_cuda_graphs(
+    src: Path,
+) -> None:
+    """EngineConnector answers ``requires_piecewise_for_cudagraph`` for layer-wise loads:
+    vLLM's config asks the connector's class with the extra config, and turns a mode
+    with full CUDA graphs into piecewise ones when it answers yes."""
+    base = cls(
+        module(src, "vllm.distributed.kv_transfer.kv_connector.v1.base"), "KVConnectorBase_V1"
+    )
+    assert params(method(base, "requires_piecewise_for_cudagraph")) == ["cls", "extra_config"]
+    config = ast.unparse(module(src, "vllm.config.vllm"))
+    asked = config.find(
+        "connector_cls.requires_piecewise_for_cudagraph("
+        "self.kv_transfer_config.kv_connector_extra_config)"
+    )
+    assert asked > -1
+    assert "self.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE" in config[asked:]
