@@ -36,6 +36,7 @@ PREFIXES = (
     # when the model runner calls the connector's worker side in a step
     "vllm/v1/worker/gpu_model_runner.py",
     "vllm/v1/worker/kv_connector_model_runner_mixin.py",
+    "vllm/v1/worker/gpu/kv_connector.py",
 )
 
 _BLOCK = 1 << 18  # bytes per range request

@@ -251,11 +251,12 @@ class EngineConnector(OffloadingConnector):
     def handle_preemptions(self, kv_connector_metadata: Any) -> None:
         super().handle_preemptions(kv_connector_metadata)
         if self._loads is not None:
-            # vLLM calls this first in its execute_model, before it updates its batch
-            # and prepares the step's inputs (milliseconds for a long prefix): a
-            # layer-wise step's loads start here. Its cache blocks are this step's new
-            # ones, which no earlier work on the model's stream still reads, and the
-            # deferred and flushed stores were submitted first, as at start_load_kv.
+            # the step's first connector call: vLLM's V1 model runner makes it before
+            # it updates its batch and prepares the step's inputs (milliseconds for a
+            # long prefix), its V2 runner just before start_load_kv. A layer-wise
+            # step's loads start here. Its cache blocks are this step's new ones, which
+            # no earlier work on the model's stream still reads, and the deferred and
+            # flushed stores were submitted first, as at start_load_kv.
             self._start_loads(kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

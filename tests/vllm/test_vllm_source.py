@@ -349,10 +349,11 @@ def test_the_scheduler_keeps_the_books_that_in_step_loads_square(src: Path) -> N
 def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
     src: Path,
 ) -> None:
-    """Layer-wise loads start in ``handle_preemptions``: vLLM's model runner calls it
+    """Layer-wise loads start in ``handle_preemptions``: vLLM's V1 model runner calls it
     first in ``execute_model``, with the step's metadata, before it updates its batch,
     prepares the inputs, and (in the forward's connector context) binds the same
-    metadata and calls ``start_load_kv``."""
+    metadata and calls ``start_load_kv``; its V2 runner calls it in ``pre_forward``,
+    before it binds the metadata and starts a step's synchronous loads."""
     runner = cls(module(src, "vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
     body = ast.unparse(method(runner, "execute_model"))
     order = [
@@ -369,6 +370,18 @@ def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
         "kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)"
     )
     assert -1 < bind < mixin.find("kv_connector.start_load_kv(get_forward_context())")
+    # the V2 model runner (vLLM's default on CUDA): handle_preemptions, bind, then a
+    # step with synchronous loads (a layer-wise hit is one) starts them before the forward
+    v2 = cls(module(src, "vllm.v1.worker.gpu.kv_connector"), "ActiveKVConnector")
+    pre = ast.unparse(method(v2, "pre_forward"))
+    steps = [
+        "self.kv_connector.handle_preemptions(kv_connector_metadata)",
+        "self.kv_connector.bind_connector_metadata(kv_connector_metadata)",
+        "if scheduler_output.has_sync_kv_loads:",
+        "self._start_load_kv()",
+    ]
+    at = [pre.find(s) for s in steps]
+    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
 
 
 def test_vllm_asks_the_connector_class_whether_it_needs_piecewise_cuda_graphs(
