@@ -257,10 +257,11 @@ class EngineConnector(OffloadingConnector):
             # step's loads start here. Its cache blocks are this step's new ones, which
             # no earlier work on the model's stream still reads, and the deferred and
             # flushed stores were submitted first, as at start_load_kv.
-            self._start_loads(kv_connector_metadata)
+            self._start_loads(self._loads, kv_connector_metadata)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        if self._loads is None:
+        loads = self._loads
+        if loads is None:
             super().start_load_kv(forward_context, **kwargs)
             return
         metadata = self._connector_metadata
@@ -271,14 +272,13 @@ class EngineConnector(OffloadingConnector):
         if self._loads_started is metadata:
             self._loads_started = None
             return
-        self._start_loads(metadata)
+        self._start_loads(loads, metadata)
 
-    def _start_loads(self, metadata: Any) -> None:
+    def _start_loads(self, loads: LayerwiseLoads, metadata: Any) -> None:
         """Submit the step's layer-wise loads, once per step's metadata."""
-        assert self._loads is not None
         load_jobs = _offloading_metadata(metadata).load_jobs
         self._loads_started = metadata
-        self._loads.start(
+        loads.start(
             _transfer_job(job_id, cache=entry.dst_spec, tier=entry.src_spec)
             for job_id, entry in load_jobs.items()
         )
