@@ -25,9 +25,15 @@ from vllm_gpu import PHASES, compare, phase_rows, trace_summary  # noqa: E402
 
 
 def run(*args: str) -> str:
+    """The script with ``args``; its stdout."""
+    return python(str(SCRIPT), *args)
+
+
+def python(*argv: str) -> str:
+    """This interpreter with ``argv``, from the repository root; its stdout."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, *argv],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -105,25 +111,8 @@ def test_the_phase_clock_splits_a_tier_hit_on_vllms_cpu_build(tmp_path: Path) ->
     host phases, the load's submit among them after the model runner began executing,
     and the report prints a row for the hit and one for the GPU hit after it."""
     run("model", "--out", str(tmp_path / "model"))
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            PHASE_PROBE,
-            str(SCRIPT.parent),
-            str(tmp_path / "model"),
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    split = json.loads(done.stdout.strip().splitlines()[-1])
+    out = python("-c", PHASE_PROBE, str(SCRIPT.parent), str(tmp_path / "model"), str(tmp_path))
+    split = json.loads(out.strip().splitlines()[-1])
     hit = split["hit"]
     for label in {label for label, _, _ in PHASES}:
         assert hit[f"{label}_n"] >= 1 and hit[label] >= 0, (label, hit)

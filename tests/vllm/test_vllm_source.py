@@ -88,6 +88,12 @@ def params(f: ast.FunctionDef) -> list[str]:
     return [p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]]
 
 
+def in_order(text: str, parts: list[str]) -> None:
+    """Each of ``parts`` is in ``text``, in that order."""
+    at = [text.find(p) for p in parts]
+    assert -1 not in at and at == sorted(at), dict(zip(parts, at, strict=True))
+
+
 def self_assigned(f: ast.FunctionDef) -> set[str]:
     names = set()
     for node in ast.walk(f):
@@ -363,8 +369,7 @@ def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
         "self._prepare_inputs(",
         "self.maybe_get_kv_connector_output(",
     ]
-    at = [body.find(s) for s in order]
-    assert -1 not in at and at == sorted(at), dict(zip(order, at, strict=True))
+    in_order(body, order)
     mixin = ast.unparse(module(src, "vllm.v1.worker.kv_connector_model_runner_mixin"))
     bind = mixin.find(
         "kv_connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)"
@@ -380,8 +385,7 @@ def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
         "if scheduler_output.has_sync_kv_loads:",
         "self._start_load_kv()",
     ]
-    at = [pre.find(s) for s in steps]
-    assert -1 not in at and at == sorted(at), dict(zip(steps, at, strict=True))
+    in_order(pre, steps)
 
 
 def test_vllm_asks_the_connector_class_whether_it_needs_piecewise_cuda_graphs(
