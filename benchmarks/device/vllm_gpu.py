@@ -612,11 +612,10 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     if clock is not None:
                         wall, split = clock.call(llm, asked, one)
                         phases[kind].append(split)
-                        seen: list[float] = []
                     else:
                         wall, seen = timed_clocks(llm, asked, one)
+                        seen_clocks.append(seen)
                     walls.append(wall)
-                    seen_clocks.append(seen)
             ttft.append(
                 {
                     "H": h,
@@ -624,10 +623,13 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
                     "ttft_ms": [1e3 * t for t in hits],
                     "compute_ms": [1e3 * t for t in computes],
                     "L_ms": 1e3 * h * kv_bytes_per_token / rate,
-                    # per call: vLLM's TTFT_CLOCKS, ms
-                    "vllm_hit_ms": hit_clocks,
-                    "vllm_compute_ms": compute_clocks,
-                    **({"phases_ms": phases} if clock is not None else {}),
+                    # per call: vLLM's TTFT_CLOCKS, ms (not read with --phases), or
+                    # the call's host phases
+                    **(
+                        {"phases_ms": phases}
+                        if clock is not None
+                        else {"vllm_hit_ms": hit_clocks, "vllm_compute_ms": compute_clocks}
+                    ),
                 }
             )
         if args.profile and h == max(args.heads):
@@ -833,7 +835,7 @@ def report(folder: Path) -> str:
         lines.append(
             "  " + f"{'C (compute)':14}" + "".join(f" {med(t['compute_ms']):9.1f}" for t in ref)
         )
-        if all(all(t.get("vllm_hit_ms") or [[]]) for r in rows for t in r["ttft"]):
+        if all("vllm_hit_ms" in t for r in rows for t in r["ttft"]):
             lines.append(
                 "  vLLM's clocks, medians ms: hit's first-scheduled-to-token (its load's wait "
                 "included) / compute's; each call's time outside vLLM's TTFT"

@@ -175,7 +175,7 @@ class EngineConnector(OffloadingConnector):
         asks at startup and then runs piecewise graphs only. Layer-wise stores keep full
         graphs: in a replayed step ``save_kv_layer`` is not called, and every part goes
         at ``wait_for_save``, after the step's compute on the model's stream."""
-        return bool(extra_config) and extra_config.get("load_mode") == "layerwise"
+        return (extra_config or {}).get("load_mode") == "layerwise"
 
     # ------------------------------------------------------------ scheduler side
 
