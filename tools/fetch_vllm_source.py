@@ -30,13 +30,13 @@ PREFIXES = (
     "vllm/v1/kv_offload/",
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading/",
     "vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py",
-    "vllm/distributed/kv_transfer/kv_connector/v1/base.py",
-    # which CUDA graphs vLLM runs for a connector that asks for piecewise ones
-    "vllm/config/vllm.py",
-    # when the model runner calls the connector's worker side in a step
+    # when the model runner calls the connector's worker side in a step, and which
+    # steps replay a full CUDA graph
     "vllm/v1/worker/gpu_model_runner.py",
     "vllm/v1/worker/kv_connector_model_runner_mixin.py",
     "vllm/v1/worker/gpu/kv_connector.py",
+    "vllm/v1/worker/gpu/model_runner.py",
+    "vllm/v1/cudagraph_dispatcher.py",
 )
 
 _BLOCK = 1 << 18  # bytes per range request

@@ -39,6 +39,7 @@ This module imports vLLM.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +57,7 @@ from offload_engine import ConfigError
 from .compat import scheduler_books
 from .config import ENGINE_CONNECTOR_KEY, parse_extra_config
 from .layerwise import LayerPlan, LayerwiseLoads, LayerwiseStores, TransferJob
-from .scheduling import LayerwiseScheduling
+from .scheduling import LayerwiseScheduling, replays_full_graph
 from .spec import EngineOffloadingSpec
 from .tiering import EngineTieringSpec
 from .worker import EngineOffloadingWorker
@@ -69,6 +70,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 MODULE_PATH = "offload_engine.connectors.vllm"
+
+logger = logging.getLogger(__name__)
 
 
 def _engine_extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
@@ -131,6 +134,15 @@ def _transfer_job(job_id: int, *, cache: Any, tier: Any) -> TransferJob:
     )
 
 
+class FullGraphStep(OffloadingConnectorMetadata):
+    """The metadata of a step with layer-wise loads that vLLM may run as a full CUDA
+    graph (:func:`~.scheduling.replays_full_graph`). Replaying one calls no
+    ``wait_for_layer_load``, so the worker orders the step's whole loads before the
+    forward pass, at ``start_load_kv``: such a step computes one token a request (or a
+    few, speculative), so the overlap lost is small, and decode steps keep vLLM's full
+    graphs."""
+
+
 def _offloading_metadata(metadata: Any) -> OffloadingConnectorMetadata:
     if not isinstance(metadata, OffloadingConnectorMetadata):
         raise TypeError(f"expected OffloadingConnectorMetadata, got {type(metadata)}")
@@ -165,17 +177,16 @@ class EngineConnector(OffloadingConnector):
         self._stores: LayerwiseStores | None = None
         # the scheduler side's per-request state for layer-wise loads
         self._scheduling = LayerwiseScheduling()
-
-    @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
-        """Layer-wise loads need vLLM's piecewise CUDA graphs: a full graph (vLLM's
-        default for steps of one token per request, such as a hit followed by a single
-        new token among decodes) replays the attention without calling
-        ``wait_for_layer_load``, so it would read a block before its load landed. vLLM
-        asks at startup and then runs piecewise graphs only. Layer-wise stores keep full
-        graphs: in a replayed step ``save_kv_layer`` is not called, and every part goes
-        at ``wait_for_save``, after the step's compute on the model's stream."""
-        return (extra_config or {}).get("load_mode") == "layerwise"
+        self._graph_mode = vllm_config.compilation_config.cudagraph_mode
+        self._decode_query_len = 1 + vllm_config.num_speculative_tokens
+        if self._layerwise and self._graph_mode.mixed_mode() == type(self._graph_mode).FULL:
+            logger.warning(
+                "offload-engine: load_mode 'layerwise' under cudagraph_mode %s: every step "
+                "may replay a full CUDA graph, so each step's loads complete before its "
+                "forward pass (no overlap with compute); FULL_AND_PIECEWISE, vLLM's "
+                "default, keeps it",
+                self._graph_mode.name,
+            )
 
     # ------------------------------------------------------------ scheduler side
 
@@ -208,7 +219,15 @@ class EngineConnector(OffloadingConnector):
         # scheduler builds beside it (this step's new blocks, later prefill chunks)
         # must not find it pending, or vLLM's scheduler asserts
         with self._scheduling.building(*scheduler_books(self.scheduler)):
-            return super().build_connector_meta(scheduler_output)
+            metadata = _offloading_metadata(super().build_connector_meta(scheduler_output))
+        if metadata.load_jobs and replays_full_graph(
+            self._graph_mode,
+            self._decode_query_len,
+            scheduler_output.num_scheduled_tokens.values(),
+        ):
+            fields = dataclasses.fields(metadata)
+            return FullGraphStep(**{f.name: getattr(metadata, f.name) for f in fields})
+        return metadata
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, Any]:
         self._scheduling.finished(request.request_id)
@@ -271,8 +290,12 @@ class EngineConnector(OffloadingConnector):
         )
         if self._loads_started is metadata:
             self._loads_started = None
-            return
-        self._start_loads(loads, metadata)
+        else:
+            self._start_loads(loads, metadata)
+        if isinstance(metadata, FullGraphStep):
+            # vLLM calls start_load_kv right before a step with such loads, on the
+            # forward pass's stream
+            loads.wait_all()
 
     def _start_loads(self, loads: LayerwiseLoads, metadata: Any) -> None:
         """Submit the step's layer-wise loads, once per step's metadata."""

@@ -182,12 +182,16 @@ class LayerwiseLoads:
             step.waited += 1
         step.blocked += time.perf_counter() - t0
 
+    def wait_all(self) -> None:
+        """Every part of the step ordered before the model's next work on its stream."""
+        self.wait_for_layer("")  # an unknown name waits for the last part
+
     def finish_step(self) -> None:
         """The forward pass is over: order whatever part no layer waited on before the
         stream's next work (a model whose layers skip the wait still reads whole loads)."""
         step = self._step
         if step is not None:
-            self.wait_for_layer("")  # an unknown name waits for the last part
+            self.wait_all()
             self._step = None
             self.clock.step(time.perf_counter() - step.started_at, step.blocked, self.plan.parts)
 

@@ -90,6 +90,22 @@ class InStepLoads:
                 requests.setdefault(req_id, state).transfer_jobs.add(job_id)
 
 
+def replays_full_graph(mode: Any, decode_query_len: int, tokens: Iterable[int]) -> bool:
+    """Whether vLLM may run a step as a full CUDA graph, whose replay calls no
+    ``wait_for_layer_load``. ``mode`` is vLLM's resolved ``CUDAGraphMode``, ``tokens``
+    the step's scheduled tokens per request. A mode with full graphs for mixed batches
+    (``FULL``) may replay any step; one with full graphs for decode batches only
+    (``FULL_AND_PIECEWISE``, vLLM's default, and ``FULL_DECODE_ONLY``) replays a step
+    whose every request has ``decode_query_len`` tokens (1 + the speculative tokens),
+    such as a hit followed by one new token among decodes. It errs one way only: a step
+    larger than vLLM's largest captured graph runs without one, yet counts here."""
+    full = type(mode).FULL
+    if mode.mixed_mode() == full:
+        return True
+    counts = list(tokens)
+    return mode.decode_mode() == full and bool(counts) and max(counts) <= decode_query_len
+
+
 class _Fresh:
     """A cache block as the scheduler sees it before vLLM caches it: no hash yet."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -129,19 +130,27 @@ def test_layerwise_loads_refuse_a_mamba_model_at_startup() -> None:
     _refuse_layerwise_mamba(_kv_cache_config(attention, attention))
 
 
+def _load_step(job_id: int) -> Any:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        TransferJob,
+    )
+
+    cache = SimpleNamespace(block_ids=[4, 5], group_sizes=[2], block_indices=[0])
+    tier = SimpleNamespace(block_ids=[7, 9])
+    job = TransferJob(req_id="r", src_spec=tier, dst_spec=cache)  # type: ignore[arg-type]
+    return OffloadingConnectorMetadata(load_jobs={job_id: job}, store_jobs={})
+
+
 def test_a_layerwise_steps_loads_start_in_handle_preemptions_once() -> None:
     """vLLM's execute_model calls handle_preemptions before it prepares the step: a
     layer-wise connector submits the step's loads there, after vLLM's worker has
     submitted (and for reused blocks waited for) the stores, and start_load_kv of the
     same step submits the stores left but no load again. A step whose
     handle_preemptions did not run still loads at start_load_kv."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
-        OffloadingConnectorMetadata,
-        TransferJob,
-    )
-
     from offload_engine.connectors.vllm.connector import EngineConnector
 
+    step = _load_step
     calls: list[tuple[str, Any]] = []
 
     class Loads:
@@ -154,12 +163,6 @@ def test_a_layerwise_steps_loads_start_in_handle_preemptions_once() -> None:
 
         def start_kv_transfers(self, metadata: Any) -> None:
             calls.append(("transfers", sorted(metadata.load_jobs)))
-
-    def step(job_id: int) -> OffloadingConnectorMetadata:
-        cache = SimpleNamespace(block_ids=[4, 5], group_sizes=[2], block_indices=[0])
-        tier = SimpleNamespace(block_ids=[7, 9])
-        job = TransferJob(req_id="r", src_spec=tier, dst_spec=cache)  # type: ignore[arg-type]
-        return OffloadingConnectorMetadata(load_jobs={job_id: job}, store_jobs={})
 
     connector = object.__new__(EngineConnector)
     connector._loads = Loads()  # type: ignore[assignment]
@@ -181,15 +184,104 @@ def test_a_layerwise_steps_loads_start_in_handle_preemptions_once() -> None:
     assert calls == [("transfers", []), ("loads", [(2, [4, 5], [7, 9])])]
 
 
-def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs() -> None:
-    """A full CUDA graph replays attention without ``wait_for_layer_load``: a connector
-    with layer-wise loads asks vLLM for piecewise graphs; layer-wise stores alone (their
-    parts then go at ``wait_for_save``) and async loads keep full graphs."""
-    from offload_engine.connectors.vllm.connector import EngineConnector
+def test_which_steps_vllm_may_replay_as_a_full_cuda_graph() -> None:
+    """A full CUDA graph replays the attention without ``wait_for_layer_load``. Under
+    vLLM's default (full graphs for decode batches, piecewise for the rest) that is a
+    step whose every request has one token (1 + speculative ones): a hit followed by a
+    single new token among decodes. ``FULL`` may replay any step; eager and piecewise
+    graphs none."""
+    from vllm.config.compilation import CUDAGraphMode as M
 
-    assert EngineConnector.requires_piecewise_for_cudagraph({"load_mode": "layerwise"})
-    assert EngineConnector.requires_piecewise_for_cudagraph(
-        {"load_mode": "layerwise", "store_mode": "layerwise"}
-    )
-    for extra in ({}, {"load_mode": "async"}, {"store_mode": "layerwise"}):
-        assert not EngineConnector.requires_piecewise_for_cudagraph(extra), extra
+    from offload_engine.connectors.vllm.scheduling import replays_full_graph
+
+    for mode in (M.FULL_AND_PIECEWISE, M.FULL_DECODE_ONLY):
+        assert replays_full_graph(mode, 1, [1])
+        assert replays_full_graph(mode, 1, [1, 1, 1])
+        assert not replays_full_graph(mode, 1, [1, 64])
+        assert not replays_full_graph(mode, 1, [2048])
+        assert not replays_full_graph(mode, 1, [])
+        # three speculative tokens: four a request, and fewer counts too
+        assert replays_full_graph(mode, 4, [4, 4, 1])
+        assert not replays_full_graph(mode, 4, [4, 5])
+    for tokens in ([1], [1, 64], [2048]):
+        assert replays_full_graph(M.FULL, 1, tokens)
+        assert not replays_full_graph(M.PIECEWISE, 1, tokens)
+        assert not replays_full_graph(M.NONE, 1, tokens)
+
+
+def test_a_step_that_may_replay_a_full_graph_orders_its_whole_loads_before_it() -> None:
+    """The scheduler side marks a layer-wise step that vLLM may run as a full CUDA
+    graph (a hit and one new token); the worker then orders every part of its loads on
+    the model's stream at ``start_load_kv``, before the replay. Any other step, and a
+    step without loads, is vLLM's metadata as it is, and its parts wait layer by layer."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from offload_engine.connectors.vllm.connector import EngineConnector, FullGraphStep
+    from offload_engine.connectors.vllm.scheduling import LayerwiseScheduling
+
+    built: list[Any] = []
+
+    class Scheduler:
+        def __init__(self) -> None:
+            self._req_status: dict[str, Any] = {}
+            self._jobs: dict[int, Any] = {}
+            self._current_batch_load_jobs: dict[int, Any] = {}
+
+        def build_connector_meta(self, scheduler_output: Any) -> Any:
+            return built.pop()
+
+    connector = object.__new__(EngineConnector)
+    connector._layerwise = True
+    connector._scheduling = LayerwiseScheduling()
+    connector.connector_scheduler = Scheduler()  # type: ignore[assignment]
+    connector._graph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    connector._decode_query_len = 1
+
+    def meta(tokens: dict[str, int], job_id: int | None = 1) -> Any:
+        built.append(
+            _load_step(job_id)
+            if job_id is not None
+            else dataclasses.replace(_load_step(0), load_jobs={})
+        )
+        out = connector.build_connector_meta(SimpleNamespace(num_scheduled_tokens=tokens))
+        assert not built
+        return out
+
+    one = meta({"hit": 1, "decode": 1})
+    assert isinstance(one, FullGraphStep)
+    assert sorted(one.load_jobs) == [1] and one.store_jobs == {}
+    assert not isinstance(meta({"hit": 64, "decode": 1}), FullGraphStep)
+    assert not isinstance(meta({"decode": 1}, job_id=None), FullGraphStep)
+    connector._graph_mode = CUDAGraphMode.PIECEWISE
+    assert not isinstance(meta({"hit": 1}), FullGraphStep)
+
+    calls: list[str] = []
+
+    class Loads:
+        def start(self, jobs: Any) -> None:
+            calls.append(f"loads {[j.job_id for j in jobs]}")
+
+        def wait_all(self) -> None:
+            calls.append("wait all")
+
+    class Worker:
+        def handle_preemptions(self, metadata: Any) -> None:
+            pass
+
+        def start_kv_transfers(self, metadata: Any) -> None:
+            calls.append("stores")
+
+    connector._loads = Loads()  # type: ignore[assignment]
+    connector._loads_started = None
+    connector.connector_worker = Worker()  # type: ignore[assignment]
+    connector.handle_preemptions(one)  # the loads start here ...
+    connector._connector_metadata = one
+    connector.start_load_kv(None)  # ... and are ordered whole here
+    assert calls == ["loads [1]", "stores", "wait all"]
+    calls.clear()
+    connector.start_load_kv(None)  # no handle_preemptions before it
+    assert calls == ["stores", "loads [1]", "wait all"]
+    calls.clear()
+    connector._connector_metadata = _load_step(2)
+    connector.start_load_kv(None)
+    assert calls == ["stores", "loads [2]"]

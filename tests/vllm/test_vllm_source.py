@@ -388,20 +388,36 @@ def test_the_model_runner_calls_handle_preemptions_before_it_prepares_the_step(
     in_order(pre, steps)
 
 
-def test_vllm_asks_the_connector_class_whether_it_needs_piecewise_cuda_graphs(
-    src: Path,
-) -> None:
-    """EngineConnector answers ``requires_piecewise_for_cudagraph`` for layer-wise loads:
-    vLLM's config asks the connector's class with the extra config, and turns a mode
-    with full CUDA graphs into piecewise ones when it answers yes."""
-    base = cls(
-        module(src, "vllm.distributed.kv_transfer.kv_connector.v1.base"), "KVConnectorBase_V1"
+def test_vllm_replays_a_full_cuda_graph_as_the_connector_expects(src: Path) -> None:
+    """``replays_full_graph``'s rule is vLLM's: its graph dispatcher takes a decode
+    batch's tokens a request as 1 + the speculative ones, and a batch is uniform when
+    every request has that many; a step with synchronous loads (a layer-wise hit)
+    calls ``start_load_kv`` before the forward pass, also before the V2 runner's
+    replay of a full graph, so the connector orders the loads there."""
+    dispatcher = cls(module(src, "vllm.v1.cudagraph_dispatcher"), "CudagraphDispatcher")
+    init = ast.unparse(method(dispatcher, "__init__"))
+    assert "self.uniform_decode_query_len = 1 + self.vllm_config.num_speculative_tokens" in init
+    runner = cls(module(src, "vllm.v1.worker.gpu_model_runner"), "GPUModelRunner")
+    uniform = ast.unparse(method(runner, "_is_uniform_decode"))
+    assert "max_num_scheduled_tokens == uniform_decode_query_len" in uniform
+    assert "num_tokens == max_num_scheduled_tokens * num_reqs" in uniform
+    mixin = ast.unparse(module(src, "vllm.v1.worker.kv_connector_model_runner_mixin"))
+    in_order(
+        mixin,
+        [
+            "start_after_forward = not scheduler_output.has_sync_kv_loads",
+            "if not start_after_forward:",
+            "kv_connector.start_load_kv(get_forward_context())",
+            "yield output",
+        ],
     )
-    assert params(method(base, "requires_piecewise_for_cudagraph")) == ["cls", "extra_config"]
-    config = ast.unparse(module(src, "vllm.config.vllm"))
-    asked = config.find(
-        "connector_cls.requires_piecewise_for_cudagraph("
-        "self.kv_transfer_config.kv_connector_extra_config)"
+    v2 = ast.unparse(module(src, "vllm.v1.worker.gpu.model_runner"))
+    in_order(
+        v2,
+        [
+            "if batch_desc.cg_mode == CUDAGraphMode.FULL:",
+            "self.kv_connector.pre_forward(",
+            "self.cudagraph_manager.run_fullgraph(batch_desc)",
+        ],
     )
-    assert asked > -1
-    assert "self.compilation_config.cudagraph_mode = CUDAGraphMode.PIECEWISE" in config[asked:]
+    assert "uniform_decode=uniform_tok_count == self.decode_query_len" in v2
