@@ -13,9 +13,10 @@
 #   --check               every mode eager, several engines at once on the GPU (each a small
 #                         KV cache), against plain vLLM: ids and top-5 logprobs after a hit
 #   --check-eager M..     the same for modes M only (lmcache is not among every mode)
-#   --extra-wheels DIR    another wheel folder of the same tool to install into the same
-#                         place once (for lmcache: --installed a freeze of the image with
-#                         this preset's wheels, REQ lmcache==0.5.6)
+#   --extra-wheels DIR    another wheel folder of the same tool, installed once into its own
+#                         target (/tmp/extra-site, ahead of vLLM's on the path; with WHEELS'
+#                         install.sh when DIR has none). For lmcache: --installed a freeze of
+#                         the image with this preset's wheels, REQ lmcache==0.5.6
 #   --check-compiled M..  the same with vLLM's default compilation and CUDA graphs, for modes M
 #   --bench M..           time to first token and decode, eager, one mode after another
 #   --bench-compiled M..  the same with compilation and CUDA graphs
@@ -77,14 +78,16 @@ if [ ! -d "$SITE/vllm" ]; then
     python3 -m pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1
     bash "$WHEELS/install.sh" "$WHEELS" "$SITE" || exit 1
 fi
-if [ -n "$EXTRA" ] && [ ! -f "$SITE/.extra-installed" ]; then
-    bash "$EXTRA/install.sh" "$EXTRA" "$SITE" && touch "$SITE/.extra-installed" || exit 1
+EXTRA_SITE=/tmp/extra-site
+if [ -n "$EXTRA" ] && [ ! -f "$EXTRA_SITE/.installed" ]; then
+    installer="$EXTRA/install.sh"; [ -f "$installer" ] || installer="$WHEELS/install.sh"
+    bash "$installer" "$EXTRA" "$EXTRA_SITE" && touch "$EXTRA_SITE/.installed" || exit 1
 fi
 if [ ! -d /tmp/oe-site/offload_engine ]; then
     python3 -m pip install -q --no-deps --no-build-isolation --no-cache-dir --target /tmp/oe-site "$ROOT" \
         || exit 1
 fi
-export PYTHONPATH=/tmp/oe-site:$SITE
+export PYTHONPATH=/tmp/oe-site${EXTRA:+:$EXTRA_SITE}:$SITE
 export LD_LIBRARY_PATH=$SITE/nvidia/nccl/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm-cache}
 export PYTHONUNBUFFERED=1
