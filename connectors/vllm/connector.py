@@ -17,9 +17,12 @@ those specs works as it does under vLLM's connector. ``load_mode`` chooses:
   engine part by part in layer order (``layers_per_load`` layers a part), and each
   attention layer's ``wait_for_layer_load`` orders only that layer's part before
   the layer, so loading the next layers overlaps computing this one. A hit in a
-  tier below host memory is first promoted by vLLM's tiering, as before. A model
-  with Mamba layers is refused at startup: vLLM reads a hit's Mamba state before
-  the forward pass (see :func:`_refuse_layerwise_mamba`).
+  tier below host memory is first promoted by vLLM's tiering, as before. A step
+  that vLLM may replay as a full CUDA graph (one token a request, under its default
+  compilation) calls no ``wait_for_layer_load``: its loads are ordered whole before
+  the replay (:class:`FullGraphStep`). A model with Mamba layers is refused at
+  startup: vLLM reads a hit's Mamba state before the forward pass (see
+  :func:`_refuse_layerwise_mamba`).
 
 ``store_mode`` chooses when the blocks a step computes are stored:
 
