@@ -311,7 +311,12 @@ def reset(llm: Any) -> None:
     raise RuntimeError("vLLM did not reset its prefix cache")
 
 
-def shut(llm: Any) -> None:
+def shut(llm: Any, result: dict[str, Any] | None = None, out: str | None = None) -> None:
+    """Write ``result`` to ``out`` (where given), then shut the engine down: a run whose
+    shutdown hangs past the caller's time limit keeps what it measured (``main`` writes
+    the final result over it)."""
+    if result is not None and out is not None:
+        Path(out).write_text(json.dumps(result, indent=1))
     llm.llm_engine.engine_core.shutdown(timeout=60)
 
 
@@ -370,7 +375,7 @@ def run_check(args: argparse.Namespace) -> dict[str, Any]:
         "top5_steps": steps,
         "metrics": metrics(llm),
     }
-    shut(llm)
+    shut(llm, result, args.out)
     result["engine_stats"] = final_stats(workdir / f"{args.mode}-stats.json")
     return result
 
@@ -681,7 +686,7 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
         "metrics": metrics(llm),
         "profile": profile,
     }
-    shut(llm)
+    shut(llm, result, args.out)
     if args.mode not in NO_STATS:
         # where the engine's loads spent their time (the adapter's timings, ms)
         stats = final_stats(workdir / f"{args.mode}-stats.json") or {}
