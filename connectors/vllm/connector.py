@@ -280,6 +280,7 @@ class EngineConnector(OffloadingConnector):
             # no earlier work on the model's stream still reads, and the deferred and
             # flushed stores were submitted first, as at start_load_kv.
             self._start_loads(self._loads, kv_connector_metadata)
+            self._loads_started = kv_connector_metadata
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         loads = self._loads
@@ -301,9 +302,8 @@ class EngineConnector(OffloadingConnector):
             loads.wait_all()
 
     def _start_loads(self, loads: LayerwiseLoads, metadata: Any) -> None:
-        """Submit the step's layer-wise loads, once per step's metadata."""
+        """Submit the step's layer-wise loads."""
         load_jobs = _offloading_metadata(metadata).load_jobs
-        self._loads_started = metadata
         loads.start(
             _transfer_job(job_id, cache=entry.dst_spec, tier=entry.src_spec)
             for job_id, entry in load_jobs.items()
